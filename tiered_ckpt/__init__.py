@@ -1,0 +1,17 @@
+"""tiered_ckpt: near-free checkpointing of PyTorch training through tiers of storage."""
+from .config import Config, EngineConfig, TierConfig, load_config
+from .engine import Engine
+from .errors import (CheckpointExists, ConfigError, IncompleteCheckpoint, IntegrityError, SaveError, StateError,
+                     TieredCkptError, TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable)
+from .index import CheckpointStatus
+from .loading import Fallback, LoadInfo
+from .saving import SaveHandle
+from .sync import Checkpointer, SyncSaveHandle
+
+__version__ = "0.1.0"
+__all__ = [
+    "Engine", "Checkpointer", "SaveHandle", "SyncSaveHandle", "LoadInfo", "Fallback", "CheckpointStatus",
+    "Config", "EngineConfig", "TierConfig", "load_config",
+    "TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable", "TierTimeout",
+    "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointExists", "SaveError",
+]

@@ -1,0 +1,72 @@
+"""One root exception; subclasses also derive from the matching builtin so callers can catch either."""
+from __future__ import annotations
+
+
+class TieredCkptError(Exception):
+    """Root of every error raised by tiered_ckpt."""
+
+
+class ConfigError(TieredCkptError, ValueError):
+    """Bad configuration. The message names the file and the TOML key at fault."""
+
+    def __init__(self, message: str, *, key: str | None = None, file: str | None = None):
+        where = ", ".join(p for p in (f"file {file}" if file else "", f"key {key!r}" if key else "") if p)
+        super().__init__(f"{where}: {message}" if where else message)
+        self.key = key
+        self.file = file
+
+
+class StateError(TieredCkptError, ValueError):
+    """The state given to save/load cannot be handled (unsupported object, shape or dtype mismatch)."""
+
+
+class TierError(TieredCkptError):
+    """A tier driver failed. `tier` names the tier; `retryable` tells the pipeline whether to retry."""
+
+    retryable = False
+
+    def __init__(self, message: str, *, tier: str | None = None):
+        super().__init__(f"tier {tier!r}: {message}" if tier else message)
+        self.tier = tier
+
+
+class TierNotFound(TierError, LookupError):
+    """The key is not on the tier."""
+
+
+class TierUnavailable(TierError, ConnectionError):
+    """The tier cannot be reached right now; retrying may help."""
+
+    retryable = True
+
+
+class TierTimeout(TierError, TimeoutError):
+    """A tier operation took longer than its timeout; retrying may help."""
+
+    retryable = True
+
+
+class TierFull(TierError, OSError):
+    """The tier has no room for the write (capacity or disk full)."""
+
+
+class IntegrityError(TierError):
+    """Bytes read back do not match the checksum or length in the manifest."""
+
+
+class IncompleteCheckpoint(TieredCkptError, LookupError):
+    """The requested checkpoint is not complete on any reachable tier (or does not exist)."""
+
+
+class CheckpointExists(TieredCkptError, FileExistsError):
+    """A complete checkpoint with this step already exists; delete it before saving the step again."""
+
+
+class SaveError(TieredCkptError):
+    """A save failed on one or more tiers. `errors` maps tier name to its exception."""
+
+    def __init__(self, step: int, errors: dict[str, BaseException]):
+        detail = "; ".join(f"{t}: {type(e).__name__}: {e}" for t, e in errors.items())
+        super().__init__(f"checkpoint step {step} failed on {len(errors)} tier(s): {detail}")
+        self.step = step
+        self.errors = errors

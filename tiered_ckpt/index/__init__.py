@@ -1,0 +1,18 @@
+"""Where checkpoints are and on which tiers they are complete."""
+from __future__ import annotations
+
+from ..config import index_path
+from ..errors import ConfigError
+from .base import CheckpointStatus, Index
+
+
+def open_index(url: str) -> Index:
+    if url.startswith("file://"):
+        from .local import FileIndex
+
+        return FileIndex(index_path(url))
+    raise ConfigError(f"index {url!r}: only file:// is available in this version (Redis index: issue #4)",
+                      key="engine.index")
+
+
+__all__ = ["CheckpointStatus", "Index", "open_index"]

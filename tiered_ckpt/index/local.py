@@ -1,0 +1,145 @@
+"""The embedded file index: one directory per checkpoint, every record written by atomic rename.
+
+    <root>/<job>/step-000000000100/begun        msgpack {tiers, created}
+                                   manifest     the manifest bytes
+                                   durable/<tier>.<rank>
+                                   complete/<tier>
+                                   failed/<tier>  the reason
+A tier counts as complete only when complete/<tier> exists; that file is created by rename after every
+rank's durable marker is there, so a killed process leaves the checkpoint visibly incomplete.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+import msgpack
+
+from ..errors import IncompleteCheckpoint
+from .base import CheckpointStatus
+
+STEP = "step-"
+
+
+class FileIndex:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    async def open(self) -> None:
+        await asyncio.to_thread(self.root.mkdir, parents=True, exist_ok=True)
+
+    async def close(self) -> None:
+        pass
+
+    def _dir(self, job: str, step: int) -> Path:
+        return self.root / job / f"{STEP}{step:012d}"
+
+    async def begin(self, job: str, step: int, tiers: Sequence[str]) -> None:
+        record = msgpack.packb({"tiers": list(tiers), "created": time.time()})
+        await asyncio.to_thread(_atomic_write, self._dir(job, step) / "begun", record)
+
+    async def put_manifest(self, job: str, step: int, data: bytes) -> None:
+        await asyncio.to_thread(_atomic_write, self._dir(job, step) / "manifest", data)
+
+    async def get_manifest(self, job: str, step: int) -> bytes:
+        try:
+            return await asyncio.to_thread((self._dir(job, step) / "manifest").read_bytes)
+        except FileNotFoundError:
+            raise IncompleteCheckpoint(f"job {job!r} step {step}: no manifest in the index at {self.root}") from None
+
+    async def mark_durable(self, job: str, step: int, tier: str, rank: int, world_size: int) -> bool:
+        def mark() -> bool:
+            d = self._dir(job, step)
+            _atomic_write(d / "durable" / f"{tier}.{rank}", b"")
+            ranks = {p.name.rsplit(".", 1)[1] for p in (d / "durable").glob(f"{tier}.*")}
+            if len(ranks) < world_size:
+                return False
+            _atomic_write(d / "complete" / tier, b"")
+            return True
+        return await asyncio.to_thread(mark)
+
+    async def mark_failed(self, job: str, step: int, tier: str, reason: str) -> None:
+        await asyncio.to_thread(_atomic_write, self._dir(job, step) / "failed" / tier, reason.encode())
+
+    async def unmark(self, job: str, step: int, tier: str) -> None:
+        def unmark() -> None:
+            d = self._dir(job, step)
+            (d / "complete" / tier).unlink(missing_ok=True)
+            _fsync_dir(d / "complete")
+            begun = d / "begun"
+            if begun.exists():
+                record = msgpack.unpackb(begun.read_bytes())
+                record["tiers"] = [t for t in record["tiers"] if t != tier]
+                _atomic_write(begun, msgpack.packb(record))
+            for p in (d / "durable").glob(f"{tier}.*"):
+                p.unlink(missing_ok=True)
+            (d / "failed" / tier).unlink(missing_ok=True)
+        await asyncio.to_thread(unmark)
+
+    async def list(self, job: str) -> list[CheckpointStatus]:
+        return await asyncio.to_thread(self._list_sync, job)
+
+    def _list_sync(self, job: str) -> list[CheckpointStatus]:
+        out = []
+        base = self.root / job
+        if not base.is_dir():
+            return out
+        for d in sorted(base.iterdir()):
+            if not d.name.startswith(STEP):
+                continue
+            try:
+                record = msgpack.unpackb((d / "begun").read_bytes())
+            except (FileNotFoundError, ValueError, msgpack.UnpackException):
+                continue  # killed before `begin` landed: nothing was promised
+            complete = frozenset(p.name for p in _entries(d / "complete") if p.name in record["tiers"])
+            failed = {p.name: p.read_text(errors="replace") for p in _entries(d / "failed")}
+            out.append(CheckpointStatus(int(d.name[len(STEP):]), tuple(record["tiers"]), complete, failed,
+                                        record.get("created", 0.0)))
+        return out
+
+    async def delete(self, job: str, step: int) -> None:
+        def delete() -> None:
+            d = self._dir(job, step)
+            if not d.exists():
+                return
+            # Drop the commit records first: a crash part-way leaves an incomplete entry, never a false one.
+            trash = d.with_name(f".deleting-{d.name}-{uuid.uuid4().hex[:6]}")
+            os.replace(d, trash)
+            _fsync_dir(d.parent)
+            for path in sorted(trash.rglob("*"), key=lambda p: -len(p.parts)):
+                path.rmdir() if path.is_dir() else path.unlink()
+            trash.rmdir()
+        await asyncio.to_thread(delete)
+
+
+def _entries(d: Path) -> list[Path]:
+    try:
+        return [p for p in d.iterdir() if not p.name.startswith(".tmp-")]
+    except FileNotFoundError:
+        return []
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,94 @@
+"""The versioned manifest: which tensors, where their bytes are, which checksums. msgpack, never pickle."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from .errors import IntegrityError
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """A box of a tensor in global coordinates, and where its bytes sit in one rank's packed stream."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    rank: int
+    byte_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkMeta, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_str(self.dtype)
+
+
+@dataclass(frozen=True)
+class RankMeta:
+    rank: int
+    nbytes: int
+    checksums: tuple[int, ...]  # one per part
+
+
+@dataclass(frozen=True)
+class Manifest:
+    job: str
+    step: int
+    world_size: int
+    part_size: int
+    checksum: str
+    tensors: tuple[TensorMeta, ...]
+    ranks: tuple[RankMeta, ...]
+    skeleton: bytes
+    created: float
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.ranks)
+
+    def part_count(self, rank: int) -> int:
+        return len(self.ranks[rank].checksums)
+
+    def part_length(self, rank: int, index: int) -> int:
+        return min(self.part_size, self.ranks[rank].nbytes - index * self.part_size)
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(dataclasses.asdict(self))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str = "manifest") -> "Manifest":
+        try:
+            raw = msgpack.unpackb(data, strict_map_key=False)
+            if raw.get("version") != FORMAT_VERSION:
+                raise IntegrityError(f"{source}: format version {raw.get('version')!r}, this library reads {FORMAT_VERSION}")
+            raw["tensors"] = tuple(
+                TensorMeta(t["path"], t["dtype"], tuple(t["shape"]),
+                           tuple(ChunkMeta(tuple(c["offsets"]), tuple(c["sizes"]), c["rank"], c["byte_offset"],
+                                           c["nbytes"]) for c in t["chunks"]))
+                for t in raw["tensors"])
+            raw["ranks"] = tuple(RankMeta(r["rank"], r["nbytes"], tuple(r["checksums"])) for r in raw["ranks"])
+            return cls(**raw)
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            raise IntegrityError(f"{source} is not a valid manifest: {e}") from e
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise IntegrityError(f"unknown dtype {name!r} in the manifest (saved by a newer torch?)")
+    return dtype

@@ -1,0 +1,114 @@
+"""Checkpointer: the Engine's API for ordinary (non-async) training loops.
+
+One background thread runs a uvloop event loop that owns the Engine; each method submits a coroutine
+to it and blocks on the concurrent future (save blocks only until the tensors are staged).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from typing import Any, Coroutine, Sequence, TypeVar
+
+import uvloop
+
+from .config import Config, load_config
+from .engine import Engine
+from .index import CheckpointStatus
+from .loading import LoadInfo
+from .saving import SaveHandle
+
+T = TypeVar("T")
+
+
+class SyncSaveHandle:
+    """Blocking view of a SaveHandle. `future` completes (or fails) when every targeted tier is done."""
+
+    def __init__(self, handle: SaveHandle, checkpointer: "Checkpointer"):
+        self._handle = handle
+        self._ckpt = checkpointer
+        self.step = handle.step
+        self.tiers = handle.tiers
+        self._future: concurrent.futures.Future[None] | None = None
+
+    def staged(self, timeout: float | None = None) -> None:
+        self._ckpt._run(self._handle.staged(), timeout)
+
+    def wait(self, tier: str | None = None, timeout: float | None = None) -> None:
+        self._ckpt._run(self._handle.wait(tier), timeout)
+
+    def done(self) -> bool:
+        return self._handle.done()
+
+    @property
+    def future(self) -> concurrent.futures.Future[None]:
+        if self._future is None:
+            self._future = asyncio.run_coroutine_threadsafe(self._handle.wait(), self._ckpt._loop)
+        return self._future
+
+    def __repr__(self) -> str:
+        return f"<SyncSaveHandle step={self.step} tiers={list(self.tiers)} done={self.done()}>"
+
+
+class Checkpointer:
+    def __init__(self, config: Config, *, rank: int = 0, world_size: int = 1):
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tiered_ckpt-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.engine: Engine = self._run(self._open(config, rank, world_size))
+        except BaseException:
+            self._stop()
+            raise
+
+    @staticmethod
+    async def _open(config: Config, rank: int, world_size: int) -> Engine:
+        return await Engine(config, rank=rank, world_size=world_size).open()
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> "Checkpointer":
+        return cls(load_config(path, **overrides))
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("Checkpointer methods cannot be called from its own event loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def save(self, step: int, state: Any, *, lazy: bool = False, metadata: dict[str, Any] | None = None) -> SyncSaveHandle:
+        """Blocks until the tensors are staged (lazy=False) and returns; persistence goes on in the background."""
+        return SyncSaveHandle(self._run(self.engine.save(step, state, lazy=lazy, metadata=metadata)), self)
+
+    def load(self, state: Any, *, step: int | None = None, tiers: Sequence[str] | None = None) -> LoadInfo:
+        return self._run(self.engine.load(state, step=step, tiers=tiers))
+
+    def list(self) -> list[CheckpointStatus]:
+        async def collect() -> list[CheckpointStatus]:
+            return [c async for c in self.engine.list()]
+        return self._run(collect())
+
+    def delete(self, step: int) -> None:
+        self._run(self.engine.delete(step))
+
+    def wait_all(self) -> None:
+        self._run(self.engine.wait_all())
+
+    def close(self, *, raise_errors: bool = True) -> None:
+        """Wait for saves in flight, close the engine and stop the loop thread."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self.engine.close(raise_errors=raise_errors))
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(raise_errors=exc_type is None)

@@ -1,0 +1,182 @@
+"""Files in a directory: write to a temp file, fsync, rename, fsync the directory.
+
+Bulk I/O uses os.pwrite/os.preadv in executor threads (they release the GIL); preadv scatters a part
+straight into the caller's buffers, so a load copies each byte once.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from ..errors import TierError, TierFull, TierNotFound
+from .base import Tier, TierCaps
+
+SIZE = {"size": True}
+TMP = ".tmp-"
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    path: str
+    capacity: int | None = field(default=None, metadata=SIZE)
+    fsync: bool = True
+
+
+class LocalTier(Tier):
+    Options = LocalOptions
+    caps = TierCaps(persistent=True)
+
+    def __init__(self, name: str, options: LocalOptions):
+        super().__init__(name, options)
+        self.root = Path(options.path)
+        self._used: int | None = None  # bytes stored, counted on first write when a capacity is set
+
+    async def open(self) -> None:
+        try:
+            await self.run_blocking(lambda: self.root.mkdir(parents=True, exist_ok=True))
+        except OSError as e:
+            raise TierError(f"cannot create directory {self.root}: {e}", tier=self.name) from e
+
+    def _path(self, key: str) -> Path:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"invalid key {key!r}")
+        return self.root / key
+
+    async def write(self, key: str, data: memoryview) -> None:
+        path = self._path(key)
+        if self.options.capacity is not None:
+            await self._reserve(path, len(data))
+        try:
+            await self.run_blocking(self._write_sync, path, data)
+        except OSError as e:
+            if self._used is not None:
+                self._used -= len(data)
+            if e.errno == errno.ENOSPC:
+                raise TierFull(f"no space left writing {path}", tier=self.name) from e
+            raise TierError(f"writing {path}: {e}", tier=self.name) from e
+
+    async def _reserve(self, path: Path, nbytes: int) -> None:
+        if self._used is None:
+            self._used = await self.run_blocking(_tree_size, self.root)
+        old = await self.run_blocking(_size_or_zero, path)
+        if self._used - old + nbytes > self.options.capacity:
+            raise TierFull(
+                f"capacity {self.options.capacity} bytes exceeded: {self._used} used, writing {nbytes} more "
+                f"({path}); raise `capacity` or lower `keep_last`", tier=self.name)
+        self._used += nbytes - old
+
+    def _write_sync(self, path: Path, data: memoryview) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{TMP}{path.name}.{uuid.uuid4().hex[:8]}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view, pos = memoryview(data).cast("B"), 0
+            while pos < len(view):
+                pos += os.pwrite(fd, view[pos : pos + (1 << 30)], pos)
+            if self.options.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        if self.options.fsync:
+            _fsync_dir(path.parent)
+
+    async def read_into(self, key: str, out: Sequence[memoryview]) -> int:
+        path = self._path(key)
+        try:
+            return await self.run_blocking(_read_into_sync, path, out)
+        except FileNotFoundError:
+            raise TierNotFound(f"{path} not found", tier=self.name) from None
+        except OSError as e:
+            raise TierError(f"reading {path}: {e}", tier=self.name) from e
+
+    async def read(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            return await self.run_blocking(path.read_bytes)
+        except FileNotFoundError:
+            raise TierNotFound(f"{path} not found", tier=self.name) from None
+        except OSError as e:
+            raise TierError(f"reading {path}: {e}", tier=self.name) from e
+
+    async def delete(self, prefix: str) -> None:
+        freed = await self.run_blocking(self._delete_sync, self._path(prefix.rstrip("/")))
+        if self._used is not None:
+            self._used -= freed
+
+    def _delete_sync(self, path: Path) -> int:
+        if path.is_dir():
+            freed = _tree_size(path)
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            freed = _size_or_zero(path)
+            path.unlink(missing_ok=True)
+        if self.options.fsync and path.parent.exists():
+            _fsync_dir(path.parent)
+        return freed
+
+    async def list(self, prefix: str) -> list[str]:
+        def walk() -> list[str]:
+            keys = []
+            base = self._path(prefix.rstrip("/")) if prefix else self.root
+            start = base if base.is_dir() else base.parent
+            for dirpath, _, files in os.walk(start):
+                for f in files:
+                    if not f.startswith(TMP):
+                        key = os.path.relpath(os.path.join(dirpath, f), self.root)
+                        if key.startswith(prefix):
+                            keys.append(key)
+            return sorted(keys)
+        return await self.run_blocking(walk)
+
+
+def _read_into_sync(path: Path, out: Sequence[memoryview]) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        want = sum(len(b) for b in out)
+        if size == want:
+            bufs, pos = [memoryview(b).cast("B") for b in out if len(b)], 0
+            while bufs:
+                n = os.preadv(fd, bufs, pos)
+                if n == 0:
+                    return pos  # shrank while reading
+                pos += n
+                while bufs and n >= len(bufs[0]):
+                    n -= len(bufs[0])
+                    bufs.pop(0)
+                if n:
+                    bufs[0] = bufs[0][n:]
+        return size
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _size_or_zero(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _tree_size(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        total += sum(_size_or_zero(Path(dirpath, f)) for f in files)
+    return total
