@@ -276,7 +276,7 @@ class Engine:
     async def delete(self, step: int) -> None:
         """Delete checkpoint `step` from every tier and the index (commit records first)."""
         self._check_open()
-        if any(j.step == step for j in self._jobs) or self._loading[step]:
+        if any(j.step == step and not j.handle.done() for j in self._jobs) or self._loading[step]:
             raise CheckpointExists(f"job {self.job!r} step {step} is being saved or loaded; try again later")
         for status in await self.index.list(self.job):
             if status.step == step:

@@ -1,0 +1,200 @@
+"""What a training loop relies on: mutation after save, lazy staging, backpressure, no memory growth,
+plan cache without stale data, retention, visibility of incomplete checkpoints, failures that lose nothing."""
+import asyncio
+import os
+
+import pytest
+import torch
+
+import tiered_ckpt as tc
+from tiered_ckpt.tiers.base import PartKey
+
+
+def state_of(value: float, n: int = 50_000):
+    return {"w": torch.full((n,), value), "b": torch.full((7, 3), value, dtype=torch.float64), "step": int(value)}
+
+
+async def load_values(engine, step=None, tiers=None):
+    out = state_of(-1.0)
+    info = await engine.load(out, step=step, tiers=tiers)
+    return info, out
+
+
+async def test_mutation_right_after_save_does_not_leak(engine):
+    state = state_of(1.0)
+    handle = await engine.save(1, state)
+    state["w"].fill_(99.0)  # the training loop moves on at once
+    state["b"].mul_(5)
+    await handle.wait()
+    _, out = await load_values(engine)
+    assert torch.all(out["w"] == 1.0) and torch.all(out["b"] == 1.0)
+
+
+async def test_lazy_save_returns_before_copying_and_staged_guards_mutation(engine):
+    state = state_of(2.0)
+    handle = await engine.save(1, state, lazy=True)
+    await handle.staged()
+    state["w"].fill_(-5.0)  # mutation after staged(): must not reach the checkpoint
+    await handle.wait()
+    _, out = await load_values(engine)
+    assert torch.all(out["w"] == 2.0)
+
+
+async def test_max_inflight_makes_the_next_save_wait_never_drop(make_config):
+    # one buffer, a slow disk: save 2 must wait until save 1's parts are on the memory tier, then proceed
+    async with tc.Engine(make_config(max_inflight=1)) as engine:
+        handles = []
+        for step in range(1, 6):
+            handles.append(await engine.save(step, state_of(float(step))))
+        for h in handles:
+            await h.wait()
+        steps = [c.step for c in [c async for c in engine.list()] if c.complete == {"host", "disk"}]
+        assert steps == [1, 2, 3, 4, 5]
+        for step in range(1, 6):
+            for tier in ("host", "disk"):
+                _, out = await load_values(engine, step=step, tiers=[tier])
+                assert torch.all(out["w"] == step), (step, tier)
+
+
+async def test_detached_save_reads_back_from_the_faster_tier(make_config, monkeypatch):
+    """A slow disk does not hold the staging buffer hostage: once save 1's parts are on the memory tier,
+    save 2 takes the buffer (after the one disk write in progress) and disk reads the rest from memory."""
+    async with tc.Engine(make_config(max_inflight=1, tiers=[{}, {"workers": 1}])) as engine:
+        disk, host = engine.tiers["disk"], engine.tiers["host"]
+        write, read_into = disk.write, host.read_into
+        read_back = []
+
+        async def slow_write(key, data):
+            await asyncio.sleep(0.2)
+            return await write(key, data)
+
+        async def counting_read_into(key, out):
+            read_back.append(key)
+            return await read_into(key, out)
+
+        monkeypatch.setattr(disk, "write", slow_write)
+        monkeypatch.setattr(host, "read_into", counting_read_into)
+        h1 = await engine.save(1, state_of(1.0))  # 4 parts of 64 KiB
+        h2 = await engine.save(2, state_of(2.0))
+        assert not h1.done()  # save 2 got the buffer while save 1 was still streaming to disk
+        await h1.wait()
+        await h2.wait()
+        assert read_back and all("step-000000000001" in k for k in read_back)
+        for step in (1, 2):
+            _, out = await load_values(engine, step=step, tiers=["disk"])
+            assert torch.all(out["w"] == step)
+
+
+async def test_staging_buffers_are_reused_not_grown(engine):
+    seen = set()
+    for step in range(1, 6):
+        await engine.save(step, state_of(float(step)))
+        await engine.wait_all()
+        seen.update(id(b) for b in engine.pool._free)
+        assert engine.pool._count == 1
+    assert len(seen) == 1
+
+
+async def test_plan_cache_hits_and_never_writes_stale_data(engine):
+    for step in range(1, 4):
+        await (await engine.save(step, state_of(float(step)))).wait()
+    assert engine.planner.misses == 1  # same structure: one plan
+    for step in range(1, 4):
+        _, out = await load_values(engine, step=step)
+        assert torch.all(out["w"] == step) and out["step"] == step
+    await (await engine.save(4, {**state_of(4.0), "w": torch.full((10,), 4.0)})).wait()  # shape change
+    assert engine.planner.misses == 2
+
+
+async def test_existing_step_is_refused_and_nothing_is_lost(engine):
+    await (await engine.save(1, state_of(1.0))).wait()
+    with pytest.raises(tc.CheckpointExists):
+        await engine.save(1, state_of(2.0))
+    _, out = await load_values(engine)
+    assert torch.all(out["w"] == 1.0)
+
+
+async def test_keep_last_and_every(make_config):
+    cfg = make_config(tiers=[{"keep_last": 2}, {"keep_last": 2, "every": 2}])
+    async with tc.Engine(cfg) as engine:
+        for step in range(1, 8):
+            await (await engine.save(step, state_of(float(step)))).wait()
+        listing = {c.step: c.complete for c in [c async for c in engine.list()]}
+        assert listing == {4: {"disk"}, 6: {"host", "disk"}, 7: {"host"}}
+        on_disk = sorted({k.split("/")[1] for k in await engine.tiers["disk"].list("test/")})
+        assert on_disk == ["step-000000000004", "step-000000000006"]
+
+
+async def test_a_failed_tier_leaves_earlier_checkpoints_intact(make_config):
+    cfg = make_config(tiers=[{"capacity": "300KiB"}])
+    async with tc.Engine(cfg) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()  # ~200 KiB: fits
+        handle = await engine.save(2, state_of(2.0))  # does not fit next to step 1 on host
+        with pytest.raises(tc.SaveError) as err:
+            await handle.wait()
+        assert set(err.value.errors) == {"host"} and isinstance(err.value.errors["host"], tc.TierFull)
+        await handle.wait("disk")  # the disk tier still completed
+        listing = {c.step: c for c in [c async for c in engine.list()]}
+        assert listing[2].complete == {"disk"} and "host" in listing[2].failed
+        _, out = await load_values(engine, step=1, tiers=["host"])
+        assert torch.all(out["w"] == 1.0)
+        info, out = await load_values(engine)
+        assert info.step == 2 and info.tier == "disk" and torch.all(out["w"] == 2.0)
+
+
+async def test_unobserved_background_error_is_raised_at_close(make_config):
+    engine = await tc.Engine(make_config(tiers=[{"capacity": "100KiB"}])).open()
+    await engine.save(1, state_of(1.0))
+    with pytest.raises(tc.SaveError, match="host"):
+        await engine.close()
+
+
+async def test_incomplete_checkpoint_is_listed_but_never_loaded(engine):
+    await (await engine.save(1, state_of(1.0))).wait()
+    await engine.index.begin("test", 2, ["host", "disk"])  # a save that never finished
+    await engine.tiers["host"].write(PartKey("test", 2, 0, 0).path, memoryview(b"junk"))
+    listing = [c async for c in engine.list()]
+    assert [(c.step, c.is_complete) for c in listing] == [(1, True), (2, False)]
+    info, _ = await load_values(engine)
+    assert info.step == 1
+    with pytest.raises(tc.IncompleteCheckpoint, match="step 2 is incomplete"):
+        await load_values(engine, step=2)
+    # saving step 2 again clears the leftovers of the failed attempt
+    await (await engine.save(2, state_of(2.0))).wait()
+    info, out = await load_values(engine)
+    assert info.step == 2 and torch.all(out["w"] == 2.0)
+
+
+async def test_delete_removes_index_entry_and_tier_data(engine):
+    for step in (1, 2):
+        await (await engine.save(step, state_of(float(step)))).wait()
+    await engine.delete(2)
+    assert [c.step async for c in engine.list()] == [1]
+    assert not [k for k in await engine.tiers["disk"].list("test/") if "step-000000000002" in k]
+    with pytest.raises(tc.IncompleteCheckpoint):
+        await engine.delete(2)
+
+
+async def test_load_with_nothing_saved_is_a_clear_error(engine):
+    with pytest.raises(tc.IncompleteCheckpoint, match="no complete checkpoint"):
+        await load_values(engine)
+
+
+async def test_state_with_no_tensors_and_metadata(engine):
+    await (await engine.save(5, {"epoch": 3, "note": "x"}, metadata={"git": "abc"})).wait()
+    state = {"epoch": 0, "note": ""}
+    await engine.load(state)
+    assert state == {"epoch": 3, "note": "x"}
+    manifest = await engine.read_manifest(5)
+    assert manifest.metadata == {"git": "abc"}
+
+
+async def test_restarted_process_loads_from_memory_tier(make_config):
+    cfg = make_config()
+    async with tc.Engine(cfg) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+    async with tc.Engine(cfg) as engine:  # a new engine: nothing cached in this process
+        info, out = await load_values(engine)
+        assert info.tier == "host" and torch.all(out["w"] == 1.0)
+        with pytest.raises(tc.CheckpointExists):
+            await engine.save(1, state_of(1.0))
