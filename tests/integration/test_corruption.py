@@ -1,0 +1,66 @@
+"""Corrupt or truncated parts on the memory tier: load falls back to disk per part and reports it."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiered_ckpt as tc
+from tiered_ckpt.tiers.base import PartKey
+
+
+def part_file(engine, tier, index):
+    return Path(engine.tiers[tier].root) / PartKey("test", 1, 0, index).path
+
+
+async def saved(engine):
+    state = {"w": torch.arange(100_000, dtype=torch.float32), "v": torch.randn(3000)}
+    await (await engine.save(1, state)).wait()
+    return state
+
+
+async def test_flipped_byte_falls_back_to_disk(engine):
+    state = await saved(engine)
+    path = part_file(engine, "host", 2)
+    data = bytearray(path.read_bytes())
+    data[1234] ^= 0x01
+    path.write_bytes(bytes(data))
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    info = await engine.load(out)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert [(f.part, f.tier) for f in info.fallbacks] == [(PartKey("test", 1, 0, 2).path, "host")]
+    assert "crc32c" in info.fallbacks[0].reason
+    assert info.bytes_by_tier["disk"] == 64 * 1024 and info.tier == "host"
+
+
+async def test_truncated_and_missing_parts_fall_back(engine):
+    state = await saved(engine)
+    with open(part_file(engine, "host", 0), "r+b") as f:
+        f.truncate(1000)
+    os.unlink(part_file(engine, "host", 1))
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    info = await engine.load(out)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    reasons = {f.part.rsplit("-", 1)[1]: f.reason for f in info.fallbacks}
+    assert "length 1000" in reasons["000000"] and "TierNotFound" in reasons["000001"]
+
+
+async def test_corrupt_everywhere_is_an_integrity_error_naming_the_part(engine):
+    state = await saved(engine)
+    for tier in ("host", "disk"):
+        path = part_file(engine, tier, 0)
+        data = bytearray(path.read_bytes())
+        data[0] ^= 0xFF
+        path.write_bytes(bytes(data))
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(tc.IntegrityError, match=r"part-000000.*host.*disk"):
+        await engine.load(out)
+
+
+async def test_corrupt_index_manifest_falls_back_to_a_tier_copy(engine, tmp_path):
+    state = await saved(engine)
+    manifest = next((tmp_path / "index").rglob("manifest"))
+    manifest.write_bytes(b"\xc1garbage")
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    await engine.load(out)
+    assert all(torch.equal(out[k], state[k]) for k in state)

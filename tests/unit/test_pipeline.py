@@ -1,0 +1,81 @@
+import asyncio
+
+import pytest
+
+from tiered_ckpt.errors import TierFull, TierTimeout, TierUnavailable
+from tiered_ckpt.pipeline import TierPipeline
+
+
+def pipeline(**kw):
+    args = dict(workers=2, inflight=100, retries=3, timeout=5.0, backoff=0.001)
+    args.update(kw)
+    return TierPipeline("t", **args)
+
+
+async def test_retryable_errors_are_retried_then_succeed():
+    p, calls = pipeline(), []
+
+    async def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise TierUnavailable("connection reset", tier="t")
+        return "ok"
+
+    assert await p.submit(10, flaky, "op") == "ok"
+    assert len(calls) == 3 and p.retried == 2
+
+
+async def test_retries_are_bounded():
+    p, calls = pipeline(retries=2), []
+
+    async def down():
+        calls.append(1)
+        raise TierUnavailable("down", tier="t")
+
+    with pytest.raises(TierUnavailable) as err:
+        await p.submit(10, down, "op")
+    assert len(calls) == 3 and "gave up after 3 attempts" in "".join(err.value.__notes__)
+
+
+async def test_non_retryable_errors_fail_at_once():
+    p, calls = pipeline(), []
+
+    async def full():
+        calls.append(1)
+        raise TierFull("full", tier="t")
+
+    with pytest.raises(TierFull):
+        await p.submit(10, full, "op")
+    assert len(calls) == 1
+
+
+async def test_timeout_becomes_tier_timeout_and_is_retried():
+    p, calls = pipeline(timeout=0.05, retries=1), []
+
+    async def stall():
+        calls.append(1)
+        await asyncio.sleep(10)
+
+    with pytest.raises(TierTimeout, match="longer than 0.05s"):
+        await p.submit(1, stall, "write x")
+    assert len(calls) == 2
+
+
+async def test_byte_budget_and_workers_bound_concurrency():
+    p = pipeline(workers=4, inflight=100)
+    running, peak_bytes, peak_ops = {"bytes": 0, "ops": 0}, [0], [0]
+
+    async def op(n):
+        running["bytes"] += n
+        running["ops"] += 1
+        peak_bytes[0] = max(peak_bytes[0], running["bytes"])
+        peak_ops[0] = max(peak_ops[0], running["ops"])
+        await asyncio.sleep(0.01)
+        running["bytes"] -= n
+        running["ops"] -= 1
+
+    await asyncio.gather(*(p.submit(40, lambda: op(40), "op") for _ in range(10)))
+    assert peak_bytes[0] <= 100 and peak_ops[0] <= 2
+    # an item larger than the whole budget still runs, alone
+    await asyncio.gather(p.submit(500, lambda: op(500), "big"), p.submit(40, lambda: op(40), "small"))
+    assert peak_bytes[0] == 500
