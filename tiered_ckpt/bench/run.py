@@ -1,0 +1,190 @@
+"""`tiered-ckpt bench`: one process, one state, tiered_ckpt and every baseline in the same run."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvloop
+
+from ..config import parse_config
+from ..engine import Engine
+from ..plan import Planner
+from ..sizes import format_size, parse_size
+from . import baselines
+from .measure import PeakRSS, drop_cache, mixed_state, state_nbytes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", default="1GiB", help="state size (default 1GiB of mixed tensor sizes)")
+    p.add_argument("--dir", default=None, help="disk directory (default: a temp dir under ./.bench)")
+    p.add_argument("--shm", default="/dev/shm", help="memory-tier directory (default /dev/shm)")
+    p.add_argument("--part-size", default="64MiB")
+    p.add_argument("--repeats", type=int, default=3, help="median of this many runs per figure")
+    p.add_argument("--no-dcp", action="store_true", help="skip the DCP baselines")
+    p.add_argument("--json", help="also write the raw figures here")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    nbytes = parse_size(args.size)
+    base = Path(args.dir) if args.dir else Path(".bench")
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=base))
+    shm = Path(tempfile.mkdtemp(prefix="tiered_ckpt-bench-", dir=args.shm))
+    try:
+        state = mixed_state(nbytes)
+        results = measure_all(state, work, shm, parse_size(args.part_size), args.repeats, not args.no_dcp)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    print(report(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def measure_all(state: dict[str, torch.Tensor], work: Path, shm: Path, part_size: int, repeats: int,
+                dcp: bool) -> dict[str, Any]:
+    r: dict[str, Any] = {"bytes": state_nbytes(state), "tensors": len(state), "repeats": repeats,
+                         "torch": torch.__version__, "python": platform.python_version(), "cuda": torch.cuda.is_available()}
+    log = lambda what: print(f"  measuring {what} ...", file=sys.stderr, flush=True)  # noqa: E731
+    log("memcpy")
+    r["memcpy"] = baselines.memcpy(state, repeats)
+    log("raw disk write+fsync / cold read")
+    r["raw_write"], r["raw_read"] = baselines.raw_write_read(work, r["bytes"], repeats)
+    log("torch.save+fsync / torch.load")
+    r["torch_save"], r["torch_load"] = baselines.torch_save_load(state, work, repeats)
+    if dcp:
+        log("DCP save / async_save / load")
+        r.update(baselines.dcp_all(state, work, repeats))
+    log("tiered_ckpt")
+    r.update(uvloop.run(measure_tiered(state, work / "tiered", shm, part_size, repeats)))
+    return r
+
+
+async def measure_tiered(state: dict[str, torch.Tensor], disk: Path, shm: Path, part_size: int,
+                         repeats: int) -> dict[str, Any]:
+    nbytes = state_nbytes(state)
+    config = parse_config({
+        "engine": {"job": "bench", "index": f"file://{disk}/index", "part_size": part_size, "max_inflight": 1},
+        "tiers": [
+            {"name": "host", "kind": "memory", "path": str(shm), "capacity": 3 * nbytes + (1 << 30), "keep_last": 1},
+            {"name": "disk", "kind": "local", "path": str(disk / "parts"), "keep_last": 1},
+        ]})
+    out: dict[str, Any] = {}
+    planner = Planner(part_size)
+    paths, tensors = list(state), list(state.values())
+    t = time.perf_counter()
+    planner.plan(paths, tensors)
+    out["plan_miss"] = time.perf_counter() - t
+    t = time.perf_counter()
+    planner.plan(paths, tensors)
+    out["plan_hit"] = time.perf_counter() - t
+
+    step = 0
+    with PeakRSS() as rss:
+        async with Engine(config) as engine:
+            t = time.perf_counter()
+            handle = await engine.save(step, state)
+            out["first_save_blocking"] = time.perf_counter() - t
+            await handle.wait()
+            blocking, durable_host, durable_disk, lazy_return, lazy_staged = [], [], [], [], []
+            for _ in range(repeats):
+                step += 1
+                t = time.perf_counter()
+                handle = await engine.save(step, state)
+                blocking.append(time.perf_counter() - t)
+                await handle.wait()
+                durable_host.append(handle.durable_at["host"])
+                durable_disk.append(handle.durable_at["disk"])
+                await engine.wait_all()
+            for _ in range(repeats):
+                step += 1
+                t = time.perf_counter()
+                handle = await engine.save(step, state, lazy=True)
+                lazy_return.append(time.perf_counter() - t)
+                await handle.staged()
+                lazy_staged.append(time.perf_counter() - t)
+                await handle.wait()
+                await engine.wait_all()
+    out["peak_extra_rss"] = rss.extra
+    async with Engine(config) as engine:
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        load_host, load_disk = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            info = await engine.load(target, tiers=["host"])
+            load_host.append(time.perf_counter() - t)
+            assert info.tier == "host" and not info.fallbacks
+        for _ in range(repeats):
+            drop_cache(disk / "parts")
+            t = time.perf_counter()
+            info = await engine.load(target, tiers=["disk"])
+            load_disk.append(time.perf_counter() - t)
+            assert info.tier == "disk" and not info.fallbacks
+        if not all(torch.equal(target[k], state[k]) for k in state):
+            raise AssertionError("benchmark load did not reproduce the saved state")
+    med = statistics.median
+    out.update(save_blocking=med(blocking), durable_host=med(durable_host), durable_disk=med(durable_disk),
+               lazy_return=med(lazy_return), lazy_staged=med(lazy_staged), load_host=med(load_host),
+               load_disk=med(load_disk))
+    return out
+
+
+def report(r: dict[str, Any]) -> str:
+    n = r["bytes"]
+    gbs = lambda s: n / s / 1e9  # noqa: E731
+    lines = [f"state: {format_size(n)} in {r['tensors']} tensors; torch {r['torch']}, python {r['python']}, "
+             f"cuda={r['cuda']}; median of {r['repeats']}", "",
+             "| figure | seconds | GB/s |", "|---|---:|---:|"]
+    rows = [("memcpy into pre-allocated buffers", "memcpy"), ("raw write + fsync (16 MiB os.write)", "raw_write"),
+            ("raw cold sequential read", "raw_read"), ("torch.save + fsync", "torch_save"),
+            ("torch.load (cold)", "torch_load"), ("DCP save (thread_count=2)", "dcp_save"),
+            ("DCP async_save: return", "dcp_async_return"), ("DCP async_save: staged", "dcp_async_staged"),
+            ("DCP async_save: durable", "dcp_async_durable"), ("DCP load (cold)", "dcp_load"),
+            ("tiered_ckpt first save: blocking (allocates buffers)", "first_save_blocking"),
+            ("tiered_ckpt save: blocking", "save_blocking"), ("tiered_ckpt lazy save: return", "lazy_return"),
+            ("tiered_ckpt lazy save: staged", "lazy_staged"), ("tiered_ckpt durable on memory tier", "durable_host"),
+            ("tiered_ckpt durable on disk tier", "durable_disk"), ("tiered_ckpt load from memory tier", "load_host"),
+            ("tiered_ckpt load from disk tier (cold)", "load_disk")]
+    for label, key in rows:
+        if key in r:
+            lines.append(f"| {label} | {r[key]:.4f} | {gbs(r[key]):.2f} |")
+    lines += ["", f"plan: first {r['plan_miss'] * 1e3:.3f} ms, cached {r['plan_hit'] * 1e3:.3f} ms; peak extra RSS "
+              f"during the first save {format_size(r['peak_extra_rss'])}", "",
+              "| target (design.md) | measured | target | met |", "|---|---:|---:|:---:|"]
+
+    def row(label: str, value: float, target: str, ok: bool) -> None:
+        lines.append(f"| {label} | {value:.3f} | {target} | {'yes' if ok else 'NO'} |")
+
+    row("save blocking / memcpy", r["save_blocking"] / r["memcpy"], "≤ 1.3", r["save_blocking"] <= 1.3 * r["memcpy"])
+    row("lazy save() return (ms)", r["lazy_return"] * 1e3, "≤ 5", r["lazy_return"] <= 0.005)
+    row("lazy staged / memcpy", r["lazy_staged"] / r["memcpy"], "≤ 1.3", r["lazy_staged"] <= 1.3 * r["memcpy"])
+    row("save blocking / torch.save+fsync", r["save_blocking"] / r["torch_save"], "≤ 0.1",
+        r["save_blocking"] <= 0.1 * r["torch_save"])
+    if "dcp_async_return" in r:
+        row("save blocking / DCP async_save return", r["save_blocking"] / r["dcp_async_return"], "< 1",
+            r["save_blocking"] < r["dcp_async_return"])
+        row("save blocking / DCP async_save staged", r["save_blocking"] / r["dcp_async_staged"], "< 1",
+            r["save_blocking"] < r["dcp_async_staged"])
+        row("durable on disk / DCP async_save durable", r["durable_disk"] / r["dcp_async_durable"], "< 1",
+            r["durable_disk"] < r["dcp_async_durable"])
+    row("disk durable bandwidth / raw write bandwidth", r["raw_write"] / r["durable_disk"], "≥ 0.8",
+        r["raw_write"] / r["durable_disk"] >= 0.8)
+    row("load from memory / memcpy", r["load_host"] / r["memcpy"], "≤ 1.5", r["load_host"] <= 1.5 * r["memcpy"])
+    row("load from disk bandwidth / raw read bandwidth", r["raw_read"] / r["load_disk"], "≥ 0.8",
+        r["raw_read"] / r["load_disk"] >= 0.8)
+    if "dcp_load" in r:
+        row("load from disk / DCP load", r["load_disk"] / r["dcp_load"], "< 1", r["load_disk"] < r["dcp_load"])
+    row("cached plan / first plan", r["plan_hit"] / r["plan_miss"], "< 0.02", r["plan_hit"] < 0.02 * r["plan_miss"])
+    row("peak extra RSS / state size", r["peak_extra_rss"] / n, "≤ 1.1", r["peak_extra_rss"] <= 1.1 * n)
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""`tiered-ckpt ls | show STEP | verify [STEP] | config check FILE | bench`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import sys
+from typing import Any, Awaitable, Callable
+
+from .config import load_config
+from .engine import Engine
+from .errors import ConfigError, TieredCkptError
+from .sizes import format_size
+
+DEFAULT_CONFIG = os.environ.get("TIERED_CKPT_CONFIG", "tiers/local.toml")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tiered-ckpt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("-c", "--config", default=DEFAULT_CONFIG,
+                       help="tier stack TOML (default: $TIERED_CKPT_CONFIG or tiers/local.toml)")
+        p.add_argument("--job", help="override [engine] job")
+        return p
+
+    with_config(sub.add_parser("ls", help="list checkpoints and the tiers that hold them"))
+    show = with_config(sub.add_parser("show", help="describe one checkpoint"))
+    show.add_argument("step", type=int)
+    show.add_argument("--tensors", action="store_true", help="list every tensor")
+    verify = with_config(sub.add_parser("verify", help="re-read every part on every tier and check checksums"))
+    verify.add_argument("step", type=int, nargs="?", help="default: every checkpoint")
+    config = sub.add_parser("config", help="configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate a tier stack TOML")
+    check.add_argument("file")
+    bench = sub.add_parser("bench", help="benchmark against torch.save, DCP, memcpy and raw disk in one run")
+    from .bench.run import add_arguments
+
+    add_arguments(bench)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "config":
+            return config_check(args.file)
+        if args.command == "bench":
+            from .bench.run import run_bench
+
+            return run_bench(args)
+        commands: dict[str, Callable[[Engine, argparse.Namespace], Awaitable[int]]] = {
+            "ls": cmd_ls, "show": cmd_show, "verify": cmd_verify}
+        return asyncio.run(_with_engine(args, commands[args.command]))
+    except (TieredCkptError, LookupError) as e:
+        print(f"tiered-ckpt: {e}", file=sys.stderr)
+        return 2
+
+
+async def _with_engine(args: argparse.Namespace, fn: Callable[[Engine, argparse.Namespace], Awaitable[int]]) -> int:
+    overrides: dict[str, Any] = {"job": args.job} if args.job else {}
+    async with Engine(load_config(args.config, **overrides)) as engine:
+        return await fn(engine, args)
+
+
+def config_check(path: str) -> int:
+    try:
+        cfg = load_config(path)
+    except ConfigError as e:
+        print(f"invalid: {e}", file=sys.stderr)
+        return 2
+    e = cfg.engine
+    print(f"{path}: ok\n  job={e.job} index={e.index} part_size={format_size(e.part_size)} max_inflight={e.max_inflight}")
+    for t in cfg.tiers:
+        keep = "all" if t.keep_last is None else t.keep_last
+        print(f"  tier {t.name:<10} kind={t.kind:<7} every={t.every} keep_last={keep} {t.options}")
+    return 0
+
+
+def _when(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "?"
+
+
+async def cmd_ls(engine: Engine, args: argparse.Namespace) -> int:
+    rows = [c async for c in engine.list()]
+    if not rows:
+        print(f"job {engine.job!r}: no checkpoints")
+        return 0
+    print(f"{'step':>10}  {'created':<19}  {'state':<10}  tiers (* = complete, ! = failed)")
+    for c in rows:
+        marks = " ".join(f"{t}{'*' if t in c.complete else '!' if t in c.failed else ''}" for t in c.tiers)
+        print(f"{c.step:>10}  {_when(c.created):<19}  {'complete' if c.is_complete else 'incomplete':<10}  {marks}")
+    return 0
+
+
+async def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
+    status = next((c async for c in engine.list() if c.step == args.step), None)
+    if status is None:
+        raise LookupError(f"job {engine.job!r} has no checkpoint {args.step}")
+    m = await engine.read_manifest(args.step, [engine.tiers[t] for t in engine.tier_order(status.tiers)])
+    print(f"job {m.job!r} step {m.step}  created {_when(m.created)}  format v{m.version}")
+    print(f"  size {format_size(m.nbytes)} in {sum(len(r.checksums) for r in m.ranks)} parts of "
+          f"{format_size(m.part_size)}, {m.checksum}; world size {m.world_size}; {len(m.tensors)} tensors")
+    print(f"  complete on: {', '.join(engine.tier_order(status.complete)) or 'none'}")
+    for tier, reason in status.failed.items():
+        print(f"  failed on {tier}: {reason}")
+    if m.metadata:
+        print(f"  metadata: {m.metadata}")
+    tensors = m.tensors if args.tensors else m.tensors[:20]
+    for t in tensors:
+        nbytes = sum(c.nbytes for c in t.chunks)
+        print(f"    {t.path:<60} {t.dtype.removeprefix('torch.'):<14} {str(list(t.shape)):<20} {format_size(nbytes)}")
+    if len(tensors) < len(m.tensors):
+        print(f"    ... {len(m.tensors) - len(tensors)} more (--tensors lists all)")
+    return 0
+
+
+async def cmd_verify(engine: Engine, args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .verify import verify
+
+    steps = [args.step] if args.step is not None else [c.step async for c in engine.list()]
+    failures = 0
+    for step in steps:
+        m = None
+        try:
+            m = await engine.read_manifest(step, list(engine.tiers.values()))
+        except TieredCkptError as e:
+            print(f"step {step}: {e}")
+            failures += 1
+            continue
+        with tqdm(total=m.nbytes * len(engine.tiers), unit="B", unit_scale=True, desc=f"step {step}",
+                  file=sys.stderr, disable=None) as bar:
+            reports = await verify(engine, step, bar.update)
+        for r in reports:
+            state = "complete" if r.complete else "incomplete"
+            verdict = "ok" if r.ok else f"{len(r.bad)} bad part(s)"
+            print(f"step {step} tier {r.tier} ({state}): {r.parts} parts, {verdict}")
+            for line in r.bad:
+                print(f"    {line}")
+            failures += (not r.ok) and r.complete
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
