@@ -71,3 +71,11 @@ class TierConformance:
         ns = await asyncio.gather(*(tier.read_into(PartKey("job", 5, 0, i).path, [memoryview(b)])
                                     for i, b in enumerate(bufs)))
         assert ns == [50_000] * 16 and bufs == [bytearray(d) for d in datas]
+
+    async def test_scatter_into_more_buffers_than_iov_max(self, tier):
+        data = payload(5000 * 8)
+        key = PartKey("job", 6, 0, 0).path
+        await tier.write(key, memoryview(data))
+        bufs = [bytearray(8) for _ in range(5000)]
+        assert await tier.read_into(key, [memoryview(b) for b in bufs]) == len(data)
+        assert b"".join(bufs) == data

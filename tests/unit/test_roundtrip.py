@@ -134,3 +134,11 @@ async def test_arbitrary_objects_refused_unless_pickle_allowed(make_config):
     async with tc.Engine(make_config()) as engine:  # a pickled value is not opened without opting in
         with pytest.raises(tc.StateError, match="pickle"):
             await engine.load({"extra": {"obj": None}})
+
+
+async def test_thousands_of_small_tensors_in_one_part(engine):
+    state = {f"t{i}": torch.full((3,), float(i)) for i in range(3000)}
+    await (await engine.save(1, state)).wait()
+    out = {k: torch.zeros(3) for k in state}
+    await engine.load(out)
+    assert all(torch.equal(out[k], state[k]) for k in state)

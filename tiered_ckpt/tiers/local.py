@@ -18,6 +18,7 @@ from .base import Tier, TierCaps
 
 SIZE = {"size": True}
 TMP = ".tmp-"
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def _read_into_sync(path: Path, out: Sequence[memoryview]) -> int:
         if size == want:
             bufs, pos = [memoryview(b).cast("B") for b in out if len(b)], 0
             while bufs:
-                n = os.preadv(fd, bufs, pos)
+                n = os.preadv(fd, bufs[:IOV_MAX], pos)
                 if n == 0:
                     return pos  # shrank while reading
                 pos += n

@@ -1,0 +1,130 @@
+"""Train a small GPT on CPU, checkpointing asynchronously with tiered_ckpt; run it again to resume.
+
+    python examples/train_gpt.py --steps 200 --save-every 20     # trains, saves every 20 steps
+    python examples/train_gpt.py --steps 300 --save-every 20     # resumes from the newest checkpoint
+
+Saves are lazy (DataStates-style): `save(step, lazy=True)` returns at once, the copy to host memory
+overlaps the next forward/backward, and `handle.staged()` is awaited just before optimizer.step()
+mutates the weights. The data of step s is a pure function of (seed, s), and the RNG state is part of
+the checkpoint, so a resumed run reproduces the uninterrupted run's losses exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tiered_ckpt as tc
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, ctx: int, dim: int, layers: int, heads: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(ctx, dim)
+        self.blocks = nn.Sequential(*(Block(dim, heads) for _ in range(layers)))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied embeddings
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def batch(seed: int, step: int, size: int, ctx: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learnable synthetic stream (noisy repeating patterns), a pure function of (seed, step)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    period = torch.randint(2, 9, (size, 1), generator=g)
+    base = torch.randint(0, vocab, (size, 8), generator=g)
+    pos = torch.arange(ctx + 1).unsqueeze(0) % period
+    seq = torch.gather(base, 1, pos)
+    noise = torch.rand(seq.shape, generator=g) < 0.05
+    seq = torch.where(noise, torch.randint(0, vocab, seq.shape, generator=g), seq)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiers/local.toml")
+    p.add_argument("--job", default="gpt")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--stop-after", type=int, default=None, help="simulate a crash: exit hard after this step")
+    p.add_argument("--tiny", action="store_true", help="a very small model (tests)")
+    p.add_argument("--losses", help="append {step, loss} JSON lines here")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # bit-for-bit reproducible CPU math
+    vocab, ctx, bsz = 256, 64, 16
+    dim, layers, heads = (32, 1, 2) if args.tiny else (256, 4, 4)
+    torch.manual_seed(args.seed)
+    model = GPT(vocab, ctx, dim, layers, heads)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    train = {"step": 0, "rng": torch.get_rng_state()}
+    state = {"model": model, "optim": optim, "train": train}
+    nparams = sum(p.numel() for p in model.parameters())
+
+    with tc.Checkpointer.from_toml(args.config, job=args.job) as ckpt:
+        try:
+            info = ckpt.load(state)
+            torch.set_rng_state(train["rng"])
+            print(f"resumed from step {info.step} (tier {info.tier}, {info.seconds * 1e3:.1f} ms)", flush=True)
+        except tc.IncompleteCheckpoint:
+            print(f"starting fresh: {nparams / 1e6:.2f}M parameters", flush=True)
+        losses = open(args.losses, "a") if args.losses else None
+        pending: tc.SyncSaveHandle | None = None
+        for step in range(train["step"] + 1, args.steps + 1):
+            t0 = time.perf_counter()
+            x, y = batch(args.seed, step, bsz, ctx, vocab)
+            loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+            loss.backward()
+            if pending is not None:
+                pending.staged()  # the lazy copy must finish before the weights change
+                pending = None
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            if losses:
+                losses.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+                losses.flush()
+            if step % args.save_every == 0:
+                train["step"], train["rng"] = step, torch.get_rng_state()
+                pending = ckpt.save(step, state, lazy=True)
+            if step % 10 == 0 or step == args.steps:
+                ms = (time.perf_counter() - t0) * 1e3
+                print(f"step {step:5d}  loss {loss.item():.4f}  ppl {math.exp(loss.item()):8.2f}  {ms:6.1f} ms",
+                      flush=True)
+            if args.stop_after == step:
+                print(f"simulated crash after step {step}", flush=True)
+                sys.stdout.flush()
+                os._exit(1)
+        ckpt.wait_all()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

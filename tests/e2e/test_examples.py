@@ -1,0 +1,83 @@
+"""The README's commands: the GPT example resumes exactly; the CLI and the benchmark run."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def toml(tmp_path: Path, shm_dir: Path) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    text = (REPO / "tiers" / "local.toml").read_text()
+    text = text.replace("/dev/shm/tiered_ckpt", str(shm_dir / "host")).replace("./checkpoints", str(tmp_path / "ck"))
+    path = tmp_path / "local.toml"
+    path.write_text(text)
+    return path
+
+
+def run(*args: str, cwd: Path = REPO, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def losses(path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_train_gpt_resumes_with_identical_losses(tmp_path, shm_dir):
+    example = str(REPO / "examples" / "train_gpt.py")
+    common = ["--tiny", "--steps", "24", "--save-every", "5"]
+    straight = tmp_path / "straight.jsonl"
+    cfg_a = toml(tmp_path / "a", shm_dir / "a")
+    run(example, "--config", str(cfg_a), "--losses", str(straight), *common)
+
+    cfg_b = toml(tmp_path / "b", shm_dir / "b")
+    crashed = tmp_path / "crashed.jsonl"
+    first = run(example, "--config", str(cfg_b), "--losses", str(crashed), "--stop-after", "17", *common, check=False)
+    assert first.returncode == 1 and "simulated crash after step 17" in first.stdout
+    resumed_log = tmp_path / "resumed.jsonl"
+    second = run(example, "--config", str(cfg_b), "--losses", str(resumed_log), *common)
+    resumed_from = int(second.stdout.split("resumed from step ")[1].split()[0])
+    assert resumed_from in (10, 15)  # the newest checkpoint that was complete when the process died
+    expected, got = losses(straight), losses(resumed_log)
+    assert sorted(got) == list(range(resumed_from + 1, 25))
+    assert all(got[s] == expected[s] for s in got), {s: (got[s], expected[s]) for s in got if got[s] != expected[s]}
+
+
+def test_cli_ls_show_verify_and_config_check(tmp_path, shm_dir):
+    cfg = toml(tmp_path, shm_dir)
+    run(str(REPO / "examples" / "train_gpt.py"), "--config", str(cfg), "--tiny", "--steps", "10", "--save-every", "5")
+    cli = ["-m", "tiered_ckpt.cli"]
+    ls = run(*cli, "ls", "-c", str(cfg), "--job", "gpt").stdout
+    assert "complete    host* disk*" in ls and "5" in ls and "10" in ls
+    show = run(*cli, "show", "10", "-c", str(cfg), "--job", "gpt").stdout
+    assert "step 10" in show and "model/tok.weight" in show and "complete on: host, disk" in show
+    assert run(*cli, "verify", "-c", str(cfg), "--job", "gpt").stdout.count(", ok") == 4
+    part = next((shm_dir / "host").rglob("part-000000"))
+    data = bytearray(part.read_bytes())
+    data[100] ^= 0xFF
+    part.write_bytes(bytes(data))
+    bad = run(*cli, "verify", "-c", str(cfg), "--job", "gpt", check=False)
+    assert bad.returncode == 1 and "1 bad part(s)" in bad.stdout and "crc32c" in bad.stdout
+    assert run(*cli, "config", "check", str(cfg)).returncode == 0
+    broken = tmp_path / "broken.toml"
+    broken.write_text(cfg.read_text().replace('kind = "local"', 'kind = "tape"'))
+    result = run(*cli, "config", "check", str(broken), check=False)
+    assert result.returncode == 2 and "tiers.disk.kind" in result.stderr
+    missing = run(*cli, "show", "99", "-c", str(cfg), "--job", "gpt", check=False)
+    assert missing.returncode == 2 and "no checkpoint 99" in missing.stderr
+
+
+def test_bench_runs_and_reports_every_ratio(tmp_path, shm_dir):
+    out = tmp_path / "bench.json"
+    proc = run("-m", "tiered_ckpt.cli", "bench", "--size", "8MiB", "--repeats", "1", "--dir", str(tmp_path),
+               "--shm", str(shm_dir), "--json", str(out))
+    for label in ("save blocking / memcpy", "DCP async_save", "load from disk / DCP load", "peak extra RSS"):
+        assert label in proc.stdout
+    figures = json.loads(out.read_text())
+    assert figures["bytes"] >= 8 << 20 and figures["save_blocking"] > 0 and figures["dcp_load"] > 0
