@@ -93,7 +93,7 @@ async def cmd_ls(engine: Engine, args: argparse.Namespace) -> int:
 
 
 async def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
-    status = next((c async for c in engine.list() if c.step == args.step), None)
+    status = await engine.status(args.step)
     if status is None:
         raise LookupError(f"job {engine.job!r} has no checkpoint {args.step}")
     m = await engine.read_manifest(args.step, [engine.tiers[t] for t in engine.tier_order(status.tiers)])

@@ -273,6 +273,11 @@ class Engine:
         for status in await self.index.list(self.job):
             yield status
 
+    async def status(self, step: int) -> CheckpointStatus | None:
+        """The index's record of checkpoint `step`, or None."""
+        self._check_open()
+        return next((s for s in await self.index.list(self.job) if s.step == step), None)
+
     async def delete(self, step: int) -> None:
         """Delete checkpoint `step` from every tier and the index (commit records first)."""
         self._check_open()

@@ -32,6 +32,17 @@ class StagingBuffer:
         self.tensor.zero_()  # touch every page now, not during a save
         self.view = tensor_bytes(self.tensor)
         self.pinned = pin
+        self._views: tuple[tuple, list[torch.Tensor]] | None = None  # (plan key, typed views) of the last plan
+
+    def views_for(self, plan: Plan) -> list[torch.Tensor]:
+        """Typed, shaped views of this buffer at the plan's offsets; built once per plan, not per save."""
+        if self._views is None or self._views[0] is not plan.key:
+            views = []
+            for index, offset, nbytes in plan.local:
+                meta = plan.tensors[index]
+                views.append(self.tensor[offset : offset + nbytes].view(_dtype(meta.dtype)).view(meta.shape))
+            self._views = (plan.key, views)
+        return self._views[1]
 
     @property
     def capacity(self) -> int:
@@ -88,13 +99,17 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer) -> No
     the GIL). CUDA tensors are copied on a side stream and synchronized before returning."""
     cuda = any(tensors[i].is_cuda for i, _, _ in plan.local)
     stream = torch.cuda.Stream() if cuda else None
+    views = buf.views_for(plan)
     with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _nullcontext()):
-        for i, offset, nbytes in plan.local:
+        for (i, _, _), dst in zip(plan.local, views):
             src = tensors[i]
-            dst = buf.tensor[offset : offset + nbytes].view(src.dtype).view(src.shape)
             dst.copy_(src, non_blocking=src.is_cuda)
     if stream is not None:
         stream.synchronize()
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
 
 
 class _nullcontext:

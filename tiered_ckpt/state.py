@@ -66,7 +66,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
         if isinstance(value, torch.Tensor):
             where = path_str(path)
             check_dtype(value, where)
-            flat.tensors.append(value.detach())
+            flat.tensors.append(value)  # staging copies under no_grad: no detach needed
             flat.paths.append(where)
             return TensorRef(len(flat.tensors) - 1)
         if isinstance(value, dict):

@@ -25,7 +25,7 @@ class TierReport:
 
 async def verify(engine: Engine, step: int, progress: Callable[[int], None] = lambda n: None) -> list[TierReport]:
     """One report per tier the checkpoint targets (complete or not)."""
-    status = next((s async for s in engine.list() if s.step == step), None)
+    status = await engine.status(step)
     if status is None:
         raise LookupError(f"job {engine.job!r} has no checkpoint {step}")
     tiers = [engine.tiers[n] for n in engine.tier_order(status.tiers)]
