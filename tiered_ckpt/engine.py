@@ -48,6 +48,10 @@ class Engine:
         self.pool = StagingPool(config.engine.max_inflight)
         self.planner = Planner(config.engine.part_size, rank=rank, world_size=world_size)
         self._executor = ThreadPoolExecutor(config.engine.io_threads, thread_name_prefix="tiered_ckpt")
+        # One thread pool per tier, sized to its pipeline: a disk blocked in fsync must not starve the
+        # memory tier, whose speed is what lets the next save reuse the staging buffer early.
+        self._tier_executors = {t.name: ThreadPoolExecutor(t.workers, thread_name_prefix=f"tiered_ckpt-{t.name}")
+                                for t in config.tiers}
         self._jobs: list[SaveJob] = []
         self._unobserved: list[SaveHandle] = []
         self._loading: Counter[int] = Counter()
@@ -64,8 +68,8 @@ class Engine:
     async def open(self) -> "Engine":
         if self._state != "new":
             raise RuntimeError(f"engine is {self._state}; open it once")
-        for tier in self.tiers.values():
-            tier.executor = self._executor
+        for name, tier in self.tiers.items():
+            tier.executor = self._tier_executors[name]
             await tier.open()
         await self.index.open()
         self._complete = {s.step for s in await self.index.list(self.job) if s.is_complete}
@@ -82,7 +86,8 @@ class Engine:
         for tier in self.tiers.values():
             await tier.close()
         await self.index.close()
-        self._executor.shutdown(wait=False)
+        for executor in (self._executor, *self._tier_executors.values()):
+            executor.shutdown(wait=False)
         self.pool.clear()
         self._state = "closed"
         unobserved = [h for h in self._unobserved if not h.observed]

@@ -198,3 +198,14 @@ async def test_restarted_process_loads_from_memory_tier(make_config):
         assert info.tier == "host" and torch.all(out["w"] == 1.0)
         with pytest.raises(tc.CheckpointExists):
             await engine.save(1, state_of(1.0))
+
+
+async def test_retention_spares_a_checkpoint_being_loaded(make_config):
+    async with tc.Engine(make_config(tiers=[{"keep_last": 1}, {"keep_last": 1}])) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        engine._loading[1] += 1  # what load() holds while it reads step 1
+        await (await engine.save(2, state_of(2.0))).wait()
+        assert [c.step async for c in engine.list()] == [1, 2]
+        engine._loading[1] -= 1
+        await (await engine.save(3, state_of(3.0))).wait()
+        assert [c.step async for c in engine.list()] == [3]
