@@ -182,6 +182,7 @@ class SaveJob:
             key = manifest_key(engine.job, self.step)
             await pipeline.submit(len(data), lambda: tier.write(key, memoryview(data)), f"write {key}")
             await engine.index.mark_durable(engine.job, self.step, tier.name, self.plan.rank, self.plan.world_size)
+            engine._complete.add(self.step)  # saving this step again is refused from now on
         except Exception as e:
             error = e
             log.error("checkpoint step %d failed on tier %s: %s: %s", self.step, tier.name, type(e).__name__, e)

@@ -108,7 +108,8 @@ async def test_plan_cache_hits_and_never_writes_stale_data(engine):
 
 async def test_existing_step_is_refused_and_nothing_is_lost(engine):
     await (await engine.save(1, state_of(1.0))).wait()
-    with pytest.raises(tc.CheckpointExists):
+    await engine.wait_all()  # not merely in flight: done
+    with pytest.raises(tc.CheckpointExists, match="already exists"):
         await engine.save(1, state_of(2.0))
     _, out = await load_values(engine)
     assert torch.all(out["w"] == 1.0)
