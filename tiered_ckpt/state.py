@@ -40,22 +40,25 @@ class FlatState:
 
 
 def path_str(path: tuple[Any, ...]) -> str:
-    return "/".join(str(p) for p in path) or "<root>"
+    return "/".join(map(str, path)) or "<root>"
 
 
 def check_dtype(t: torch.Tensor, where: str) -> None:
-    if t.is_quantized or t.dtype in _UNSUPPORTED:
+    if t.dtype in _UNSUPPORTED:
         raise StateError(f"tensor {where!r} has dtype {t.dtype}, which tiered_ckpt cannot store as raw bytes")
     if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
         raise StateError(f"tensor {where!r} is a {type(t).__name__}; only plain tensors are supported so far")
 
 
-def _shell_dtypes() -> frozenset[torch.dtype]:
+def _unsupported_dtypes() -> frozenset[torch.dtype]:
+    """Sub-byte placeholder dtypes (torch has no copy kernel for them) and quantized dtypes (their
+    bytes mean nothing without scale and zero point)."""
     names = [f"{p}int{b}" for p in ("", "u") for b in range(1, 8)]
+    names += ["qint8", "quint8", "qint32", "quint4x2", "quint2x4"]
     return frozenset(getattr(torch, n) for n in names if hasattr(torch, n))
 
 
-_UNSUPPORTED = _shell_dtypes()  # sub-byte placeholder dtypes: torch has no copy kernel for them
+_UNSUPPORTED = _unsupported_dtypes()
 
 
 def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:

@@ -7,7 +7,8 @@ from tiered_ckpt.state import _UNSUPPORTED
 
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
-STORABLE = [d for d in ALL_DTYPES if d not in QUANTIZED and d not in _UNSUPPORTED]
+STORABLE = [d for d in ALL_DTYPES if d not in _UNSUPPORTED]
+assert QUANTIZED <= _UNSUPPORTED
 
 
 def random_tensor(shape, dtype, seed=0):

@@ -35,13 +35,15 @@ class LocalTier(Tier):
     def __init__(self, name: str, options: LocalOptions):
         super().__init__(name, options)
         self.root = Path(options.path)
-        self._used: int | None = None  # bytes stored, counted on first write when a capacity is set
+        self._used: int | None = None  # bytes stored; counted at open() when a capacity is set
 
     async def open(self) -> None:
         try:
             await self.run_blocking(lambda: self.root.mkdir(parents=True, exist_ok=True))
         except OSError as e:
             raise TierError(f"cannot create directory {self.root}: {e}", tier=self.name) from e
+        if self.options.capacity is not None:  # count what earlier processes left here, once
+            self._used = await self.run_blocking(_tree_size, self.root)
 
     def _path(self, key: str) -> Path:
         if key.startswith("/") or ".." in key.split("/"):
@@ -62,8 +64,7 @@ class LocalTier(Tier):
             raise TierError(f"writing {path}: {e}", tier=self.name) from e
 
     async def _reserve(self, path: Path, nbytes: int) -> None:
-        if self._used is None:
-            self._used = await self.run_blocking(_tree_size, self.root)
+        assert self._used is not None, "open() counts the used bytes of a tier with a capacity"
         old = await self.run_blocking(_size_or_zero, path)
         if self._used - old + nbytes > self.options.capacity:
             raise TierFull(
