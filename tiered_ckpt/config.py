@@ -27,7 +27,8 @@ class EngineConfig:
     max_inflight: int = 1
     allow_pickle: bool = False
     io_threads: int = 4
-    load_timeout: float = 600.0
+    collective_timeout: float = 600.0
+    commit_timeout: float = 600.0
 
 
 @dataclass(frozen=True)

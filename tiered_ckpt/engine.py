@@ -20,14 +20,15 @@ import msgpack
 from .config import Config, TierConfig, load_config
 from .errors import CheckpointExists, IncompleteCheckpoint, IntegrityError, StateError, TierError
 from .index import CheckpointStatus, Index, open_index
-from .loading import LoadInfo, destinations, finish_copies, read_parts
-from .manifest import Manifest
+from .loading import LoadInfo, plan_reads, read_parts
+from .manifest import Manifest, RankMeta
 from .pipeline import TierPipeline
+from .dist.coordinator import Coordinator
 from .plan import Planner
 from .saving import SaveHandle, SaveJob
 from .staging import StagingPool
 from .state import decode_skeleton, flatten, match
-from .tiers.base import Tier, manifest_key, step_prefix
+from .tiers.base import Tier, manifest_key, rank_meta_key, step_prefix
 from .tiers.registry import driver_class
 
 T = TypeVar("T")
@@ -35,18 +36,17 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, config: Config, *, rank: int = 0, world_size: int = 1):
+    def __init__(self, config: Config):
         self.config = config
         self.job = config.engine.job
-        self.rank = rank
-        self.world_size = world_size
+        self.coordinator = Coordinator()  # replaced at open() when a process group exists
         self.tier_configs: dict[str, TierConfig] = {t.name: t for t in config.tiers}
         self.tiers: dict[str, Tier] = {t.name: driver_class(t.kind)(t.name, t.options) for t in config.tiers}
         self.pipelines = {t.name: TierPipeline(t.name, workers=t.workers, inflight=t.inflight, retries=t.retries,
                                                timeout=t.timeout) for t in config.tiers}
         self.index: Index = open_index(config.engine.index)
         self.pool = StagingPool(config.engine.max_inflight)
-        self.planner = Planner(config.engine.part_size, rank=rank, world_size=world_size)
+        self.planner = Planner(config.engine.part_size, self.coordinator)
         self._executor = ThreadPoolExecutor(config.engine.io_threads, thread_name_prefix="tiered_ckpt")
         # One thread pool per tier, sized to its pipeline: a disk blocked in fsync must not starve the
         # memory tier, whose speed is what lets the next save reuse the staging buffer early.
@@ -68,6 +68,8 @@ class Engine:
     async def open(self) -> "Engine":
         if self._state != "new":
             raise RuntimeError(f"engine is {self._state}; open it once")
+        self.coordinator = await Coordinator.create(self.config.engine.collective_timeout)
+        self.planner.coordinator = self.coordinator
         for name, tier in self.tiers.items():
             tier.executor = self._tier_executors[name]
             await tier.open()
@@ -86,6 +88,7 @@ class Engine:
         for tier in self.tiers.values():
             await tier.close()
         await self.index.close()
+        await self.coordinator.destroy()
         for executor in (self._executor, *self._tier_executors.values()):
             executor.shutdown(wait=False)
         self.pool.clear()
@@ -109,6 +112,18 @@ class Engine:
     def _check_open(self) -> None:
         if self._state != "open":
             raise RuntimeError(f"engine is {self._state}: use `async with Engine(...)` or `await engine.open()`")
+
+    @property
+    def rank(self) -> int:
+        return self.coordinator.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.coordinator.world_size
+
+    @property
+    def session(self) -> str:
+        return self.coordinator.session
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -145,7 +160,7 @@ class Engine:
         if not targets:
             handle._set(handle._staged, None)
             return handle
-        plan = self.planner.plan(flat.paths, flat.tensors)
+        plan = await self.planner.plan(flat.paths, flat.tensors)
         if self.pool.exhausted:
             for job in self._jobs:
                 job.request_detach()
@@ -165,8 +180,10 @@ class Engine:
             self._unobserved.append(job.handle)
 
     async def _begin(self, step: int, tiers: list[str]) -> None:
-        """Record the save in the index, first clearing what a crashed earlier attempt at `step` left."""
-        for status in await self.index.list(self.job):
+        """Record the save in the index. A single rank first clears what a crashed earlier attempt at `step`
+        left; with several ranks, session-scoped markers keep such leftovers from counting, and `load`
+        removes incomplete checkpoints newer than the one it resumes from."""
+        for status in await self.index.list(self.job) if self.world_size == 1 else ():
             if status.step == step:
                 if status.is_complete:
                     raise CheckpointExists(f"job {self.job!r} step {step} became complete elsewhere meanwhile")
@@ -218,26 +235,62 @@ class Engine:
         unknown = [t for t in allowed if t not in self.tiers]
         if unknown:
             raise ValueError(f"unknown tier(s) {unknown}; configured: {list(self.tiers)}")
-        status = await self._pick(step, allowed)
+        status = await self._agree_on_step(step, allowed)
         self._loading[status.step] += 1
+        error: BaseException | None = None
         try:
             order = [self.tiers[n] for n in self.tier_order(status.complete) if n in allowed]
             manifest = await self.read_manifest(status.step, order)
             target = match(state, decode_skeleton(manifest.skeleton), allow_pickle=self.config.engine.allow_pickle,
                            describe=lambda i: (manifest.tensors[i].torch_dtype, manifest.tensors[i].shape))
-            dests = destinations(target.tensors)
+            reads = plan_reads(manifest, target.tensors)
             info = LoadInfo(status.step, None)
-            await read_parts(self, manifest, order, dests, info)
-            await self.run_blocking(finish_copies, dests)
-            target.apply()
+            await read_parts(self, manifest, order, reads.dests, info)
+            await self.run_blocking(reads.finish)
+        except Exception as e:
+            error = e
         finally:
             self._loading[status.step] -= 1
-        info.tier = max(info.bytes_by_tier, key=info.bytes_by_tier.__getitem__, default=order[0].name)
+        await self.coordinator.agree(error)  # every rank succeeds, or every rank raises
+        if error is not None:
+            raise error
+        target.apply()
+        info.tier = max(info.bytes_by_tier, key=info.bytes_by_tier.__getitem__, default=order[0].name if order else None)
         info.seconds = time.perf_counter() - started
         if info.fallbacks:
             log.warning("step %d: %d part read(s) fell back to a slower tier: %s", info.step, len(info.fallbacks),
                         "; ".join(f"{f.part} on {f.tier}: {f.reason}" for f in info.fallbacks[:5]))
         return info
+
+    async def _agree_on_step(self, step: int | None, allowed: list[str]) -> CheckpointStatus:
+        """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error). When
+        resuming, rank 0 first deletes incomplete checkpoints newer than the pick: leftovers of the crashed
+        run that the resumed run would otherwise save over."""
+        if not self.coordinator.distributed:
+            return await self._pick(step, allowed)
+        choice: tuple[Any, ...]
+        if self.rank == 0:
+            try:
+                status = await self._pick(step, allowed)
+                if step is None:
+                    await self._drop_incomplete_after(status.step)
+                choice = ("ok", status)
+            except IncompleteCheckpoint as e:
+                choice = ("error", str(e))
+        choice = await self.coordinator.broadcast_object(choice if self.rank == 0 else None)
+        if choice[0] == "error":
+            raise IncompleteCheckpoint(choice[1])
+        return choice[1]
+
+    async def _drop_incomplete_after(self, step: int) -> None:
+        busy = {j.step for j in self._jobs}
+        for s in await self.index.list(self.job):
+            if s.step > step and not s.is_complete and s.step not in busy:
+                log.info("removing incomplete checkpoint %d left by an earlier run", s.step)
+                await self.index.delete(self.job, s.step)
+                for name in s.tiers:
+                    if name in self.tiers:
+                        await self.tiers[name].delete(step_prefix(self.job, s.step))
 
     async def _pick(self, step: int | None, allowed: list[str]) -> CheckpointStatus:
         statuses = await self.index.list(self.job)
@@ -257,19 +310,32 @@ class Engine:
         raise IncompleteCheckpoint(f"job {self.job!r} step {step} {detail} on tiers {allowed}")
 
     async def read_manifest(self, step: int, tiers: Sequence[Tier] = ()) -> Manifest:
-        """The manifest from the index, or else from the first tier that has a valid copy."""
-        errors = []
+        """The manifest with every rank's checksums: from the index, or else from the first tier that has
+        a valid copy (so a tier alone can restore)."""
+        errors: list[str] = []
+        manifest = await self._first_valid(
+            lambda: self.index.get_manifest(self.job, step), tiers, manifest_key(self.job, step),
+            lambda data, src: Manifest.from_bytes(data, source=src), "manifest", errors)
+        records = {}
+        for r in manifest.ranks:
+            records[r.rank] = await self._first_valid(
+                lambda r=r: self.index.get_rank_meta(self.job, step, r.rank), tiers,
+                rank_meta_key(self.job, step, r.rank), lambda data, src: RankMeta.from_bytes(data, source=src),
+                f"checksums of rank {r.rank}", errors)
+        return manifest.with_checksums(records)
+
+    async def _first_valid(self, from_index: Callable[[], Any], tiers: Sequence[Tier], key: str,
+                           parse: Callable[[bytes, str], T], what: str, errors: list[str]) -> T:
         try:
-            return Manifest.from_bytes(await self.index.get_manifest(self.job, step), source="index manifest")
+            return parse(await from_index(), f"index {what}")
         except (IncompleteCheckpoint, IntegrityError) as e:
             errors.append(str(e))
         for tier in tiers:
             try:
-                data = await tier.read(manifest_key(self.job, step))
-                return Manifest.from_bytes(data, source=f"manifest on tier {tier.name!r}")
+                return parse(await tier.read(key), f"{what} on tier {tier.name!r}")
             except TierError as e:
                 errors.append(str(e))
-        raise IncompleteCheckpoint(f"job {self.job!r} step {step}: no readable manifest ({'; '.join(errors)})")
+        raise IncompleteCheckpoint(f"job {self.job!r}: no readable {what} ({'; '.join(errors)})")
 
     # -- list / delete ---------------------------------------------------------------------------
     async def list(self) -> AsyncIterator[CheckpointStatus]:

@@ -30,6 +30,10 @@ class TierError(TieredCkptError):
         self.tier = tier
 
 
+class RankFailed(TierError):
+    """Another rank (named in the message) failed this save on this tier; every rank raises the same."""
+
+
 class TierNotFound(TierError, LookupError):
     """The key is not on the tier."""
 

@@ -16,6 +16,7 @@ import torch
 from .checksum import checksum
 from .errors import IntegrityError, TierError
 from .manifest import Manifest
+from .plan import local_box, local_tensor
 from .staging import tensor_bytes
 from .tiers.base import PartKey, Tier
 
@@ -42,40 +43,73 @@ class LoadInfo:
 
 
 @dataclass
-class _Dest:
-    """Where one saved tensor's bytes go: `view` (the target's own memory, or a bounce tensor's)."""
+class Reads:
+    """What one load reads: `dests` maps a saved chunk (rank, byte offset) to the bytes it fills, either
+    the target's own memory (same box, contiguous CPU target: no extra copy) or a scratch buffer;
+    `copies` then moves the overlapping boxes from scratch into the targets (resharding, non-contiguous
+    or non-CPU targets)."""
 
-    view: memoryview
-    target: torch.Tensor
-    bounce: torch.Tensor | None
+    dests: dict[tuple[int, int], memoryview] = field(default_factory=dict)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    keep: list[torch.Tensor] = field(default_factory=list)  # scratch buffers the views point into
 
-
-def destinations(targets: dict[int, tuple[str, torch.Tensor]]) -> dict[int, _Dest]:
-    out = {}
-    for index, (_, t) in targets.items():
-        if t.device.type == "cpu" and t.is_contiguous():
-            out[index] = _Dest(tensor_bytes(t), t, None)
-        else:
-            bounce = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            out[index] = _Dest(tensor_bytes(bounce), t, bounce)
-    return out
+    def finish(self) -> None:
+        with torch.no_grad():
+            for src, dst in self.copies:
+                dst.copy_(src)
 
 
-def rank_spans(manifest: Manifest, rank: int) -> list[tuple[int, int, int]]:
-    """(byte offset, nbytes, tensor index) of every non-empty chunk in `rank`'s stream, in stream order."""
-    return sorted((c.byte_offset, c.nbytes, i) for i, t in enumerate(manifest.tensors)
-                  for c in t.chunks if c.rank == rank and c.nbytes)
+def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]]) -> Reads:
+    reads = Reads()
+    scratch: dict[tuple[int, int], torch.Tensor] = {}
+    for index, (_, target) in targets.items():
+        meta = manifest.tensors[index]
+        local = local_tensor(target)
+        _, box_offsets, box_sizes = local_box(target)
+        direct = local.device.type == "cpu" and local.is_contiguous()
+        for chunk in meta.chunks:
+            overlap = _intersect(chunk.offsets, chunk.sizes, box_offsets, box_sizes)
+            if overlap is None or chunk.nbytes == 0:
+                continue
+            key = (chunk.rank, chunk.byte_offset)
+            if direct and chunk.offsets == box_offsets and chunk.sizes == box_sizes:
+                reads.dests[key] = tensor_bytes(local)
+                continue
+            if key not in scratch:
+                scratch[key] = torch.empty(chunk.nbytes, dtype=torch.uint8)
+                reads.dests[key] = tensor_bytes(scratch[key])
+                reads.keep.append(scratch[key])
+            src = scratch[key].view(meta.torch_dtype).view(chunk.sizes)
+            lo, hi = overlap
+            src = src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, chunk.offsets))]
+            dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box_offsets))]
+            reads.copies.append((src, dst))
+    return reads
 
 
-def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, int, int]],
-               dests: dict[int, _Dest]) -> list[memoryview] | None:
-    """The buffers that one part's bytes scatter into, in order; None if no wanted tensor is in it."""
+def _intersect(a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int],
+               b_size: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    lo = tuple(max(a, b) for a, b in zip(a_off, b_off))
+    hi = tuple(min(a + s, b + t) for a, s, b, t in zip(a_off, a_size, b_off, b_size))
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None if lo else ((), ())  # 0-d tensors always overlap
+    return lo, hi
+
+
+def rank_spans(manifest: Manifest, rank: int) -> list[tuple[int, int]]:
+    """(byte offset, nbytes) of every non-empty chunk in `rank`'s stream, in stream order."""
+    return sorted((c.byte_offset, c.nbytes) for t in manifest.tensors for c in t.chunks if c.rank == rank and c.nbytes)
+
+
+def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, int]],
+               dests: dict[tuple[int, int], memoryview]) -> list[memoryview] | None:
+    """The buffers that one part's bytes scatter into, in order; None if no wanted chunk is in it."""
     start = part * manifest.part_size
     end = start + manifest.part_length(rank, part)
     first = max(bisect.bisect_right(spans, (start,)) - 1, 0)
     views: list[memoryview] = []
     pos, wanted = start, False
-    for offset, nbytes, i in spans[first:]:
+    for offset, nbytes in spans[first:]:
         if offset >= end:
             break
         if offset + nbytes <= start:
@@ -83,11 +117,11 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
         if offset > pos:
             views.append(memoryview(bytearray(offset - pos)))  # alignment padding
         lo, hi = max(offset, start), min(offset + nbytes, end)
-        dest = dests.get(i)
+        dest = dests.get((rank, offset))
         if dest is None:
-            views.append(memoryview(bytearray(hi - lo)))  # a tensor the caller did not ask for
+            views.append(memoryview(bytearray(hi - lo)))  # a chunk this rank does not need
         else:
-            views.append(dest.view[lo - offset : hi - offset])
+            views.append(dest[lo - offset : hi - offset])
             wanted = True
         pos = hi
     if end > pos:
@@ -95,8 +129,8 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
     return views if wanted else None
 
 
-async def read_parts(engine: "Engine", manifest: Manifest, tiers: Sequence[Tier], dests: dict[int, _Dest],
-                     info: LoadInfo) -> None:
+async def read_parts(engine: "Engine", manifest: Manifest, tiers: Sequence[Tier],
+                     dests: dict[tuple[int, int], memoryview], info: LoadInfo) -> None:
     jobs = []
     for rank_meta in manifest.ranks:
         spans = rank_spans(manifest, rank_meta.rank)
@@ -131,8 +165,3 @@ async def _read_one(engine: "Engine", key: str, views: list[memoryview], length:
     raise IntegrityError(f"part {key}: no tier returned it intact ({reasons or 'no tier holds this checkpoint'})")
 
 
-def finish_copies(dests: dict[int, _Dest]) -> None:
-    with torch.no_grad():
-        for dest in dests.values():
-            if dest.bounce is not None:
-                dest.target.copy_(dest.bounce)

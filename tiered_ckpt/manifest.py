@@ -38,9 +38,25 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class RankMeta:
+    """One rank's packed stream. The manifest (written by rank 0) leaves `checksums` empty; each rank
+    stores its own in a rank record, since only that rank computed them."""
+
     rank: int
     nbytes: int
-    checksums: tuple[int, ...]  # one per part
+    checksums: tuple[int, ...] = ()
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb({"version": FORMAT_VERSION, **dataclasses.asdict(self)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str) -> "RankMeta":
+        try:
+            raw = msgpack.unpackb(data)
+            if raw.pop("version", None) != FORMAT_VERSION:
+                raise ValueError("unknown format version")
+            return cls(raw["rank"], raw["nbytes"], tuple(raw["checksums"]))
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            raise IntegrityError(f"{source} is not a valid rank record: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -60,6 +76,15 @@ class Manifest:
     @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.ranks)
+
+    def with_checksums(self, records: dict[int, RankMeta]) -> "Manifest":
+        ranks = []
+        for r in self.ranks:
+            record = records[r.rank]
+            if record.nbytes != r.nbytes or len(record.checksums) != -(-r.nbytes // self.part_size):
+                raise IntegrityError(f"rank {r.rank}'s checksum record does not match the manifest")
+            ranks.append(record)
+        return dataclasses.replace(self, ranks=tuple(ranks))
 
     def part_count(self, rank: int) -> int:
         return len(self.ranks[rank].checksums)

@@ -1,18 +1,42 @@
-"""Structure → layout. A Plan says where each tensor's bytes go in this rank's packed stream, and how
-that stream is cut into parts. Plans hold layout only, never data, so a cached plan cannot make a later
-checkpoint repeat an earlier one's values. They are cached by a key of names, shapes, dtypes and the
-world layout; any change misses the cache.
+"""Structure → layout. A Plan says which boxes of which tensors this rank writes, where their bytes go
+in its packed stream, and how the stream is cut into parts; it also records every rank's chunks, so the
+manifest can be written without another collective.
+
+Plans hold layout only, never data, so a cached plan cannot make a later checkpoint repeat an earlier
+one's values (NeMo-RL#3312). They are cached by a key of names, dtypes, shapes, placements and the world
+layout; any change misses the cache. A miss runs one all_gather of chunk descriptors; a hit runs none.
+The cache decision is local: like the training step itself, saves are SPMD, so every rank changes its
+state structure at the same save (a rank that does not would stall in the gather until its timeout).
+
+Replicated data (plain tensors present on several ranks, DTensor Replicate placements) is written once:
+unique chunks are assigned largest first to the least-loaded rank that holds them, and a chunk bigger than
+half a rank's fair share is split along dim 0 across its holders, so max/mean bytes per rank stays near 1.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from .dist.coordinator import Coordinator
+from .errors import StateError
 from .manifest import ChunkMeta, TensorMeta
 
-ALIGN = 64  # every tensor starts 64-byte aligned, so byte views can be re-viewed as any dtype
+ALIGN = 64  # every chunk starts 64-byte aligned, so byte views can be re-viewed as any dtype
+
+
+@dataclass(frozen=True)
+class LocalCopy:
+    """One box this rank stages: rows `dim0` (start, length) of its local tensor `index` (all rows if None)."""
+
+    index: int
+    dim0: tuple[int, int] | None
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -22,8 +46,12 @@ class Plan:
     world_size: int
     part_size: int
     tensors: tuple[TensorMeta, ...]
-    local: tuple[tuple[int, int, int], ...]  # (tensor index, byte offset, nbytes) this rank stages
-    nbytes: int  # this rank's packed stream
+    local: tuple[LocalCopy, ...]
+    rank_nbytes: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rank_nbytes[self.rank]
 
     @property
     def num_parts(self) -> int:
@@ -34,46 +62,121 @@ class Plan:
         return start, min(start + self.part_size, self.nbytes)
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t
+
+
+def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(global shape, global offsets, local sizes) of the part of `t` this rank holds."""
+    if not is_dtensor(t):
+        return tuple(t.shape), (0,) * t.dim(), tuple(t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(p.is_partial() for p in t.placements):
+        raise StateError("a DTensor with a Partial placement must be reduced (redistribute) before saving")
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(t.shape), tuple(offsets), tuple(sizes)
+
+
 def structure_key(paths: list[str], tensors: list[torch.Tensor], world_size: int, part_size: int) -> tuple:
-    """Names, dtypes, shapes and layout as one hashable tuple (hashing it is ~10x cheaper than
-    formatting and digesting strings, which matters on the save() path of states with many tensors)."""
-    return (world_size, part_size, tuple(paths), tuple([t.dtype for t in tensors]),
-            tuple([t.shape for t in tensors]))
+    """Names, dtypes, shapes, placements and layout as one hashable tuple (cheap to build and hash)."""
+    layout = tuple([(t.shape, tuple(t.placements), t.device_mesh.mesh.tolist()) if is_dtensor(t) else t.shape
+                    for t in tensors])
+    return (world_size, part_size, tuple(paths), tuple([t.dtype for t in tensors]), layout)
 
 
 class Planner:
-    """Builds plans and keeps the last few. Single-rank here; the distributed coordinator extends
-    `_build` with a gather of every rank's chunks and the replica load balancing."""
-
-    def __init__(self, part_size: int, *, rank: int = 0, world_size: int = 1, cache_size: int = 8):
+    def __init__(self, part_size: int, coordinator: Coordinator | None = None, *, cache_size: int = 8):
         self.part_size = part_size
-        self.rank = rank
-        self.world_size = world_size
+        self.coordinator = coordinator or Coordinator()
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple, Plan] = OrderedDict()
         self.misses = 0
 
-    def plan(self, paths: list[str], tensors: list[torch.Tensor]) -> Plan:
-        key = structure_key(paths, tensors, self.world_size, self.part_size)
+    @property
+    def rank(self) -> int:
+        return self.coordinator.rank
+
+    async def plan(self, paths: list[str], tensors: list[torch.Tensor]) -> Plan:
+        key = structure_key(paths, tensors, self.coordinator.world_size, self.part_size)
         plan = self._cache.get(key)
         if plan is not None:
             self._cache.move_to_end(key)
             return plan
         self.misses += 1
-        plan = self._build(key, paths, tensors)
+        descriptors = []
+        for path, t in zip(paths, tensors):
+            global_shape, offsets, sizes = local_box(t)
+            descriptors.append((path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
+        everyone = await self.coordinator.all_gather_object(descriptors)
+        plan = build_plan(key, everyone, self.rank, self.part_size)
         self._cache[key] = plan
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return plan
 
-    def _build(self, key: tuple, paths: list[str], tensors: list[torch.Tensor]) -> Plan:
-        metas, local, offset = [], [], 0
-        for i, (path, t) in enumerate(zip(paths, tensors)):
-            nbytes = t.numel() * t.element_size()
+
+def build_plan(key: tuple, everyone: list[list[tuple[Any, ...]]], rank: int, part_size: int) -> Plan:
+    """Deterministic: every rank computes the same plan from the same gathered descriptors."""
+    world = len(everyone)
+    meta: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
+    for r, descriptors in enumerate(everyone):
+        for index, (path, dtype, itemsize, global_shape, offsets, sizes) in enumerate(descriptors):
+            known = meta.setdefault(path, (dtype, itemsize, global_shape))
+            if known != (dtype, itemsize, global_shape):
+                raise StateError(f"tensor {path!r} is {known[0]} {list(known[2])} on one rank but "
+                                 f"{dtype} {list(global_shape)} on rank {r}")
+            holders.setdefault((path, offsets, sizes), []).append((r, index))
+
+    def nbytes(path: str, sizes: tuple[int, ...]) -> int:
+        n = meta[path][1]
+        for s in sizes:
+            n *= s
+        return n
+
+    total = sum(nbytes(p, s) for p, _, s in holders)
+    threshold = total / world / 2
+    load = [0] * world
+    pieces: dict[int, list[tuple[str, tuple[int, ...], tuple[int, ...], int, tuple[int, int] | None]]] = {
+        r: [] for r in range(world)}
+    for (path, offsets, sizes), who in sorted(holders.items(), key=lambda kv: (-nbytes(kv[0][0], kv[0][2]), kv[0])):
+        size = nbytes(path, sizes)
+        count = min(len(who), sizes[0]) if len(who) > 1 and size > threshold and sizes else 1
+        rows = [sizes[0] * i // count for i in range(count + 1)] if count > 1 else None
+        free = sorted(who)
+        for i in range(count):
+            r, index = min(free, key=lambda h: (load[h[0]], h[0]))
+            free.remove((r, index))
+            if rows is None:
+                piece_offsets, piece_sizes, dim0 = offsets, sizes, None
+            else:
+                piece_offsets = (offsets[0] + rows[i],) + offsets[1:]
+                piece_sizes = (rows[i + 1] - rows[i],) + sizes[1:]
+                dim0 = (rows[i], rows[i + 1] - rows[i])
+            pieces[r].append((path, piece_offsets, piece_sizes, index, dim0))
+            load[r] += nbytes(path, piece_sizes)
+
+    chunks: dict[str, list[ChunkMeta]] = {path: [] for path in meta}
+    local: list[LocalCopy] = []
+    rank_nbytes = []
+    for r in range(world):
+        offset = 0
+        for path, piece_offsets, piece_sizes, index, dim0 in sorted(pieces[r]):
+            size = nbytes(path, piece_sizes)
             offset = -(-offset // ALIGN) * ALIGN
-            shape = tuple(t.shape)
-            chunk = ChunkMeta((0,) * len(shape), shape, self.rank, offset, nbytes)
-            metas.append(TensorMeta(path, str(t.dtype), shape, (chunk,)))
-            local.append((i, offset, nbytes))
-            offset += nbytes
-        return Plan(key, self.rank, self.world_size, self.part_size, tuple(metas), tuple(local), offset)
+            chunks[path].append(ChunkMeta(piece_offsets, piece_sizes, r, offset, size))
+            if r == rank:
+                local.append(LocalCopy(index, dim0, offset, size, piece_sizes, _dtype(meta[path][0])))
+            offset += size
+        rank_nbytes.append(offset)
+    tensors = tuple(TensorMeta(path, dtype, shape, tuple(chunks[path])) for path, (dtype, _, shape) in meta.items())
+    return Plan(key, rank, world, part_size, tensors, tuple(local), tuple(rank_nbytes))
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))

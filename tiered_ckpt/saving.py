@@ -16,12 +16,12 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from .checksum import ALGORITHM, checksum
-from .errors import IntegrityError, SaveError, TierError
+from .errors import IntegrityError, RankFailed, SaveError, TierError, TierTimeout
 from .manifest import Manifest, RankMeta
 from .plan import Plan
 from .staging import StagingBuffer, stage
 from .state import FlatState, encode_skeleton
-from .tiers.base import PartKey, Tier, manifest_key
+from .tiers.base import PartKey, Tier, manifest_key, rank_meta_key
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -109,6 +109,7 @@ class SaveJob:
         self._detach_task: asyncio.Task[None] | None = None
         self._checksums: asyncio.Task[list[int]] | None = None
         self._manifest: asyncio.Task[bytes] | None = None
+        self._rank_meta: asyncio.Task[bytes] | None = None
         self.task: asyncio.Task[None] | None = None
 
     # -- staging ---------------------------------------------------------------------------------
@@ -128,8 +129,8 @@ class SaveJob:
             try:
                 await staging
             except BaseException as e:
-                for fut in self.handle._done.values():
-                    self.handle._set(fut, e)
+                for tier in self.tiers:
+                    self.handle._set(self.handle._done[tier.name], await self._report(tier, e))
                 return
             self._checksums = asyncio.create_task(self._compute_checksums())
             try:
@@ -150,25 +151,38 @@ class SaveJob:
             *(self.engine.run_blocking(checksum, [view[a:b]]) for a, b in ranges)))
 
     async def manifest_bytes(self) -> bytes:
+        """The manifest (rank 0 only), stored in the index once and returned for every tier."""
         if self._manifest is None:
             self._manifest = asyncio.create_task(self._build_manifest())
         return await asyncio.shield(self._manifest)
 
     async def _build_manifest(self) -> bytes:
-        assert self._checksums is not None
         plan, engine = self.plan, self.engine
         manifest = Manifest(
             job=engine.job, step=self.step, world_size=plan.world_size, part_size=plan.part_size,
             checksum=ALGORITHM, tensors=plan.tensors,
-            ranks=(RankMeta(plan.rank, plan.nbytes, tuple(await self._checksums)),),
+            ranks=tuple(RankMeta(r, n) for r, n in enumerate(plan.rank_nbytes)),
             skeleton=encode_skeleton(self.flat.skeleton), created=time.time(), metadata=self.metadata)
         data = manifest.to_bytes()
         await engine.index.put_manifest(engine.job, self.step, data)
         return data
 
+    async def rank_meta_bytes(self) -> bytes:
+        """This rank's part checksums, stored in the index once and returned for every tier."""
+        if self._rank_meta is None:
+            self._rank_meta = asyncio.create_task(self._build_rank_meta())
+        return await asyncio.shield(self._rank_meta)
+
+    async def _build_rank_meta(self) -> bytes:
+        assert self._checksums is not None
+        data = RankMeta(self.plan.rank, self.plan.nbytes, tuple(await self._checksums)).to_bytes()
+        await self.engine.index.put_rank_meta(self.engine.job, self.step, self.plan.rank, data)
+        return data
+
     async def _persist_tier(self, tier: Tier) -> None:
         engine, handle = self.engine, self.handle
         pipeline = engine.pipelines[tier.name]
+        rank, world = self.plan.rank, self.plan.world_size
         error: BaseException | None = None
         try:
             results = await asyncio.gather(*(
@@ -178,22 +192,57 @@ class SaveJob:
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
                 raise failed[0]
-            data = await self.manifest_bytes()
-            key = manifest_key(engine.job, self.step)
-            await pipeline.submit(len(data), lambda: tier.write(key, memoryview(data)), f"write {key}")
-            await engine.index.mark_durable(engine.job, self.step, tier.name, self.plan.rank, self.plan.world_size)
+            blobs = [(rank_meta_key(engine.job, self.step, rank), await self.rank_meta_bytes())]
+            if rank == 0:
+                blobs.append((manifest_key(engine.job, self.step), await self.manifest_bytes()))
+            for key, data in blobs:
+                await pipeline.submit(len(data), lambda k=key, d=data: tier.write(k, memoryview(d)), f"write {key}")
+            await engine.index.mark_durable(engine.job, self.step, tier.name, rank, world, engine.session)
             engine._complete.add(self.step)  # saving this step again is refused from now on
+            if world > 1:
+                await self._wait_for_every_rank(tier)
         except Exception as e:
-            error = e
-            log.error("checkpoint step %d failed on tier %s: %s: %s", self.step, tier.name, type(e).__name__, e)
-            try:
-                await engine.index.mark_failed(engine.job, self.step, tier.name, f"{type(e).__name__}: {e}")
-            except Exception as e2:  # the index being down must not hide the original error
-                log.error("could not record the failure of tier %s in the index: %s", tier.name, e2)
+            error = await self._report(tier, e)
         handle.durable_at[tier.name] = time.perf_counter() - handle.started
         if error is None:
             await engine._retain(tier, finishing=self.step)
         handle._set(handle._done[tier.name], error)
+
+    async def _report(self, tier: Tier, e: BaseException) -> BaseException:
+        """Record this rank's failure on `tier` where every rank sees it; return the error to raise."""
+        engine, rank = self.engine, self.plan.rank
+        if isinstance(e, RankFailed):  # another rank's failure, already recorded
+            return e
+        reason = f"{type(e).__name__}: {e}"
+        log.error("checkpoint step %d failed on tier %s (rank %d): %s", self.step, tier.name, rank, reason)
+        try:
+            await engine.index.mark_failed(engine.job, self.step, tier.name, rank, engine.session, reason)
+        except Exception as e2:  # the index being down must not hide the original error
+            log.error("could not record the failure of tier %s in the index: %s", tier.name, e2)
+        if self.plan.world_size == 1:
+            return e
+        error = RankFailed(f"step {self.step}: rank {rank}: {reason}", tier=tier.name)
+        error.__cause__ = e
+        return error
+
+    async def _wait_for_every_rank(self, tier: Tier) -> None:
+        """Resolve when every rank's parts are durable on `tier`; raise the first rank's recorded failure,
+        or a timeout naming the ranks that never reported (a killed rank records nothing)."""
+        engine = self.engine
+        deadline = time.monotonic() + engine.config.engine.commit_timeout
+        delay = 0.005
+        while True:
+            state = await engine.index.tier_state(engine.job, self.step, tier.name, engine.session)
+            if state.state == "complete":
+                return
+            if state.state == "failed":
+                raise RankFailed(f"step {self.step}: {state.reason}", tier=tier.name)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.plan.world_size)) - state.ranks_done)
+                raise TierTimeout(f"step {self.step} not complete after {engine.config.engine.commit_timeout}s: "
+                                  f"ranks {missing} never reported their parts durable", tier=tier.name)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
     async def _write_part(self, tier: Tier, p: int) -> None:
         key = PartKey(self.engine.job, self.step, self.plan.rank, p).path

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from .plan import Plan
+from .plan import Plan, local_tensor
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -37,10 +37,7 @@ class StagingBuffer:
     def views_for(self, plan: Plan) -> list[torch.Tensor]:
         """Typed, shaped views of this buffer at the plan's offsets; built once per plan, not per save."""
         if self._views is None or self._views[0] is not plan.key:
-            views = []
-            for index, offset, nbytes in plan.local:
-                meta = plan.tensors[index]
-                views.append(self.tensor[offset : offset + nbytes].view(_dtype(meta.dtype)).view(meta.shape))
+            views = [self.tensor[c.offset : c.offset + c.nbytes].view(c.dtype).view(c.shape) for c in plan.local]
             self._views = (plan.key, views)
         return self._views[1]
 
@@ -95,21 +92,20 @@ class StagingPool:
 
 
 def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer) -> None:
-    """Copy this rank's tensors into `buf` at the plan's offsets. Runs in a worker thread (copy_ drops
+    """Copy this rank's boxes into `buf` at the plan's offsets. Runs in a worker thread (copy_ drops
     the GIL). CUDA tensors are copied on a side stream and synchronized before returning."""
-    cuda = any(tensors[i].is_cuda for i, _, _ in plan.local)
+    sources = []
+    for c in plan.local:
+        src = local_tensor(tensors[c.index])
+        sources.append(src if c.dim0 is None else src.narrow(0, *c.dim0))
+    cuda = any(s.is_cuda for s in sources)
     stream = torch.cuda.Stream() if cuda else None
     views = buf.views_for(plan)
     with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _nullcontext()):
-        for (i, _, _), dst in zip(plan.local, views):
-            src = tensors[i]
+        for src, dst in zip(sources, views):
             dst.copy_(src, non_blocking=src.is_cuda)
     if stream is not None:
         stream.synchronize()
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
 
 
 class _nullcontext:

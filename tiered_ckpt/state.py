@@ -46,8 +46,8 @@ def path_str(path: tuple[Any, ...]) -> str:
 def check_dtype(t: torch.Tensor, where: str) -> None:
     if t.dtype in _UNSUPPORTED:
         raise StateError(f"tensor {where!r} has dtype {t.dtype}, which tiered_ckpt cannot store as raw bytes")
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-        raise StateError(f"tensor {where!r} is a {type(t).__name__}; only plain tensors are supported so far")
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and type(t).__name__ != "DTensor":
+        raise StateError(f"tensor {where!r} is a {type(t).__name__}; plain tensors and DTensors are supported")
 
 
 def _unsupported_dtypes() -> frozenset[torch.dtype]:

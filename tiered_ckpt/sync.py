@@ -52,19 +52,19 @@ class SyncSaveHandle:
 
 
 class Checkpointer:
-    def __init__(self, config: Config, *, rank: int = 0, world_size: int = 1):
+    def __init__(self, config: Config):
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tiered_ckpt-loop", daemon=True)
         self._thread.start()
         try:
-            self.engine: Engine = self._run(self._open(config, rank, world_size))
+            self.engine: Engine = self._run(self._open(config))
         except BaseException:
             self._stop()
             raise
 
     @staticmethod
-    async def _open(config: Config, rank: int, world_size: int) -> Engine:
-        return await Engine(config, rank=rank, world_size=world_size).open()
+    async def _open(config: Config) -> Engine:
+        return await Engine(config).open()
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> "Checkpointer":

@@ -1,12 +1,15 @@
 """The embedded file index: one directory per checkpoint, every record written by atomic rename.
 
     <root>/<job>/step-000000000100/begun        msgpack {tiers, created}
-                                   manifest     the manifest bytes
-                                   durable/<tier>.<rank>
+                                   manifest     the manifest bytes (rank 0)
+                                   ranks/<rank> each rank's part checksums
+                                   durable/<tier>.<rank>.<session>
                                    complete/<tier>
-                                   failed/<tier>  the reason
-A tier counts as complete only when complete/<tier> exists; that file is created by rename after every
-rank's durable marker is there, so a killed process leaves the checkpoint visibly incomplete.
+                                   failed/<tier>.<rank>.<session>  the reason
+A tier counts as complete only when complete/<tier> exists; that file is created by rename once every
+rank of one session has its durable marker there, so a killed process leaves the checkpoint visibly
+incomplete, and an earlier crashed attempt's markers never complete a new one. Every process of a job
+must see the same directory (a shared file system for several nodes).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Sequence
 import msgpack
 
 from ..errors import IncompleteCheckpoint
-from .base import CheckpointStatus
+from .base import CheckpointStatus, TierState
 
 STEP = "step-"
 
@@ -51,19 +54,41 @@ class FileIndex:
         except FileNotFoundError:
             raise IncompleteCheckpoint(f"job {job!r} step {step}: no manifest in the index at {self.root}") from None
 
-    async def mark_durable(self, job: str, step: int, tier: str, rank: int, world_size: int) -> bool:
+    async def put_rank_meta(self, job: str, step: int, rank: int, data: bytes) -> None:
+        await asyncio.to_thread(_atomic_write, self._dir(job, step) / "ranks" / str(rank), data)
+
+    async def get_rank_meta(self, job: str, step: int, rank: int) -> bytes:
+        try:
+            return await asyncio.to_thread((self._dir(job, step) / "ranks" / str(rank)).read_bytes)
+        except FileNotFoundError:
+            raise IncompleteCheckpoint(f"job {job!r} step {step}: no checksums of rank {rank} in the index") from None
+
+    async def mark_durable(self, job: str, step: int, tier: str, rank: int, world_size: int, session: str) -> bool:
         def mark() -> bool:
             d = self._dir(job, step)
-            _atomic_write(d / "durable" / f"{tier}.{rank}", b"")
-            ranks = {p.name.rsplit(".", 1)[1] for p in (d / "durable").glob(f"{tier}.*")}
-            if len(ranks) < world_size:
+            _atomic_write(d / "durable" / f"{tier}.{rank}.{session}", b"")
+            if len(_ranks(d / "durable", tier, session)) < world_size:
                 return False
             _atomic_write(d / "complete" / tier, b"")
             return True
         return await asyncio.to_thread(mark)
 
-    async def mark_failed(self, job: str, step: int, tier: str, reason: str) -> None:
-        await asyncio.to_thread(_atomic_write, self._dir(job, step) / "failed" / tier, reason.encode())
+    async def mark_failed(self, job: str, step: int, tier: str, rank: int, session: str, reason: str) -> None:
+        path = self._dir(job, step) / "failed" / f"{tier}.{rank}.{session}"
+        await asyncio.to_thread(_atomic_write, path, reason.encode())
+
+    async def tier_state(self, job: str, step: int, tier: str, session: str) -> TierState:
+        def state() -> TierState:
+            d = self._dir(job, step)
+            done = frozenset(_ranks(d / "durable", tier, session))
+            if (d / "complete" / tier).exists():
+                return TierState("complete", "", done)
+            for p in sorted(_entries(d / "failed")):
+                name, rank, sess = p.name.rsplit(".", 2)
+                if name == tier and sess == session:
+                    return TierState("failed", f"rank {rank}: {p.read_text(errors='replace')}", done)
+            return TierState("pending", "", done)
+        return await asyncio.to_thread(state)
 
     async def unmark(self, job: str, step: int, tier: str) -> None:
         def unmark() -> None:
@@ -75,9 +100,8 @@ class FileIndex:
                 record = msgpack.unpackb(begun.read_bytes())
                 record["tiers"] = [t for t in record["tiers"] if t != tier]
                 _atomic_write(begun, msgpack.packb(record))
-            for p in (d / "durable").glob(f"{tier}.*"):
+            for p in [*(d / "durable").glob(f"{tier}.*"), *(d / "failed").glob(f"{tier}.*")]:
                 p.unlink(missing_ok=True)
-            (d / "failed" / tier).unlink(missing_ok=True)
         await asyncio.to_thread(unmark)
 
     async def list(self, job: str) -> list[CheckpointStatus]:
@@ -96,7 +120,11 @@ class FileIndex:
             except (FileNotFoundError, ValueError, msgpack.UnpackException):
                 continue  # killed before `begin` landed: nothing was promised
             complete = frozenset(p.name for p in _entries(d / "complete") if p.name in record["tiers"])
-            failed = {p.name: p.read_text(errors="replace") for p in _entries(d / "failed")}
+            failed = {}
+            for p in _entries(d / "failed"):
+                name, rank, _ = p.name.rsplit(".", 2)
+                if name not in complete:
+                    failed.setdefault(name, f"rank {rank}: {p.read_text(errors='replace')}")
             out.append(CheckpointStatus(int(d.name[len(STEP):]), tuple(record["tiers"]), complete, failed,
                                         record.get("created", 0.0)))
         return out
@@ -114,6 +142,15 @@ class FileIndex:
                 path.rmdir() if path.is_dir() else path.unlink()
             trash.rmdir()
         await asyncio.to_thread(delete)
+
+
+def _ranks(d: Path, tier: str, session: str) -> set[int]:
+    ranks = set()
+    for p in _entries(d):
+        name, rank, sess = p.name.rsplit(".", 2)
+        if name == tier and sess == session:
+            ranks.add(int(rank))
+    return ranks
 
 
 def _entries(d: Path) -> list[Path]:

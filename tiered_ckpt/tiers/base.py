@@ -37,6 +37,10 @@ def manifest_key(job: str, step: int) -> str:
     return f"{step_prefix(job, step)}manifest.msgpack"
 
 
+def rank_meta_key(job: str, step: int, rank: int) -> str:
+    return f"{step_prefix(job, step)}rank-{rank:05d}/checksums.msgpack"
+
+
 @dataclass(frozen=True)
 class TierCaps:
     """What the engine may assume of a tier."""

@@ -1,0 +1,74 @@
+"""The engine's own collectives, on a dedicated gloo process group.
+
+Lifecycle: every rank constructs its Engine and opens it at the same point of the program (SPMD); `open`
+creates the side group and agrees on a session id. After that the engine issues collectives only from
+`save()` on a plan-cache miss (one all_gather) and from `load()` (step agreement, broadcasts), always in
+program order and never from background tasks, so they cannot interleave with, or deadlock against, the
+training loop's own collectives on its own groups (KempnerForge#104). Commit and failure reporting go
+through the index, not through collectives. Every collective runs in a thread, so the event loop keeps
+serving background saves, and is bounded by the group's timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import uuid
+from typing import Any
+
+import torch.distributed as dist
+
+
+class Coordinator:
+    def __init__(self, rank: int = 0, world_size: int = 1, group: Any = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.collectives = 0  # how many collectives this coordinator issued (tests count them)
+        self.session = uuid.uuid4().hex[:12]
+
+    @classmethod
+    async def create(cls, timeout: float = 600.0) -> "Coordinator":
+        """A coordinator for the current process group, or a single-rank one without one."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls()
+        group = await asyncio.to_thread(
+            dist.new_group, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        coordinator = cls(dist.get_rank(), dist.get_world_size(), group)
+        coordinator.session = await coordinator.broadcast_object(coordinator.session)
+        return coordinator
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None
+
+    async def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        self.collectives += 1
+        await asyncio.to_thread(dist.all_gather_object, out, obj, group=self.group)
+        return out
+
+    async def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        self.collectives += 1
+        await asyncio.to_thread(dist.broadcast_object_list, box, src=src, group=self.group)
+        return box[0]
+
+    async def agree(self, error: BaseException | None) -> None:
+        """Collective: raise on every rank if any rank passes an error, naming the first failing rank."""
+        reports = await self.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        for rank, report in enumerate(reports):
+            if report is not None:
+                if error is not None and rank == self.rank:
+                    raise error
+                from ..errors import TieredCkptError
+
+                raise TieredCkptError(f"rank {rank} failed: {report}")
+
+    async def destroy(self) -> None:
+        if self.group is not None and dist.is_initialized():
+            await asyncio.to_thread(dist.destroy_process_group, self.group)
+            self.group = None
