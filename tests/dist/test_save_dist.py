@@ -1,0 +1,139 @@
+"""Multi-rank saves on real processes: balanced plans, cached plans without collectives, shared failures,
+no deadlock with the training loop's own collectives."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tiered_ckpt as tc
+
+from .common import config
+from .multirank import run_ranks
+
+
+def replicated_state(seed: float) -> dict[str, torch.Tensor]:
+    """Mixed sizes, identical on every rank (a DP replica's view of the model)."""
+    sizes = [300_000, 120_000, 50_000, 50_000, 20_000, 7_000, 3_000, 1_000, 400, 10]
+    return {f"layer{i}": torch.full((n,), seed + i) for i, n in enumerate(sizes)}
+
+
+async def _balanced(rank: int, world: int, root: str) -> dict:
+    async with tc.Engine(config(root)) as engine:
+        h = await engine.save(1, replicated_state(1.0))
+        await h.wait()
+        plan = next(iter(engine.planner._cache.values()))
+        collectives_after_first = engine.coordinator.collectives
+        await (await engine.save(2, replicated_state(2.0))).wait()  # same structure: cache hit
+        hit_collectives = engine.coordinator.collectives - collectives_after_first
+        await (await engine.save(3, {**replicated_state(3.0), "extra": torch.ones(5)})).wait()  # miss
+        miss_collectives = engine.coordinator.collectives - collectives_after_first - hit_collectives
+        loaded = {}
+        for step in (1, 2):
+            out = {k: torch.zeros_like(v) for k, v in replicated_state(0.0).items()}
+            info = await engine.load(out, step=step)
+            loaded[step] = all(torch.equal(out[k], v) for k, v in replicated_state(float(step)).items())
+            assert info.step == step
+        return {"rank_nbytes": plan.rank_nbytes, "hit": hit_collectives, "miss": miss_collectives,
+                "loaded": loaded, "misses": engine.planner.misses}
+
+
+def test_replicated_state_is_written_once_and_balanced_at_dp4(tmp_path):
+    results = run_ranks(_balanced, 4, str(tmp_path))
+    per_rank = results[0]["rank_nbytes"]
+    assert all(r["rank_nbytes"] == per_rank for r in results)  # every rank computed the same plan
+    total = sum(per_rank)
+    unique = sum(t.numel() * 4 for t in replicated_state(0).values())
+    assert total < unique * 1.01  # written once, not 4 times (alignment padding only)
+    assert max(per_rank) / (total / 4) <= 1.1, per_rank
+    for r in results:
+        assert r["hit"] == 0, "a cached plan must not run a collective"
+        assert r["miss"] == 1 and r["misses"] == 2
+        assert r["loaded"] == {1: True, 2: True}  # the cached plan never repeats older data
+
+
+async def _staging_fails_on_rank_1(rank: int, world: int, root: str) -> dict:
+    import tiered_ckpt.saving as saving
+
+    async with tc.Engine(config(root, commit_timeout=60)) as engine:
+        await (await engine.save(1, replicated_state(1.0))).wait()
+        if rank == 1:
+            def broken(*args):
+                raise RuntimeError("device lost during copy")
+            saving.stage = broken
+        try:
+            handle = await engine.save(2, replicated_state(2.0))
+        except RuntimeError as e:
+            own = str(e)
+            handle = None
+        else:
+            own = None
+        error = None
+        if handle is not None:
+            try:
+                await handle.wait()
+            except tc.SaveError as e:
+                error = {t: str(err) for t, err in e.errors.items()}
+        statuses = [(c.step, sorted(c.complete)) async for c in engine.list()]
+        out = {k: torch.zeros_like(v) for k, v in replicated_state(0.0).items()}
+        info = await engine.load(out)
+        await engine.close(raise_errors=False)
+        return {"own": own, "error": error, "statuses": statuses, "loaded_step": info.step}
+
+
+def test_a_rank_failing_to_stage_fails_the_save_on_every_rank(tmp_path):
+    results = run_ranks(_staging_fails_on_rank_1, 2, str(tmp_path))
+    assert results[1]["own"] == "device lost during copy"
+    errors = results[0]["error"]
+    assert set(errors) == {"host", "disk"}
+    assert all("rank 1" in msg and "device lost during copy" in msg for msg in errors.values())
+    for r in results:
+        assert dict(r["statuses"])[2] == []  # nothing committed
+        assert r["loaded_step"] == 1
+
+
+async def _killed(rank: int, world: int, root: str) -> dict:
+    async with tc.Engine(config(root, commit_timeout=3)) as engine:
+        await (await engine.save(1, replicated_state(1.0))).wait()
+        handle = await engine.save(2, replicated_state(2.0))
+        if rank == 1:
+            os._exit(17)  # killed before its parts are durable anywhere
+        with pytest.raises(tc.SaveError) as err:
+            await handle.wait()
+        messages = {t: str(e) for t, e in err.value.errors.items()}
+        statuses = dict([(c.step, sorted(c.complete)) async for c in engine.list()])
+        engine._state = "closed"  # do not wait for collectives with a dead peer
+        return {"messages": messages, "statuses": statuses}
+
+
+def test_a_killed_rank_times_out_with_a_clear_error_and_commits_nothing(tmp_path):
+    results = run_ranks(_killed, 2, str(tmp_path), may_die=frozenset({1}), timeout=120)
+    messages = results[0]["messages"]
+    assert all("ranks [1] never reported" in m for m in messages.values()), messages
+    assert results[0]["statuses"][2] == [] and results[0]["statuses"][1] == ["disk", "host"]
+
+
+async def _train_while_saving(rank: int, world: int, root: str) -> list[float]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    async with tc.Engine(config(root)) as engine:
+        handles = []
+        for step in range(1, 13):
+            for p in model.parameters():  # the training loop's own collectives, on the default group
+                grad = torch.ones_like(p) * (rank + 1)
+                dist.all_reduce(grad)
+                with torch.no_grad():
+                    p.sub_(grad * 1e-3)
+            if step % 2 == 0:
+                handles.append(await engine.save(step, {"model": model}, lazy=True))
+                await handles[-1].staged()
+        for h in handles:
+            await h.wait()
+        return [float(p.sum()) for p in model.parameters()]
+
+
+def test_training_collectives_while_saves_persist_do_not_deadlock(tmp_path):
+    results = run_ranks(_train_while_saving, 2, str(tmp_path), timeout=120)
+    assert results[0] == results[1]
