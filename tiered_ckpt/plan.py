@@ -84,8 +84,8 @@ def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[
 
 def structure_key(paths: list[str], tensors: list[torch.Tensor], world_size: int, part_size: int) -> tuple:
     """Names, dtypes, shapes, placements and layout as one hashable tuple (cheap to build and hash)."""
-    layout = tuple([(t.shape, tuple(t.placements), t.device_mesh.mesh.tolist()) if is_dtensor(t) else t.shape
-                    for t in tensors])
+    layout = tuple([(t.shape, tuple(t.placements), tuple(t.device_mesh.mesh.flatten().tolist()),
+                     tuple(t.device_mesh.shape)) if is_dtensor(t) else t.shape for t in tensors])
     return (world_size, part_size, tuple(paths), tuple([t.dtype for t in tensors]), layout)
 
 
