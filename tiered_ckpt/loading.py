@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from .checksum import checksum
+from .dist.broadcast import PartRead, read_with_broadcast
 from .errors import IntegrityError, TierError
 from .manifest import Manifest
 from .plan import local_box, local_tensor
@@ -40,6 +41,7 @@ class LoadInfo:
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     fallbacks: list[Fallback] = field(default_factory=list)
     seconds: float = 0.0
+    bytes_received: int = 0  # bytes this rank got by broadcast from the reader of its replica group
 
 
 @dataclass
@@ -131,16 +133,22 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
 
 async def read_parts(engine: "Engine", manifest: Manifest, tiers: Sequence[Tier],
                      dests: dict[tuple[int, int], memoryview], info: LoadInfo) -> None:
-    jobs = []
+    parts: dict[tuple[int, int], PartRead] = {}
     for rank_meta in manifest.ranks:
         spans = rank_spans(manifest, rank_meta.rank)
         for p, expected in enumerate(rank_meta.checksums):
             views = part_views(manifest, rank_meta.rank, p, spans, dests)
             if views is not None:
                 key = PartKey(manifest.job, manifest.step, rank_meta.rank, p).path
-                jobs.append(_read_one(engine, key, views, manifest.part_length(rank_meta.rank, p), expected,
-                                      tiers, info))
-    await asyncio.gather(*jobs)
+                parts[(rank_meta.rank, p)] = PartRead(key, views, manifest.part_length(rank_meta.rank, p), expected)
+
+    async def read_one(key: str, views: list[memoryview], length: int, expected: int) -> None:
+        await _read_one(engine, key, views, length, expected, tiers, info)
+
+    if engine.coordinator.distributed:
+        await read_with_broadcast(engine, parts, read_one, info)
+    else:
+        await asyncio.gather(*(read_one(p.key, p.views, p.length, p.checksum) for p in parts.values()))
 
 
 async def _read_one(engine: "Engine", key: str, views: list[memoryview], length: int, expected: int,

@@ -2,6 +2,7 @@
 no deadlock with the training loop's own collectives."""
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -30,14 +31,17 @@ async def _balanced(rank: int, world: int, root: str) -> dict:
         hit_collectives = engine.coordinator.collectives - collectives_after_first
         await (await engine.save(3, {**replicated_state(3.0), "extra": torch.ones(5)})).wait()  # miss
         miss_collectives = engine.coordinator.collectives - collectives_after_first - hit_collectives
-        loaded = {}
+        loaded, read, received = {}, {}, {}
         for step in (1, 2):
             out = {k: torch.zeros_like(v) for k, v in replicated_state(0.0).items()}
             info = await engine.load(out, step=step)
             loaded[step] = all(torch.equal(out[k], v) for k, v in replicated_state(float(step)).items())
+            read[step], received[step] = sum(info.bytes_by_tier.values()), info.bytes_received
             assert info.step == step
+        manifest = await engine.read_manifest(1)
         return {"rank_nbytes": plan.rank_nbytes, "hit": hit_collectives, "miss": miss_collectives,
-                "loaded": loaded, "misses": engine.planner.misses}
+                "loaded": loaded, "misses": engine.planner.misses, "read": read, "received": received,
+                "size": manifest.nbytes}
 
 
 def test_replicated_state_is_written_once_and_balanced_at_dp4(tmp_path):
@@ -52,6 +56,9 @@ def test_replicated_state_is_written_once_and_balanced_at_dp4(tmp_path):
         assert r["hit"] == 0, "a cached plan must not run a collective"
         assert r["miss"] == 1 and r["misses"] == 2
         assert r["loaded"] == {1: True, 2: True}  # the cached plan never repeats older data
+    for step in (1, 2):  # broadcast loading: the checkpoint is read from storage once, not once per replica
+        assert sum(r["read"][step] for r in results) == results[0]["size"]
+        assert all(r["received"][step] > 0 for r in results)
 
 
 async def _staging_fails_on_rank_1(rank: int, world: int, root: str) -> dict:
@@ -77,10 +84,13 @@ async def _staging_fails_on_rank_1(rank: int, world: int, root: str) -> dict:
             except tc.SaveError as e:
                 error = {t: str(err) for t, err in e.errors.items()}
         statuses = [(c.step, sorted(c.complete)) async for c in engine.list()]
+        await engine.wait_all()  # rank 1: its failure reports are written
+        await asyncio.to_thread(dist.barrier)  # load removes the failed step 2: list it on every rank first
         out = {k: torch.zeros_like(v) for k, v in replicated_state(0.0).items()}
         info = await engine.load(out)
+        leftovers = [c.step async for c in engine.list()]
         await engine.close(raise_errors=False)
-        return {"own": own, "error": error, "statuses": statuses, "loaded_step": info.step}
+        return {"own": own, "error": error, "statuses": statuses, "loaded_step": info.step, "after": leftovers}
 
 
 def test_a_rank_failing_to_stage_fails_the_save_on_every_rank(tmp_path):
@@ -91,7 +101,7 @@ def test_a_rank_failing_to_stage_fails_the_save_on_every_rank(tmp_path):
     assert all("rank 1" in msg and "device lost during copy" in msg for msg in errors.values())
     for r in results:
         assert dict(r["statuses"])[2] == []  # nothing committed
-        assert r["loaded_step"] == 1
+        assert r["loaded_step"] == 1 and r["after"] == [1]  # resuming removed the failed attempt
 
 
 async def _killed(rank: int, world: int, root: str) -> dict:

@@ -25,6 +25,7 @@ class Coordinator:
         self.group = group
         self.collectives = 0  # how many collectives this coordinator issued (tests count them)
         self.session = uuid.uuid4().hex[:12]
+        self._subgroups: dict[tuple[int, ...], Any] = {}
 
     @classmethod
     async def create(cls, timeout: float = 600.0) -> "Coordinator":
@@ -57,6 +58,20 @@ class Coordinator:
         await asyncio.to_thread(dist.broadcast_object_list, box, src=src, group=self.group)
         return box[0]
 
+    async def subgroup(self, members: tuple[int, ...]) -> object:
+        """A process group of exactly `members` (cached). Collective: every rank must ask for every
+        group, in the same order, members or not."""
+        if len(members) == self.world_size:
+            return self.group
+        if members not in self._subgroups:
+            self.collectives += 1
+            self._subgroups[members] = await asyncio.to_thread(dist.new_group, list(members), backend="gloo")
+        return self._subgroups[members]
+
+    async def broadcast_tensor(self, tensor: Any, src: int, group: Any) -> None:
+        self.collectives += 1
+        await asyncio.to_thread(dist.broadcast, tensor, src=src, group=group)
+
     async def agree(self, error: BaseException | None) -> None:
         """Collective: raise on every rank if any rank passes an error, naming the first failing rank."""
         reports = await self.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
@@ -70,5 +85,7 @@ class Coordinator:
 
     async def destroy(self) -> None:
         if self.group is not None and dist.is_initialized():
-            await asyncio.to_thread(dist.destroy_process_group, self.group)
+            for group in (*self._subgroups.values(), self.group):
+                await asyncio.to_thread(dist.destroy_process_group, group)
+            self._subgroups.clear()
             self.group = None

@@ -115,10 +115,13 @@ class FileIndex:
         for d in sorted(base.iterdir()):
             if not d.name.startswith(STEP):
                 continue
+            failures = [p.name.rsplit(".", 2) for p in _entries(d / "failed")]
             try:
                 record = msgpack.unpackb((d / "begun").read_bytes())
             except (FileNotFoundError, ValueError, msgpack.UnpackException):
-                continue  # killed before `begin` landed: nothing was promised
+                if not failures:
+                    continue  # killed before `begin` landed: nothing was promised
+                record = {"tiers": sorted({name for name, _, _ in failures})}  # a rank failed before begin
             complete = frozenset(p.name for p in _entries(d / "complete") if p.name in record["tiers"])
             failed = {}
             for p in _entries(d / "failed"):
