@@ -1,5 +1,6 @@
 """tiered_ckpt: near-free checkpointing of PyTorch training through tiers of storage."""
 from .config import Config, EngineConfig, TierConfig, load_config
+from .dist.state_dict import TrainState
 from .engine import Engine
 from .errors import (CheckpointExists, ConfigError, IncompleteCheckpoint, IntegrityError, SaveError, StateError,
                      TieredCkptError, TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable)
@@ -10,7 +11,7 @@ from .sync import Checkpointer, SyncSaveHandle
 
 __version__ = "0.1.0"
 __all__ = [
-    "Engine", "Checkpointer", "SaveHandle", "SyncSaveHandle", "LoadInfo", "Fallback", "CheckpointStatus",
+    "Engine", "Checkpointer", "TrainState", "SaveHandle", "SyncSaveHandle", "LoadInfo", "Fallback", "CheckpointStatus",
     "Config", "EngineConfig", "TierConfig", "load_config",
     "TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable", "TierTimeout",
     "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointExists", "SaveError",
