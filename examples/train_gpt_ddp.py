@@ -1,0 +1,97 @@
+"""The GPT of train_gpt.py under DDP (CPU, gloo), checkpointed with tiered_ckpt; resume at any world size.
+
+    torchrun --nproc-per-node 2 examples/train_gpt_ddp.py --steps 200 --save-every 20
+    torchrun --nproc-per-node 3 examples/train_gpt_ddp.py --steps 300 --save-every 20   # resumes, resharded
+
+Each step uses one global batch of 12 sequences (a pure function of the step), split evenly over the
+ranks, so 1, 2, 3, 4, 6 or 12 ranks compute the same gradients up to floating-point reduction order. The
+replicated DDP state is written once across the ranks (load-balanced), and on resume each part is read
+once and broadcast to the ranks that need it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import tiered_ckpt as tc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_gpt import GPT, batch  # noqa: E402
+
+GLOBAL_BATCH = 12
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiers/local.toml")
+    p.add_argument("--job", default="gpt-ddp")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--stop-after", type=int, default=None, help="simulate a crash: every rank exits after this step")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--losses", help="rank 0 appends {step, loss, world} JSON lines here")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if GLOBAL_BATCH % world:
+        raise SystemExit(f"world size {world} must divide the global batch of {GLOBAL_BATCH}")
+    vocab, ctx = 256, 64
+    dim, layers, heads = (32, 1, 2) if args.tiny else (256, 4, 4)
+    torch.manual_seed(args.seed)
+    model = DistributedDataParallel(GPT(vocab, ctx, dim, layers, heads))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    progress = {"step": 0}
+    state = {"train": tc.TrainState(model, optim), "progress": progress}
+    per_rank = GLOBAL_BATCH // world
+
+    with tc.Checkpointer.from_toml(args.config, job=args.job) as ckpt:
+        try:
+            info = ckpt.load(state)
+            if rank == 0:
+                print(f"resumed from step {info.step} at world size {world} (tier {info.tier})", flush=True)
+        except tc.IncompleteCheckpoint:
+            if rank == 0:
+                print(f"starting fresh at world size {world}", flush=True)
+        losses = open(args.losses, "a") if args.losses and rank == 0 else None
+        pending = None
+        for step in range(progress["step"] + 1, args.steps + 1):
+            x, y = batch(args.seed, step, GLOBAL_BATCH, ctx, vocab)
+            x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+            loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+            loss.backward()
+            if pending is not None:
+                pending.staged()
+                pending = None
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            mean_loss /= world
+            if losses:
+                losses.write(json.dumps({"step": step, "loss": mean_loss.item(), "world": world}) + "\n")
+                losses.flush()
+            if step % args.save_every == 0:
+                progress["step"] = step
+                pending = ckpt.save(step, state, lazy=True)
+            if rank == 0 and (step % 10 == 0 or step == args.steps):
+                print(f"step {step:5d}  loss {mean_loss.item():.4f}", flush=True)
+            if args.stop_after == step:
+                if rank == 0:
+                    print(f"simulated crash after step {step}", flush=True)
+                os._exit(1)
+        ckpt.wait_all()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""examples/train_gpt_ddp.py under torchrun: crash at 2 ranks, resume at 3, then at 1; the losses follow the
+uninterrupted 2-rank run (equal up to floating-point reduction order, which changes with the world size)."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from .test_examples import REPO, losses, toml
+
+EXAMPLE = str(REPO / "examples" / "train_gpt_ddp.py")
+
+
+def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           "--standalone", EXAMPLE, "--tiny", "--save-every", "4", *args],
+                          capture_output=True, text=True, timeout=180, cwd=REPO)
+
+
+def test_ddp_example_resumes_at_other_world_sizes(tmp_path, shm_dir):
+    straight_log = tmp_path / "straight.jsonl"
+    cfg = toml(tmp_path / "a", shm_dir / "a")
+    done = torchrun(2, "--config", str(cfg), "--steps", "16", "--losses", str(straight_log))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    cfg = toml(tmp_path / "b", shm_dir / "b")
+    log = tmp_path / "resumed.jsonl"
+    crashed = torchrun(2, "--config", str(cfg), "--steps", "16", "--stop-after", "10", "--losses", str(log))
+    assert crashed.returncode != 0 and "simulated crash after step 10" in crashed.stdout
+    at3 = torchrun(3, "--config", str(cfg), "--steps", "12", "--losses", str(log))
+    assert at3.returncode == 0, at3.stderr[-3000:]
+    assert "resumed from step 8 at world size 3" in at3.stdout
+    at1 = torchrun(1, "--config", str(cfg), "--steps", "16", "--losses", str(log))
+    assert at1.returncode == 0, at1.stderr[-3000:]
+    assert "resumed from step 12 at world size 1" in at1.stdout
+
+    expected = losses(straight_log)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    resumed = {r["step"]: r["loss"] for r in rows if r["world"] != 2}
+    assert sorted(resumed) == list(range(9, 17))
+    for step, loss in resumed.items():
+        assert math.isclose(loss, expected[step], rel_tol=1e-4), (step, loss, expected[step])
