@@ -81,3 +81,11 @@ def test_bench_runs_and_reports_every_ratio(tmp_path, shm_dir):
         assert label in proc.stdout
     figures = json.loads(out.read_text())
     assert figures["bytes"] > 8_000_000 and figures["save_blocking"] > 0 and figures["dcp_load"] > 0
+
+
+def test_distributed_bench_runs_beside_dcp(tmp_path, shm_dir):
+    proc = run("-m", "tiered_ckpt.cli", "bench", "--nproc", "2", "--size", "4MiB", "--part-size", "1MiB",
+               "--repeats", "1", "--dir", str(tmp_path), "--shm", str(shm_dir))
+    assert "bytes written per rank, max/mean" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| bytes read by all ranks"))
+    assert row.split("|")[3].strip() == "1.00"  # tiered_ckpt reads the checkpoint once across the 2 replicas

@@ -32,12 +32,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="median of this many runs per figure")
     p.add_argument("--no-dcp", action="store_true", help="skip the DCP baselines")
     p.add_argument("--json", help="also write the raw figures here")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="with N > 1: N local ranks holding a replicated state, tiered_ckpt beside DCP")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     nbytes = parse_size(args.size)
     base = Path(args.dir) if args.dir else Path(".bench")
     base.mkdir(parents=True, exist_ok=True)
+    if args.nproc > 1:
+        from .dist_bench import run_dist_bench
+
+        print(run_dist_bench(args.nproc, nbytes, parse_size(args.part_size), args.repeats, base, Path(args.shm)))
+        return 0
     work = Path(tempfile.mkdtemp(prefix="run-", dir=base))
     shm = Path(tempfile.mkdtemp(prefix="tiered_ckpt-bench-", dir=args.shm))
     try:
