@@ -214,12 +214,15 @@ class Engine:
                 log.error("retention on tier %s failed: %s: %s", tier.name, type(e).__name__, e)
 
     async def _drop(self, status: CheckpointStatus, tier_name: str) -> None:
-        await self.index.unmark(self.job, status.step, tier_name)
+        """Remove `status.step` from one tier: the index record first (rank 0 keeps the books), then the
+        data (every rank, so node-local tiers are cleaned on every node; on shared tiers it is idempotent)."""
+        if self.rank == 0:
+            await self.index.unmark(self.job, status.step, tier_name)
         if tier_name in self.tiers:
             await self.tiers[tier_name].delete(step_prefix(self.job, status.step))
         if not status.complete - {tier_name}:
             self._complete.discard(status.step)
-        if not set(status.tiers) - {tier_name}:
+        if self.rank == 0 and not set(status.tiers) - {tier_name}:
             await self.index.delete(self.job, status.step)
 
     # -- load ------------------------------------------------------------------------------------

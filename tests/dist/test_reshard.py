@@ -29,6 +29,7 @@ def placements(layout: str):
         "shard4": {"w": [Shard(0)], "v": [Shard(1)], "b": [Shard(0)]},
         "shard3": {"w": [Shard(1)], "v": [Shard(0)], "b": [Shard(0)]},
         "replicate2": {"w": [Replicate()], "v": [Replicate()], "b": [Replicate()]},
+        "replicate4": {"w": [Replicate()], "v": [Replicate()], "b": [Replicate()]},
     }[layout]
 
 
@@ -70,7 +71,8 @@ async def _load(rank: int, world: int, root: str, layout: str) -> dict:
 def test_dp2_tp2_checkpoint_loads_into_other_layouts(tmp_path):
     root = str(tmp_path)
     run_ranks(_save, 4, root)
-    for layout, world in (("shard4", 4), ("shard3", 3), ("replicate2", 2), ("dp2xtp2", 4)):
+    # TP=4, 3 ranks, DP=2, DP=4, and the saving layout itself; then one process without a group
+    for layout, world in (("shard4", 4), ("shard3", 3), ("replicate2", 2), ("replicate4", 4), ("dp2xtp2", 4)):
         for result in run_ranks(_load, world, root, layout):
             assert result["step"] == 1 and all(result["ok"].values()), (layout, result)
 

@@ -25,7 +25,10 @@ def drop_cache(path: Path) -> None:
     """Ask the kernel to forget a file's (or tree's) cached pages, so the next read comes from disk."""
     files = [path] if path.is_file() else [Path(d, f) for d, _, fs in os.walk(path) for f in fs]
     for f in files:
-        fd = os.open(f, os.O_RDONLY)
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except FileNotFoundError:  # retention removed it meanwhile
+            continue
         try:
             os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
