@@ -40,11 +40,6 @@ def run_bench(args: argparse.Namespace) -> int:
     nbytes = parse_size(args.size)
     base = Path(args.dir) if args.dir else Path(".bench")
     base.mkdir(parents=True, exist_ok=True)
-    if args.nproc > 1:
-        from .dist_bench import run_dist_bench
-
-        print(run_dist_bench(args.nproc, nbytes, parse_size(args.part_size), args.repeats, base, Path(args.shm)))
-        return 0
     work = Path(tempfile.mkdtemp(prefix="run-", dir=base))
     shm = Path(tempfile.mkdtemp(prefix="tiered_ckpt-bench-", dir=args.shm))
     try:
@@ -54,6 +49,11 @@ def run_bench(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     print(report(results))
+    if args.nproc > 1:  # the same table, plus the multi-rank comparison
+        from .dist_bench import run_dist_bench
+
+        print()
+        print(run_dist_bench(args.nproc, nbytes, parse_size(args.part_size), args.repeats, base, Path(args.shm)))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
