@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import shutil
+import socket
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,3 +50,58 @@ def make_config(tmp_path, shm_dir) -> Callable[..., tc.Config]:
 async def engine(make_config):
     async with tc.Engine(make_config()) as e:
         yield e
+
+
+class RedisServer:
+    """A real redis-server process on a free port; stop() kills it, start() brings it back empty."""
+
+    def __init__(self, tmp: Path, *args: str):
+        self.tmp, self.args = tmp, args
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "RedisServer":
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.tmp), *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """factory: redis_server(*extra_args) -> a started RedisServer, killed at teardown."""
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed; scripts/test.sh installs it")
+    servers = []
+
+    def start(*args: str) -> RedisServer:
+        d = tmp_path / f"redis{len(servers)}"
+        d.mkdir()
+        servers.append(RedisServer(d, *args).start())
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()

@@ -70,8 +70,10 @@ class Engine:
             raise RuntimeError(f"engine is {self._state}; open it once")
         self.coordinator = await Coordinator.create(self.config.engine.collective_timeout)
         self.planner.coordinator = self.coordinator
+        node, num_nodes = await self.coordinator.node()
         for name, tier in self.tiers.items():
             tier.executor = self._tier_executors[name]
+            tier.bind(rank=self.rank, world_size=self.world_size, node=node, num_nodes=num_nodes)
             await tier.open()
         await self.index.open()
         self._complete = {s.step for s in await self.index.list(self.job) if s.is_complete}

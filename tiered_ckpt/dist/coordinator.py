@@ -58,6 +58,18 @@ class Coordinator:
         await asyncio.to_thread(dist.broadcast_object_list, box, src=src, group=self.group)
         return box[0]
 
+    async def node(self) -> tuple[int, int]:
+        """(this process's node, number of nodes): torchrun's GROUP_RANK when set, else hostnames in order."""
+        import os
+        import socket
+
+        if "GROUP_RANK" in os.environ:
+            mine = int(os.environ["GROUP_RANK"])
+            return mine, max(await self.all_gather_object(mine)) + 1
+        names = await self.all_gather_object(socket.gethostname())
+        order = sorted(set(names))
+        return order.index(names[self.rank]), len(order)
+
     async def subgroup(self, members: tuple[int, ...]) -> object:
         """A process group of exactly `members` (cached). Collective: every rank must ask for every
         group, in the same order, members or not."""

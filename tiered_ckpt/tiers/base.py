@@ -63,6 +63,9 @@ class Tier(ABC):
         self.options = options
         self.executor: Executor | None = None
 
+    def bind(self, *, rank: int, world_size: int, node: int, num_nodes: int) -> None:
+        """Where this process sits (rank, node), for tiers whose placement depends on it. Called before open()."""
+
     async def open(self) -> None:
         """Connect or create directories. Called once before any other method."""
 

@@ -10,6 +10,7 @@ from ..errors import ConfigError
 BUILTIN = {
     "memory": "tiered_ckpt.tiers.memory:MemoryTier",
     "local": "tiered_ckpt.tiers.local:LocalTier",
+    "redis": "tiered_ckpt.tiers.redis_peer:RedisPeerTier",
 }
 
 

@@ -1,0 +1,173 @@
+"""Redis as a peer cache: the memory of another node.
+
+Ranks are grouped into nodes; node n writes to the Redis of node n+1 (`urls`, one per node, in node
+order), so a node that loses its memory and disk restores from its successor. Reads try the successor
+first, then the other servers in ring order (after a reshard, a part may have been written by another
+node).
+
+A value is stored as chunks well below Redis's 512 MiB bulk limit (`chunk_size`, checked client-side,
+so an oversized write is a clear error rather than a bare "Broken pipe"), written concurrently over a
+connection pool, then a small header naming them is written last: replacing a value is atomic, and a
+chunk evicted under maxmemory is detected on read (TierNotFound, so the engine falls back to the next
+tier). Connection problems raise TierUnavailable (retried by the pipeline) naming the tier and server.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import redis.asyncio as aioredis
+from redis import exceptions as rexc
+
+from ..errors import ConfigError, TierError, TierFull, TierNotFound, TierUnavailable
+from .base import Tier, TierCaps
+
+SIZE = {"size": True}
+MAX_BULK = 512 * 2**20
+SEP = "#"  # never in engine keys ([A-Za-z0-9._/-]): marks chunk keys
+
+
+@dataclass(frozen=True)
+class RedisOptions:
+    urls: tuple[str, ...]
+    node: int | None = None  # this process's node; default: torchrun's GROUP_RANK, else by hostname
+    prefix: str = "tiered_ckpt:"
+    chunk_size: int = field(default=64 * 2**20, metadata=SIZE)
+    connections: int = 8
+    socket_timeout: float = 120.0
+
+
+class RedisPeerTier(Tier):
+    Options = RedisOptions
+    caps = TierCaps(persistent=True)
+
+    def __init__(self, name: str, options: RedisOptions):
+        super().__init__(name, options)
+        if not options.urls:
+            raise ConfigError("needs at least one url", key=f"tiers.{name}.urls")
+        if not 0 < options.chunk_size <= MAX_BULK - 2**20:
+            raise ConfigError(f"must be between 1 byte and {MAX_BULK - 2**20} (Redis caps a value at 512 MiB)",
+                              key=f"tiers.{name}.chunk_size")
+        self.node = options.node if options.node is not None else 0
+        self._clients: list[aioredis.Redis] = []
+
+    def bind(self, *, node: int, **_: Any) -> None:
+        if self.options.node is None:
+            self.node = node
+
+    async def open(self) -> None:
+        # A blocking pool: past `connections`, a command waits for a free connection instead of failing.
+        self._clients = [aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=self.options.connections, timeout=None,
+            socket_timeout=self.options.socket_timeout, socket_connect_timeout=10)) for url in self.options.urls]
+
+    async def close(self) -> None:
+        for client in self._clients:
+            await client.aclose()
+            await client.connection_pool.disconnect()  # a pool passed in is not closed by aclose()
+
+    def _ring(self) -> list[int]:
+        n = len(self._clients)
+        return [(self.node + 1 + i) % n for i in range(n)]
+
+    def _fail(self, server: int, e: Exception, what: str) -> TierError:
+        url = self.options.urls[server]
+        if isinstance(e, rexc.OutOfMemoryError) or "OOM" in str(e):
+            return TierFull(f"redis {url} is out of memory (maxmemory) {what}", tier=self.name)
+        if isinstance(e, (rexc.ConnectionError, rexc.TimeoutError, OSError)):
+            return TierUnavailable(f"redis {url} unreachable {what}: {e}", tier=self.name)
+        return TierError(f"redis {url} {what}: {type(e).__name__}: {e}", tier=self.name)
+
+    async def write(self, key: str, data: memoryview) -> None:
+        server = self._ring()[0]
+        client, full = self._clients[server], self.options.prefix + key
+        view = memoryview(data).cast("B")
+        version = uuid.uuid4().hex[:8]
+        size = self.options.chunk_size
+        chunks = [view[i : i + size] for i in range(0, len(view), size)] or [view]
+        try:
+            old = await client.get(full)
+            await asyncio.gather(*(client.set(f"{full}{SEP}{version}{SEP}{i}", c) for i, c in enumerate(chunks)))
+            await client.set(full, f"{version}:{len(chunks)}:{len(view)}")
+            if old:
+                old_version, count, _ = old.decode().split(":")
+                await client.unlink(*(f"{full}{SEP}{old_version}{SEP}{i}" for i in range(int(count))))
+        except rexc.RedisError as e:
+            raise self._fail(server, e, f"writing {key}") from e
+
+    async def _locate(self, key: str) -> tuple[int, str, int, int]:
+        full = self.options.prefix + key
+        for server in self._ring():
+            try:
+                header = await self._clients[server].get(full)
+            except rexc.RedisError as e:
+                if isinstance(e, (rexc.ConnectionError, rexc.TimeoutError)) and len(self._clients) > 1:
+                    continue  # a node down: its successor may still hold the value
+                raise self._fail(server, e, f"reading {key}") from e
+            if header is not None:
+                version, count, length = header.decode().split(":")
+                return server, version, int(count), int(length)
+        raise TierNotFound(f"{key} is on none of {list(self.options.urls)}", tier=self.name)
+
+    async def _chunks(self, key: str) -> tuple[int, list[bytes]]:
+        server, version, count, length = await self._locate(key)
+        full = self.options.prefix + key
+        try:
+            chunks = await self._clients[server].mget([f"{full}{SEP}{version}{SEP}{i}" for i in range(count)])
+        except rexc.RedisError as e:
+            raise self._fail(server, e, f"reading {key}") from e
+        if any(c is None for c in chunks):
+            raise TierNotFound(f"{key}: chunk missing on redis {self.options.urls[server]} (evicted?)", tier=self.name)
+        return length, chunks
+
+    async def read_into(self, key: str, out: Sequence[memoryview]) -> int:
+        length, chunks = await self._chunks(key)
+        if length == sum(len(b) for b in out):
+            await self.run_blocking(_scatter_chunks, chunks, out)
+        return length
+
+    async def read(self, key: str) -> bytes:
+        return b"".join((await self._chunks(key))[1])
+
+    async def delete(self, prefix: str) -> None:
+        pattern = f"{self.options.prefix}{prefix}*"
+        for server, client in enumerate(self._clients):
+            try:
+                batch = []
+                async for k in client.scan_iter(match=pattern, count=1000):
+                    batch.append(k)
+                    if len(batch) >= 1000:
+                        await client.unlink(*batch)
+                        batch = []
+                if batch:
+                    await client.unlink(*batch)
+            except rexc.RedisError as e:
+                raise self._fail(server, e, f"deleting {prefix}*") from e
+
+    async def list(self, prefix: str) -> list[str]:
+        keys: set[str] = set()
+        for server, client in enumerate(self._clients):
+            try:
+                async for k in client.scan_iter(match=f"{self.options.prefix}{prefix}*", count=1000):
+                    name = k.decode()[len(self.options.prefix):]
+                    if SEP not in name:
+                        keys.add(name)
+            except rexc.RedisError as e:
+                raise self._fail(server, e, f"listing {prefix}*") from e
+        return sorted(keys)
+
+
+def _scatter_chunks(chunks: list[bytes], out: Sequence[memoryview]) -> None:
+    """Copy the chunks into the buffers in order, without joining them first (no extra copy)."""
+    index, pos = 0, 0
+    for chunk in chunks:
+        view, taken = memoryview(chunk), 0
+        while taken < len(view) and index < len(out):
+            buf = out[index]
+            n = min(len(buf) - pos, len(view) - taken)
+            buf[pos : pos + n] = view[taken : taken + n]
+            pos, taken = pos + n, taken + n
+            if pos == len(buf):
+                index, pos = index + 1, 0
