@@ -4,7 +4,8 @@
 
 fn must be importable (defined at module level). Each rank's return value comes back pickled; an
 exception on any rank fails the call with every rank's traceback; a hang is killed after `timeout`.
-`may_die` lists ranks that are expected to exit abnormally (killed-rank tests).
+`may_die` lists ranks that are expected to exit abnormally (killed-rank tests); `env(rank)` adds
+environment variables per rank (e.g. GROUP_RANK to place ranks on simulated nodes).
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ import torch.multiprocessing as mp
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-              may_die: frozenset[int] = frozenset()) -> list[Any]:
+              may_die: frozenset[int] = frozenset(), env: Callable[[int], dict[str, str]] | None = None) -> list[Any]:
     ctx = mp.get_context("spawn")
     tmp = Path(tempfile.mkdtemp(prefix="tiered_ckpt-ranks-"))
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(tmp), args), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(tmp), args, env(r) if env else {}), daemon=True)
              for r in range(world_size)]
     try:
         for p in procs:
@@ -59,7 +60,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, args: tuple[Any, ...]) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, args: tuple[Any, ...],
+           env: dict[str, str]) -> None:
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
