@@ -86,7 +86,9 @@ def test_env_vars_expand(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "tiers").glob("*.toml")))
-def test_shipped_presets_parse(preset):
+def test_shipped_presets_parse(preset, monkeypatch):
+    monkeypatch.setenv("TIERED_CKPT_JOB", "gpt")
+    monkeypatch.setenv("TIERED_CKPT_SHARED", "/shared")
     cfg = tc.load_config(REPO / "tiers" / preset)
     assert cfg.tiers
 
