@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Sequence, TypeVar
 import msgpack
 
 from .config import Config, TierConfig, load_config
-from .errors import CheckpointExists, IncompleteCheckpoint, IntegrityError, StateError, TierError
+from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, IntegrityError, StateError, TierError
 from .index import CheckpointStatus, Index, open_index
 from .loading import LoadInfo, plan_reads, read_parts
 from .manifest import Manifest, RankMeta
@@ -76,7 +76,15 @@ class Engine:
             tier.bind(rank=self.rank, world_size=self.world_size, node=node, num_nodes=num_nodes)
             await tier.open()
         await self.index.open()
-        self._complete = {s.step for s in await self.index.list(self.job) if s.is_complete}
+        # a new incarnation of the job: writers of earlier ones (zombie ranks) are fenced off
+        epoch: int | None = None
+        if self.rank == 0:
+            try:
+                epoch = await self.index.fence(self.job)
+            except IndexUnavailable as e:
+                log.warning("%s; saves will fail until it is back, loads read the manifests on the tiers", e)
+        self.index.epoch = await self.coordinator.broadcast_object(epoch) or 0
+        self._complete = {s.step for s in await self.statuses() if s.is_complete}
         self._state = "open"
         return self
 
@@ -289,7 +297,12 @@ class Engine:
 
     async def _drop_incomplete_after(self, step: int) -> None:
         busy = {j.step for j in self._jobs}
-        for s in await self.index.list(self.job):
+        try:
+            statuses = await self.index.list(self.job)
+        except IndexUnavailable as e:
+            log.warning("%s: leftovers of the crashed run are not cleaned up now", e)
+            return
+        for s in statuses:
             if s.step > step and not s.is_complete and s.step not in busy:
                 log.info("removing incomplete checkpoint %d left by an earlier run", s.step)
                 await self.index.delete(self.job, s.step)
@@ -297,8 +310,36 @@ class Engine:
                     if name in self.tiers:
                         await self.tiers[name].delete(step_prefix(self.job, s.step))
 
+    async def statuses(self) -> list[CheckpointStatus]:
+        """Every checkpoint of the job: from the index, or, when the index is unreachable, from the
+        manifests on the tiers (a step is complete on a tier when its manifest and every rank's checksum
+        record are there, since each rank writes its record only after its parts are durable)."""
+        try:
+            return await self.index.list(self.job)
+        except IndexUnavailable as e:
+            log.warning("%s: listing checkpoints from the manifests on the tiers instead", e)
+        found: dict[int, dict[str, bool]] = {}
+        for name, tier in self.tiers.items():
+            try:
+                keys = set(await tier.list(f"{self.job}/"))
+            except TierError as e:
+                log.warning("tier %s cannot be listed either: %s", name, e)
+                continue
+            for key in keys:
+                if key.endswith("/manifest.msgpack"):
+                    step = int(key.split("/")[1].removeprefix("step-"))
+                    try:
+                        manifest = Manifest.from_bytes(await tier.read(key), source=f"manifest on tier {name!r}")
+                    except (TierError, IntegrityError):
+                        continue
+                    whole = all(rank_meta_key(self.job, step, r.rank) in keys for r in manifest.ranks)
+                    found.setdefault(step, {})[name] = whole
+        return [CheckpointStatus(step, tuple(self.tier_order(tiers)),
+                                 frozenset(t for t, whole in tiers.items() if whole))
+                for step, tiers in sorted(found.items())]
+
     async def _pick(self, step: int | None, allowed: list[str]) -> CheckpointStatus:
-        statuses = await self.index.list(self.job)
+        statuses = await self.statuses()
         usable = [s for s in statuses if s.complete & set(allowed)]
         if step is None:
             if not usable:
@@ -333,7 +374,7 @@ class Engine:
                            parse: Callable[[bytes, str], T], what: str, errors: list[str]) -> T:
         try:
             return parse(await from_index(), f"index {what}")
-        except (IncompleteCheckpoint, IntegrityError) as e:
+        except (IncompleteCheckpoint, IntegrityError, IndexUnavailable) as e:
             errors.append(str(e))
         for tier in tiers:
             try:
@@ -346,13 +387,13 @@ class Engine:
     async def list(self) -> AsyncIterator[CheckpointStatus]:
         """Every checkpoint of this job, oldest first, with the tiers it targets and those it is complete on."""
         self._check_open()
-        for status in await self.index.list(self.job):
+        for status in await self.statuses():
             yield status
 
     async def status(self, step: int) -> CheckpointStatus | None:
         """The index's record of checkpoint `step`, or None."""
         self._check_open()
-        return next((s for s in await self.index.list(self.job) if s.step == step), None)
+        return next((s for s in await self.statuses() if s.step == step), None)
 
     async def delete(self, step: int) -> None:
         """Delete checkpoint `step` from every tier and the index (commit records first)."""

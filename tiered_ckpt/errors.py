@@ -58,6 +58,10 @@ class IntegrityError(TierError):
     """Bytes read back do not match the checksum or length in the manifest."""
 
 
+class IndexUnavailable(TieredCkptError, ConnectionError):
+    """The index server cannot be reached; the message names it."""
+
+
 class IncompleteCheckpoint(TieredCkptError, LookupError):
     """The requested checkpoint is not complete on any reachable tier (or does not exist)."""
 

@@ -11,8 +11,11 @@ def open_index(url: str) -> Index:
         from .local import FileIndex
 
         return FileIndex(index_path(url))
-    raise ConfigError(f"index {url!r}: only file:// is available in this version (Redis index: issue #4)",
-                      key="engine.index")
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from .redis import RedisIndex
+
+        return RedisIndex(url)
+    raise ConfigError(f"index {url!r}: expected file://PATH or redis://HOST:PORT/DB", key="engine.index")
 
 
 __all__ = ["CheckpointStatus", "Index", "open_index"]

@@ -31,12 +31,17 @@ STEP = "step-"
 class FileIndex:
     def __init__(self, root: Path):
         self.root = Path(root)
+        self.epoch = 0
 
     async def open(self) -> None:
         await asyncio.to_thread(self.root.mkdir, parents=True, exist_ok=True)
 
     async def close(self) -> None:
         pass
+
+    async def fence(self, job: str) -> int:
+        """The file index has no fencing: its writers are the processes of one job on a shared directory."""
+        return 0
 
     def _dir(self, job: str, step: int) -> Path:
         return self.root / job / f"{STEP}{step:012d}"

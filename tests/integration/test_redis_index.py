@@ -1,0 +1,104 @@
+"""The Redis index against real redis-server processes: commit, listing, retention, fencing of zombie
+writers, and loading from the tiers' manifests while the index is down."""
+import logging
+
+import pytest
+import torch
+
+import tiered_ckpt as tc
+from tiered_ckpt.config import parse_config
+
+
+def stack(tmp_path, shm_dir, index_url, job="gpt", **engine):
+    return parse_config({
+        "engine": {"job": job, "index": index_url, "part_size": "64KiB", **engine},
+        "tiers": [
+            {"name": "host", "kind": "memory", "path": str(shm_dir / "host"), "keep_last": 2},
+            {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")},
+        ]})
+
+
+def state(value: float) -> dict:
+    return {"w": torch.full((50_000,), value), "meta": {"step": int(value)}}
+
+
+async def test_save_list_load_delete_and_retention(tmp_path, shm_dir, redis_server):
+    url = redis_server().url
+    async with tc.Engine(stack(tmp_path, shm_dir, url)) as engine:
+        for step in (1, 2, 3):
+            await (await engine.save(step, state(float(step)))).wait()
+        listing = {c.step: c.complete async for c in engine.list()}
+        assert listing == {1: {"disk"}, 2: {"host", "disk"}, 3: {"host", "disk"}}  # keep_last=2 on host
+        out = state(0.0)
+        info = await engine.load(out)
+        assert info.step == 3 and torch.all(out["w"] == 3.0) and out["meta"] == {"step": 3}
+        await engine.delete(3)
+        assert [c.step async for c in engine.list()] == [1, 2]
+    async with tc.Engine(stack(tmp_path, shm_dir, url)) as engine:  # a new process finds them in Redis
+        out = state(0.0)
+        assert (await engine.load(out)).step == 2 and torch.all(out["w"] == 2.0)
+
+
+async def test_a_zombie_from_an_earlier_incarnation_cannot_commit_or_delete(tmp_path, shm_dir, redis_server):
+    url = redis_server().url
+    zombie = await tc.Engine(stack(tmp_path, shm_dir, url)).open()
+    await (await zombie.save(1, state(1.0))).wait()
+    async with tc.Engine(stack(tmp_path, shm_dir, url)) as restarted:  # the job restarts: a new epoch
+        assert restarted.index.epoch == zombie.index.epoch + 1
+        handle = await zombie.save(2, state(2.0))
+        with pytest.raises(tc.SaveError, match="earlier incarnation"):
+            await handle.wait()
+        with pytest.raises(tc.TieredCkptError, match="earlier incarnation"):
+            await zombie.delete(1)
+        assert [(c.step, c.is_complete) async for c in restarted.list()] == [(1, True)]
+        await (await restarted.save(2, state(2.0))).wait()
+        out = state(0.0)
+        assert (await restarted.load(out)).step == 2
+    await zombie.close(raise_errors=False)
+
+
+async def test_index_down_loads_the_newest_complete_checkpoint_from_the_tiers(tmp_path, shm_dir, redis_server,
+                                                                             caplog):
+    server = redis_server()
+    async with tc.Engine(stack(tmp_path, shm_dir, server.url)) as engine:
+        for step in (1, 2):
+            await (await engine.save(step, state(float(step)))).wait()
+    server.stop()
+    caplog.set_level(logging.WARNING)
+    async with tc.Engine(stack(tmp_path, shm_dir, server.url)) as engine:
+        out = state(0.0)
+        info = await engine.load(out)
+        assert info.step == 2 and torch.all(out["w"] == 2.0) and out["meta"] == {"step": 2}
+        assert [(c.step, sorted(c.complete)) async for c in engine.list()] == [(1, ["disk", "host"]), (2, ["disk", "host"])]
+        handle = await engine.save(3, state(3.0))
+        with pytest.raises(tc.SaveError, match="unreachable"):
+            await handle.wait()
+    assert any(server.url in r.getMessage() and "manifests on the tiers" in r.getMessage() for r in caplog.records)
+
+
+async def test_cli_reads_the_redis_index(tmp_path, shm_dir, redis_server):
+    import subprocess
+    import sys
+
+    url = redis_server().url
+    async with tc.Engine(stack(tmp_path, shm_dir, url)) as engine:
+        await (await engine.save(7, state(7.0))).wait()
+    config = tmp_path / "redis.toml"
+    config.write_text(f'''[engine]
+job = "gpt"
+index = "{url}"
+part_size = "64KiB"
+
+[[tiers]]
+name = "host"
+kind = "memory"
+path = "{shm_dir / 'host'}"
+
+[[tiers]]
+name = "disk"
+kind = "local"
+path = "{tmp_path / 'disk'}"
+''')
+    ls = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "ls", "-c", str(config)], capture_output=True,
+                        text=True, timeout=60)
+    assert ls.returncode == 0 and "complete    host* disk*" in ls.stdout and "7" in ls.stdout, ls.stderr

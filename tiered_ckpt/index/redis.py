@@ -1,0 +1,184 @@
+"""The Redis index: where checkpoints are and which are complete, shared by every node of a job.
+
+Keys (prefix `tiered_ckpt:idx:<job>:`): `epoch` (the fencing epoch), `steps` (a sorted set of steps), and
+one hash per step with fields `created`, `target:<tier>` (its position, fastest first), `manifest`, `rank:<r>` (checksums),
+`durable:<tier>:<session>:<rank>`, `count:<tier>:<session>`, `complete:<tier>`, `failed:<tier>:<rank>:<session>`.
+
+Every write is a Lua script that first checks the fencing epoch: `fence()` increments it when a job
+(re)starts, so a zombie rank of an earlier incarnation can neither commit nor delete anything. The
+commit is one script: add this rank's durable marker, bump the tier's count, and set `complete:<tier>`
+when the count reaches the world size, all atomically, with no training-side collective.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import redis.asyncio as aioredis
+from redis import exceptions as rexc
+
+from ..errors import IncompleteCheckpoint, IndexUnavailable, TieredCkptError
+from .base import CheckpointStatus, TierState
+
+_CHECK = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') ~= tonumber(ARGV[1]) then
+  return redis.error_reply('FENCED epoch ' .. ARGV[1] .. ' is stale (current ' .. (redis.call('GET', KEYS[1]) or '0') .. ')')
+end
+"""
+# KEYS: epoch, step hash, steps zset. ARGV: epoch, step, field, value [, field, value ...]
+_HSET = _CHECK + """
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[2])
+return 1
+"""
+# KEYS: epoch, step hash. ARGV: epoch, tier, session, rank, world
+_COMMIT = _CHECK + """
+local count_field = 'count:' .. ARGV[2] .. ':' .. ARGV[3]
+local n
+if redis.call('HSETNX', KEYS[2], 'durable:' .. ARGV[2] .. ':' .. ARGV[3] .. ':' .. ARGV[4], '1') == 1 then
+  n = redis.call('HINCRBY', KEYS[2], count_field, 1)
+else
+  n = tonumber(redis.call('HGET', KEYS[2], count_field))
+end
+if n >= tonumber(ARGV[5]) then
+  redis.call('HSET', KEYS[2], 'complete:' .. ARGV[2], '1')
+  return 1
+end
+return 0
+"""
+# KEYS: epoch, step hash. ARGV: epoch, tier. Drops every record of one tier (before its data is deleted).
+_UNMARK = _CHECK + """
+for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
+  local kind, rest = string.match(f, '^(%a+):(.*)$')
+  if kind and kind ~= 'rank' and (rest == ARGV[2] or string.sub(rest, 1, #ARGV[2] + 1) == ARGV[2] .. ':') then
+    redis.call('HDEL', KEYS[2], f)
+  end
+end
+return 1
+"""
+# KEYS: epoch, step hash, steps zset. ARGV: epoch, step
+_DELETE = _CHECK + """
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[2])
+return 1
+"""
+
+
+class RedisIndex:
+    def __init__(self, url: str):
+        self.url = url
+        self.epoch = 0
+        self._client: aioredis.Redis | None = None
+        self._scripts: dict[str, Any] = {}
+
+    async def open(self) -> None:
+        self._client = aioredis.Redis.from_url(self.url, socket_timeout=30, socket_connect_timeout=10)
+        for name, source in (("hset", _HSET), ("commit", _COMMIT), ("unmark", _UNMARK), ("delete", _DELETE)):
+            self._scripts[name] = self._client.register_script(source)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    def _k(self, job: str, *parts: Any) -> str:
+        return ":".join(("tiered_ckpt:idx", job, *map(str, parts)))
+
+    async def _call(self, what: str, coro: Any) -> Any:
+        try:
+            return await coro
+        except rexc.ResponseError as e:
+            if "FENCED" in str(e):
+                raise TieredCkptError(f"index {self.url}: {what} refused: this process belongs to an earlier "
+                                      f"incarnation of the job ({e}); it must not commit or delete") from None
+            raise TieredCkptError(f"index {self.url}: {what}: {e}") from e
+        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
+            raise IndexUnavailable(f"index {self.url} unreachable during {what}: {e}") from e
+
+    async def fence(self, job: str) -> int:
+        """Start a new incarnation of `job`: writers holding an older epoch are refused from now on."""
+        assert self._client is not None
+        self.epoch = int(await self._call("fence", self._client.incr(self._k(job, "epoch"))))
+        return self.epoch
+
+    async def _hset(self, job: str, step: int, *pairs: Any) -> None:
+        await self._call(f"write of step {step}", self._scripts["hset"](
+            keys=[self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "steps")],
+            args=[self.epoch, step, *pairs]))
+
+    async def begin(self, job: str, step: int, tiers: Sequence[str]) -> None:
+        pairs: list[Any] = ["created", repr(time.time())]
+        for position, tier in enumerate(tiers):  # fastest first: keep the order, hash fields have none
+            pairs += [f"target:{tier}", str(position)]
+        await self._hset(job, step, *pairs)
+
+    async def put_manifest(self, job: str, step: int, data: bytes) -> None:
+        await self._hset(job, step, "manifest", data)
+
+    async def put_rank_meta(self, job: str, step: int, rank: int, data: bytes) -> None:
+        await self._hset(job, step, f"rank:{rank}", data)
+
+    async def _get(self, job: str, step: int, field: str, what: str) -> bytes:
+        assert self._client is not None
+        value = await self._call(f"read of step {step}", self._client.hget(self._k(job, "step", step), field))
+        if value is None:
+            raise IncompleteCheckpoint(f"job {job!r} step {step}: no {what} in the index at {self.url}")
+        return value
+
+    async def get_manifest(self, job: str, step: int) -> bytes:
+        return await self._get(job, step, "manifest", "manifest")
+
+    async def get_rank_meta(self, job: str, step: int, rank: int) -> bytes:
+        return await self._get(job, step, f"rank:{rank}", f"checksums of rank {rank}")
+
+    async def mark_durable(self, job: str, step: int, tier: str, rank: int, world_size: int, session: str) -> bool:
+        done = await self._call(f"commit of step {step} on {tier}", self._scripts["commit"](
+            keys=[self._k(job, "epoch"), self._k(job, "step", step)],
+            args=[self.epoch, tier, session, rank, world_size]))
+        return bool(done)
+
+    async def mark_failed(self, job: str, step: int, tier: str, rank: int, session: str, reason: str) -> None:
+        await self._hset(job, step, f"failed:{tier}:{rank}:{session}", reason)
+
+    async def tier_state(self, job: str, step: int, tier: str, session: str) -> TierState:
+        fields = await self._fields(job, step)
+        done = frozenset(int(f.rsplit(":", 1)[1]) for f in fields if f.startswith(f"durable:{tier}:{session}:"))
+        if f"complete:{tier}" in fields:
+            return TierState("complete", "", done)
+        for f, value in sorted(fields.items()):
+            if f.startswith(f"failed:{tier}:") and f.endswith(f":{session}"):
+                rank = f.split(":")[-2]
+                return TierState("failed", f"rank {rank}: {value.decode(errors='replace')}", done)
+        return TierState("pending", "", done)
+
+    async def _fields(self, job: str, step: int) -> dict[str, bytes]:
+        assert self._client is not None
+        raw = await self._call(f"read of step {step}", self._client.hgetall(self._k(job, "step", step)))
+        return {k.decode(): v for k, v in raw.items()}
+
+    async def unmark(self, job: str, step: int, tier: str) -> None:
+        await self._call(f"retention of step {step} on {tier}", self._scripts["unmark"](
+            keys=[self._k(job, "epoch"), self._k(job, "step", step)], args=[self.epoch, tier]))
+
+    async def list(self, job: str) -> list[CheckpointStatus]:
+        assert self._client is not None
+        steps = [int(s) for s in await self._call("listing", self._client.zrange(self._k(job, "steps"), 0, -1))]
+        out = []
+        for step in steps:
+            fields = await self._fields(job, step)
+            targets = [(int(v), f.split(":", 1)[1]) for f, v in fields.items() if f.startswith("target:")]
+            tiers = tuple(name for _, name in sorted(targets))
+            complete = frozenset(f.split(":", 1)[1] for f in fields if f.startswith("complete:"))
+            failed: dict[str, str] = {}
+            for f, value in fields.items():
+                if f.startswith("failed:"):
+                    _, tier, rank, _ = f.rsplit(":", 3) if f.count(":") >= 3 else (f, "", "", "")
+                    if tier not in complete:
+                        failed.setdefault(tier, f"rank {rank}: {value.decode(errors='replace')}")
+            if tiers or failed:
+                created = float(fields.get("created", b"0").decode() or 0)
+                out.append(CheckpointStatus(step, tiers or tuple(failed), complete, failed, created))
+        return out
+
+    async def delete(self, job: str, step: int) -> None:
+        await self._call(f"deletion of step {step}", self._scripts["delete"](
+            keys=[self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "steps")], args=[self.epoch, step]))
