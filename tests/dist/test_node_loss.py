@@ -1,6 +1,7 @@
 """Two simulated nodes x two ranks, each node with its own memory and disk tiers and a Redis peer cache
 (two real redis-server processes). Node 1 loses its memory and disk; a fresh job restores node 1's
-shards from its ring peer (node 1 wrote them to node 0's Redis), verified by checksum."""
+shards from its ring peer (node 1 wrote them to node 0's Redis), verified by checksum. The index is Redis
+too, so the 4 ranks commit through its atomic script."""
 from __future__ import annotations
 
 import shutil
@@ -15,12 +16,13 @@ from .multirank import run_ranks
 
 
 def node_config(root: str, node: int, urls: list[str]):
+    """Per-node memory and disk; the peer caches on urls[0:2]; the Redis index on urls[2]."""
     base = Path(root)
     return parse_config({
-        "engine": {"job": "nodes", "index": f"file://{base}/index", "part_size": "64KiB"},
+        "engine": {"job": "nodes", "index": urls[2], "part_size": "64KiB"},
         "tiers": [
             {"name": "host", "kind": "memory", "path": str(base / f"node{node}" / "shm")},
-            {"name": "peer", "kind": "redis", "urls": urls},
+            {"name": "peer", "kind": "redis", "urls": urls[:2]},
             {"name": "disk", "kind": "local", "path": str(base / f"node{node}" / "disk")},
         ]})
 
@@ -49,7 +51,7 @@ async def _load(rank: int, world: int, root: str, urls: list[str]) -> dict:
 
 
 def test_node_loss_restores_from_the_ring_peer(tmp_path, redis_server):
-    urls = [redis_server().url, redis_server().url]
+    urls = [redis_server().url, redis_server().url, redis_server().url]  # node 0, node 1, the index
     node_of = lambda rank: {"GROUP_RANK": str(rank // 2)}  # noqa: E731
     run_ranks(_save, 4, str(tmp_path), urls, env=node_of)
     for lost in ("shm", "disk"):

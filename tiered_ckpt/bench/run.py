@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="median of this many runs per figure")
     p.add_argument("--no-dcp", action="store_true", help="skip the DCP baselines")
     p.add_argument("--json", help="also write the raw figures here")
+    p.add_argument("--redis", default="auto",
+                   help="Redis URL for the Redis-tier comparison; 'auto' starts a local redis-server if one is "
+                        "installed; 'off' skips it")
     p.add_argument("--nproc", type=int, default=1,
                    help="with N > 1: N local ranks holding a replicated state, tiered_ckpt beside DCP")
 
@@ -49,6 +52,16 @@ def run_bench(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     print(report(results))
+    if args.redis != "off" and (args.redis != "auto" or shutil.which("redis-server")):
+        from .redis_bench import LocalRedis, measure_redis, report_redis
+
+        total, part = min(nbytes, 1 << 30), min(parse_size(args.part_size), nbytes)
+        print()
+        if args.redis == "auto":
+            with LocalRedis() as url:
+                print(report_redis(uvloop.run(measure_redis(url, total, part, 8))))
+        else:
+            print(report_redis(uvloop.run(measure_redis(args.redis, total, part, 8))))
     if args.nproc > 1:  # the same table, plus the multi-rank comparison
         from .dist_bench import run_dist_bench
 

@@ -114,8 +114,10 @@ class RedisPeerTier(Tier):
     async def _chunks(self, key: str) -> tuple[int, list[bytes]]:
         server, version, count, length = await self._locate(key)
         full = self.options.prefix + key
+        names = [f"{full}{SEP}{version}{SEP}{i}" for i in range(count)]
         try:
-            chunks = await self._clients[server].mget([f"{full}{SEP}{version}{SEP}{i}" for i in range(count)])
+            client = self._clients[server]
+            chunks = [await client.get(names[0])] if count == 1 else await client.mget(names)
         except rexc.RedisError as e:
             raise self._fail(server, e, f"reading {key}") from e
         if any(c is None for c in chunks):
