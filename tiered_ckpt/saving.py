@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from .checksum import ALGORITHM, checksum
-from .errors import IntegrityError, RankFailed, SaveError, TierError, TierTimeout
+from .errors import IntegrityError, RankFailed, SaveError, TierError, TierNotFound, TierTimeout
 from .manifest import Manifest, RankMeta
 from .plan import Plan
 from .staging import StagingBuffer, stage
@@ -197,6 +197,11 @@ class SaveJob:
                 blobs.append((manifest_key(engine.job, self.step), await self.manifest_bytes()))
             for key, data in blobs:
                 await pipeline.submit(len(data), lambda k=key, d=data: tier.write(k, memoryview(d)), f"write {key}")
+            written = [PartKey(engine.job, self.step, rank, p).path for p in range(self.plan.num_parts)]
+            gone = await tier.missing(written + [key for key, _ in blobs])
+            if gone:  # e.g. a cache that restarted empty mid-save: never commit what is no longer there
+                raise TierNotFound(f"step {self.step}: {len(gone)} value(s) vanished before the commit, "
+                                   f"first {gone[0]}", tier=tier.name)
             await engine.index.mark_durable(engine.job, self.step, tier.name, rank, world, engine.session)
             engine._complete.add(self.step)  # saving this step again is refused from now on
             if world > 1:

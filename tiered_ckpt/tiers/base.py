@@ -96,6 +96,12 @@ class Tier(ABC):
     async def list(self, prefix: str) -> list[str]:
         """Keys starting with `prefix`, sorted."""
 
+    async def missing(self, keys: Sequence[str]) -> list[str]:
+        """Which of `keys` are no longer stored, checked just before a commit. Tiers whose writes are
+        durable when they return (files fsynced) can't lose them and return []; a cache that may restart
+        or evict (Redis) checks, so a checkpoint never becomes complete on it with parts already gone."""
+        return []
+
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 

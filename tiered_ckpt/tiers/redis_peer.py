@@ -133,6 +133,28 @@ class RedisPeerTier(Tier):
     async def read(self, key: str) -> bytes:
         return b"".join((await self._chunks(key))[1])
 
+    async def missing(self, keys: Sequence[str]) -> list[str]:
+        server = self._ring()[0]  # where this node wrote them
+        client, prefix = self._clients[server], self.options.prefix
+        try:
+            headers = await client.mget([prefix + k for k in keys]) if keys else []
+            chunk_names, owners = [], []
+            for key, header in zip(keys, headers):
+                if header is not None:
+                    version, count, _ = header.decode().split(":")
+                    for i in range(int(count)):
+                        chunk_names.append(f"{prefix}{key}{SEP}{version}{SEP}{i}")
+                        owners.append(key)
+            pipe = client.pipeline(transaction=False)
+            for name in chunk_names:
+                pipe.exists(name)
+            present = await pipe.execute() if chunk_names else []
+        except rexc.RedisError as e:
+            raise self._fail(server, e, "checking parts before the commit") from e
+        gone = {k for k, h in zip(keys, headers) if h is None}
+        gone |= {owner for owner, ok in zip(owners, present) if not ok}
+        return sorted(gone)
+
     async def delete(self, prefix: str) -> None:
         pattern = f"{self.options.prefix}{prefix}*"
         for server, client in enumerate(self._clients):
