@@ -11,6 +11,7 @@ BUILTIN = {
     "memory": "tiered_ckpt.tiers.memory:MemoryTier",
     "local": "tiered_ckpt.tiers.local:LocalTier",
     "redis": "tiered_ckpt.tiers.redis_peer:RedisPeerTier",
+    "s3": "tiered_ckpt.tiers.s3:S3Tier",
 }
 
 
