@@ -1,6 +1,7 @@
 """Shared fixtures: a real on-disk config with a memory tier in /dev/shm and a local-disk tier."""
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -105,3 +106,41 @@ def redis_server(tmp_path):
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """A real S3-compatible HTTP server (moto_server) on a free port, with test credentials in the
+    environment (the standard AWS chain picks them up)."""
+    if shutil.which("moto_server") is None:
+        pytest.fail("moto_server is not installed; scripts/test.sh installs moto[server]")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)], stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT)
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        raise RuntimeError(f"moto_server did not start: {log.read_text()[-2000:]}")
+    yield f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A fresh bucket on the test S3 server: (endpoint_url, bucket name)."""
+    import uuid
+
+    import boto3
+
+    name = f"ckpt-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    return s3_endpoint, name

@@ -318,6 +318,9 @@ class Engine:
             return await self.index.list(self.job)
         except IndexUnavailable as e:
             log.warning("%s: listing checkpoints from the manifests on the tiers instead", e)
+        return await self._statuses_from_tiers()
+
+    async def _statuses_from_tiers(self) -> list[CheckpointStatus]:
         found: dict[int, dict[str, bool]] = {}
         for name, tier in self.tiers.items():
             try:
@@ -341,6 +344,13 @@ class Engine:
     async def _pick(self, step: int | None, allowed: list[str]) -> CheckpointStatus:
         statuses = await self.statuses()
         usable = [s for s in statuses if s.complete & set(allowed)]
+        if not usable or (step is not None and all(s.step != step for s in usable)):
+            # A fresh machine (an empty index) or a lost index: the tiers' manifests still know
+            from_tiers = [s for s in await self._statuses_from_tiers() if s.complete & set(allowed)]
+            if from_tiers and from_tiers != usable:
+                log.warning("job %r: the index has no usable checkpoint%s; using the manifests on the tiers",
+                            self.job, "" if step is None else f" {step}")
+                statuses, usable = from_tiers, from_tiers
         if step is None:
             if not usable:
                 raise IncompleteCheckpoint(f"job {self.job!r} has no complete checkpoint on tiers {allowed} "
