@@ -54,7 +54,7 @@ class S3Tier(Tier):
         from aiobotocore.session import AioSession
 
         session = AioSession(profile=self.options.profile)
-        config = AioConfig(retries={"max_attempts": 1, "mode": "standard"}, max_pool_connections=2 * self.options.concurrency,
+        config = AioConfig(retries={"total_max_attempts": 1, "mode": "standard"}, max_pool_connections=2 * self.options.concurrency,
                            connect_timeout=10, read_timeout=self.options.timeout)
         self._context = session.create_client("s3", endpoint_url=self.options.endpoint_url,
                                               region_name=self.options.region, config=config)
@@ -70,8 +70,9 @@ class S3Tier(Tier):
 
     def _fail(self, e: Exception, key: str, what: str) -> TierError:
         where = f"s3://{self.options.bucket}/{self._key(key)}"
-        code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
-        status = getattr(e, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        response = getattr(e, "response", None) or {}  # ClientError has one; connection errors may carry None
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         if code in ("NoSuchKey", "404", "NotFound"):
             return TierNotFound(f"{where} not found", tier=self.name)
         if code in RETRYABLE_CODES or status >= 500 or not code:
@@ -118,34 +119,38 @@ class S3Tier(Tier):
                 raise self._fail(e, key, "uploading") from e
             raise
 
-    async def _get(self, key: str, byte_range: str | None = None) -> bytes:
-        kwargs = {"Range": byte_range} if byte_range else {}
+    async def _get(self, key: str, start: int | None = None, end: int | None = None) -> tuple[bytes, int]:
+        """(bytes, the object's total length): the whole object, or bytes [start, end) of it."""
+        kwargs = {} if start is None else {"Range": f"bytes={start}-{end - 1}"}
         resp = await self._call(key, "reading", self._client.get_object(
             Bucket=self.options.bucket, Key=self._key(key), **kwargs))
         async with resp["Body"] as body:
-            return await self._call(key, "reading", body.read())
+            data = await self._call(key, "reading", body.read())
+        total = int(resp["ContentRange"].rsplit("/", 1)[1]) if start is not None else len(data)
+        return data, total
 
     async def read_into(self, key: str, out: Sequence[memoryview]) -> int:
-        head = await self._call(key, "reading", self._client.head_object(Bucket=self.options.bucket,
-                                                                          Key=self._key(key)))
-        length = int(head["ContentLength"])
-        if length != sum(len(b) for b in out):
-            return length
-        size, slots = self.options.multipart_size, asyncio.Semaphore(self.options.concurrency)
+        expected, size = sum(len(b) for b in out), self.options.multipart_size
+        if expected <= size:  # one GET, no HEAD
+            data, total = await self._get(key)
+            if total == expected:
+                await self.run_blocking(_place, data, 0, out)
+            return total
+        data, total = await self._get(key, 0, size)  # its Content-Range tells the object's length
+        if total != expected:
+            return total
+        slots = asyncio.Semaphore(self.options.concurrency)
 
         async def fetch(start: int) -> None:
-            end = min(start + size, length)
             async with slots:
-                data = await self._get(key, f"bytes={start}-{end - 1}" if length > size else None)
-            if len(data) != end - start:
-                raise TierError(f"s3://{self.options.bucket}/{self._key(key)}: short read", tier=self.name)
-            await self.run_blocking(_place, data, start, out)
+                chunk, _ = await self._get(key, start, min(start + size, total))
+            await self.run_blocking(_place, chunk, start, out)
 
-        await asyncio.gather(*(fetch(s) for s in range(0, length, size)))
-        return length
+        await asyncio.gather(self.run_blocking(_place, data, 0, out), *(fetch(s) for s in range(size, total, size)))
+        return total
 
     async def read(self, key: str) -> bytes:
-        return await self._get(key)
+        return (await self._get(key))[0]
 
     async def _keys(self, prefix: str) -> list[str]:
         paginator = self._client.get_paginator("list_objects_v2")
