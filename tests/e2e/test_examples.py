@@ -91,8 +91,10 @@ def test_distributed_bench_runs_beside_dcp(tmp_path, shm_dir):
     assert row.split("|")[3].strip() == "1.00"  # tiered_ckpt reads the checkpoint once across the 2 replicas
 
 
-def test_bench_compares_the_redis_tier_with_raw_redis(tmp_path, shm_dir):
+def test_bench_compares_the_redis_and_s3_tiers_with_their_plain_clients(tmp_path, shm_dir):
     proc = run("-m", "tiered_ckpt.cli", "bench", "--size", "8MiB", "--part-size", "1MiB", "--repeats", "1",
-               "--no-dcp", "--dir", str(tmp_path), "--shm", str(shm_dir))
+               "--no-dcp", "--s3-size", "16MiB", "--dir", str(tmp_path), "--shm", str(shm_dir))
     assert "Redis tier vs raw redis.asyncio" in proc.stdout
     assert "| write (SET) |" in proc.stdout and "| read (GET) |" in proc.stdout
+    assert "S3 tier vs plain aiobotocore" in proc.stdout
+    assert "| multipart upload |" in proc.stdout and "| ranged download |" in proc.stdout

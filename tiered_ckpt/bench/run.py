@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default="auto",
                    help="Redis URL for the Redis-tier comparison; 'auto' starts a local redis-server if one is "
                         "installed; 'off' skips it")
+    p.add_argument("--s3", default="auto",
+                   help="S3 endpoint URL for the S3-tier comparison (credentials from the AWS chain); 'auto' "
+                        "starts a local moto_server if installed; 'off' skips it")
+    p.add_argument("--s3-size", default="64MiB", help="bytes moved in the S3 comparison (moto is slow)")
     p.add_argument("--nproc", type=int, default=1,
                    help="with N > 1: N local ranks holding a replicated state, tiered_ckpt beside DCP")
 
@@ -62,6 +66,20 @@ def run_bench(args: argparse.Namespace) -> int:
                 print(report_redis(uvloop.run(measure_redis(url, total, part, 8))))
         else:
             print(report_redis(uvloop.run(measure_redis(args.redis, total, part, 8))))
+    if args.s3 != "off":
+        from . import s3_bench
+
+        if args.s3 != "auto" or s3_bench.available():
+            size = parse_size(args.s3_size)
+            obj, multipart = min(16 << 20, size), min(8 << 20, size)
+            multipart = max(multipart, 5 << 20)
+            print()
+            if args.s3 == "auto":
+                with s3_bench.LocalS3() as url:
+                    print(s3_bench.report_s3(uvloop.run(s3_bench.measure_s3(url, size, obj, multipart, 8)),
+                                             "a local moto_server"))
+            else:
+                print(s3_bench.report_s3(uvloop.run(s3_bench.measure_s3(args.s3, size, obj, multipart, 8)), args.s3))
     if args.nproc > 1:  # the same table, plus the multi-rank comparison
         from .dist_bench import run_dist_bench
 

@@ -136,18 +136,23 @@ class S3Tier(Tier):
             if total == expected:
                 await self.run_blocking(_place, data, 0, out)
             return total
-        data, total = await self._get(key, 0, size)  # its Content-Range tells the object's length
-        if total != expected:
-            return total
         slots = asyncio.Semaphore(self.options.concurrency)
 
-        async def fetch(start: int) -> None:
+        async def fetch(start: int) -> int:
             async with slots:
-                chunk, _ = await self._get(key, start, min(start + size, total))
-            await self.run_blocking(_place, chunk, start, out)
+                chunk, total = await self._get(key, start, min(start + size, expected))
+            if total == expected:
+                await self.run_blocking(_place, chunk, start, out)
+            return total
 
-        await asyncio.gather(self.run_blocking(_place, data, 0, out), *(fetch(s) for s in range(size, total, size)))
-        return total
+        # every range at once; each Content-Range carries the object's length, so truncation shows
+        results = await asyncio.gather(*(fetch(s) for s in range(0, expected, size)), return_exceptions=True)
+        if not isinstance(results[0], BaseException) and results[0] != expected:
+            return results[0]  # shorter or longer than the manifest says (later ranges may have failed)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return expected
 
     async def read(self, key: str) -> bytes:
         return (await self._get(key))[0]
