@@ -347,10 +347,10 @@ class Engine:
         if not usable or (step is not None and all(s.step != step for s in usable)):
             # A fresh machine (an empty index) or a lost index: the tiers' manifests still know
             from_tiers = [s for s in await self._statuses_from_tiers() if s.complete & set(allowed)]
-            if from_tiers and from_tiers != usable:
+            if from_tiers if step is None else any(s.step == step for s in from_tiers):
                 log.warning("job %r: the index has no usable checkpoint%s; using the manifests on the tiers",
                             self.job, "" if step is None else f" {step}")
-                statuses, usable = from_tiers, from_tiers
+                usable = from_tiers  # errors below still describe what the index knows
         if step is None:
             if not usable:
                 raise IncompleteCheckpoint(f"job {self.job!r} has no complete checkpoint on tiers {allowed} "

@@ -29,7 +29,9 @@ def test_ddp_example_resumes_at_other_world_sizes(tmp_path, shm_dir):
     assert crashed.returncode != 0 and "simulated crash after step 10" in crashed.stdout
     at3 = torchrun(3, "--config", str(cfg), "--steps", "12", "--losses", str(log))
     assert at3.returncode == 0, at3.stderr[-3000:]
-    assert "resumed from step 8 at world size 3" in at3.stdout
+    # the lazy save of step 8 may still have been in flight when the crash hit: then step 4 is the newest
+    resumed_from = int(at3.stdout.split("resumed from step ")[1].split()[0])
+    assert resumed_from in (4, 8) and "at world size 3" in at3.stdout
     at1 = torchrun(1, "--config", str(cfg), "--steps", "16", "--losses", str(log))
     assert at1.returncode == 0, at1.stderr[-3000:]
     assert "resumed from step 12 at world size 1" in at1.stdout
@@ -37,6 +39,6 @@ def test_ddp_example_resumes_at_other_world_sizes(tmp_path, shm_dir):
     expected = losses(straight_log)
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     resumed = {r["step"]: r["loss"] for r in rows if r["world"] != 2}
-    assert sorted(resumed) == list(range(9, 17))
+    assert sorted(resumed) == list(range(resumed_from + 1, 17))
     for step, loss in resumed.items():
         assert math.isclose(loss, expected[step], rel_tol=1e-4), (step, loss, expected[step])
