@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import socket
 import statistics
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -34,6 +36,26 @@ def drop_cache(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def start_local_server(argv: list[str], port: int, timeout: float = 30.0) -> subprocess.Popen:
+    """Start a throwaway server process (redis-server, moto_server) and wait until it accepts connections."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"{argv[0]} did not start on port {port}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rss_bytes() -> int:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
 from typing import Any
@@ -16,27 +14,18 @@ import redis.asyncio as aioredis
 
 from ..pipeline import TierPipeline
 from ..tiers.redis_peer import RedisOptions, RedisPeerTier
+from .measure import free_port, start_local_server
 
 
 class LocalRedis:
     """A throwaway redis-server on a free port (no persistence)."""
 
     def __enter__(self) -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.dir = tempfile.mkdtemp(prefix="tiered_ckpt-redis-")
-        self.proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", self.dir],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return f"redis://127.0.0.1:{port}/0"
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+        self.proc = start_local_server(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                        "--appendonly", "no", "--dir", self.dir], port)
+        return f"redis://127.0.0.1:{port}/0"
 
     def __exit__(self, *exc: object) -> None:
         self.proc.kill()

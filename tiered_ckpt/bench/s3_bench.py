@@ -6,36 +6,25 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
-import subprocess
 import time
 import uuid
 from typing import Any
 
 from ..pipeline import TierPipeline
 from ..tiers.s3 import S3Options, S3Tier
+from .measure import free_port, start_local_server
 
 
 class LocalS3:
     """A throwaway moto_server on a free port, with test credentials in the environment."""
 
     def __enter__(self) -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        port = free_port()
         for name, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
                             ("AWS_DEFAULT_REGION", "us-east-1")):
             os.environ.setdefault(name, value)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return f"http://127.0.0.1:{port}"
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("moto_server did not start")
+        self.proc = start_local_server(["moto_server", "-H", "127.0.0.1", "-p", str(port)], port)
+        return f"http://127.0.0.1:{port}"
 
     def __exit__(self, *exc: object) -> None:
         self.proc.kill()
