@@ -197,11 +197,17 @@ class Engine:
             if status.step == step:
                 if status.is_complete:
                     raise CheckpointExists(f"job {self.job!r} step {step} became complete elsewhere meanwhile")
-                for name in status.tiers:
-                    if name in self.tiers:
-                        await self.tiers[name].delete(step_prefix(self.job, step))
-                await self.index.delete(self.job, step)
+                await self._forget(status)
         await self.index.begin(self.job, step, tiers)
+
+    async def _forget(self, status: CheckpointStatus) -> None:
+        """Remove a checkpoint everywhere. Index first: a crash part-way leaves unreferenced bytes on a
+        tier, never a false "complete"."""
+        await self.index.delete(self.job, status.step)
+        self._complete.discard(status.step)
+        for name in status.tiers:
+            if name in self.tiers:
+                await self.tiers[name].delete(step_prefix(self.job, status.step))
 
     async def _retain(self, tier: Tier, *, finishing: int | None = None) -> None:
         """Apply keep_last on `tier` as save `finishing` ends. Only complete checkpoints count, so a save
@@ -305,10 +311,7 @@ class Engine:
         for s in statuses:
             if s.step > step and not s.is_complete and s.step not in busy:
                 log.info("removing incomplete checkpoint %d left by an earlier run", s.step)
-                await self.index.delete(self.job, s.step)
-                for name in s.tiers:
-                    if name in self.tiers:
-                        await self.tiers[name].delete(step_prefix(self.job, s.step))
+                await self._forget(s)
 
     async def statuses(self) -> list[CheckpointStatus]:
         """Every checkpoint of the job: from the index, or, when the index is unreachable, from the
@@ -412,11 +415,6 @@ class Engine:
             raise CheckpointExists(f"job {self.job!r} step {step} is being saved or loaded; try again later")
         for status in await self.index.list(self.job):
             if status.step == step:
-                # Index first: a crash part-way leaves unreferenced bytes on a tier, never a false "complete".
-                await self.index.delete(self.job, step)
-                self._complete.discard(step)
-                for name in status.tiers:
-                    if name in self.tiers:
-                        await self.tiers[name].delete(step_prefix(self.job, step))
+                await self._forget(status)
                 return
         raise IncompleteCheckpoint(f"job {self.job!r} has no checkpoint {step}")

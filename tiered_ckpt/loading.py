@@ -1,8 +1,9 @@
-"""Reading a checkpoint back into the caller's tensors.
+"""Reading a checkpoint back into the caller's tensors, resharding where the layouts differ.
 
-Each part is read with one scatter call straight into the destination tensors' memory (a bounce tensor
-only for non-contiguous or non-CPU targets), its crc32c is checked over exactly those bytes, and on a
-missing part, a short read or a checksum mismatch the part is read again from the next tier.
+A saved chunk whose box is exactly a contiguous CPU target's box is read with one scatter call straight
+into the target's memory; any other needed chunk (resharding, non-contiguous or non-CPU targets) is read
+into a scratch buffer and its overlap copied over. Each part's crc32c is checked over exactly the bytes
+read; a missing part, a short read or a checksum mismatch reads that part again from the next tier.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+from contextlib import nullcontext
 from typing import Sequence
 
 import torch
@@ -101,16 +102,8 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer) -> No
     cuda = any(s.is_cuda for s in sources)
     stream = torch.cuda.Stream() if cuda else None
     views = buf.views_for(plan)
-    with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _nullcontext()):
+    with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else nullcontext()):
         for src, dst in zip(sources, views):
             dst.copy_(src, non_blocking=src.is_cuda)
     if stream is not None:
         stream.synchronize()
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..errors import TieredCkptError
+
 
 class Coordinator:
     def __init__(self, rank: int = 0, world_size: int = 1, group: Any = None):
@@ -91,8 +93,6 @@ class Coordinator:
             if report is not None:
                 if error is not None and rank == self.rank:
                     raise error
-                from ..errors import TieredCkptError
-
                 raise TieredCkptError(f"rank {rank} failed: {report}")
 
     async def destroy(self) -> None:
