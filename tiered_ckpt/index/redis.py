@@ -140,20 +140,25 @@ class RedisIndex:
         await self._hset(job, step, f"failed:{tier}:{rank}:{session}", reason)
 
     async def tier_state(self, job: str, step: int, tier: str, session: str) -> TierState:
-        fields = await self._fields(job, step)
-        done = frozenset(int(f.rsplit(":", 1)[1]) for f in fields if f.startswith(f"durable:{tier}:{session}:"))
-        if f"complete:{tier}" in fields:
-            return TierState("complete", "", done)
-        for f, value in sorted(fields.items()):
-            if f.startswith(f"failed:{tier}:") and f.endswith(f":{session}"):
-                rank = f.split(":")[-2]
-                return TierState("failed", f"rank {rank}: {value.decode(errors='replace')}", done)
-        return TierState("pending", "", done)
+        fields = await self._small_fields(job, [step])
+        return _tier_state(fields[0], tier, session)
 
-    async def _fields(self, job: str, step: int) -> dict[str, bytes]:
+    async def _small_fields(self, job: str, steps: list[int]) -> list[dict[str, bytes]]:
+        """The bookkeeping fields of each step's hash, without the manifest and checksum records: this
+        is polled by every rank while it waits for a commit, and read on every save by retention."""
         assert self._client is not None
-        raw = await self._call(f"read of step {step}", self._client.hgetall(self._k(job, "step", step)))
-        return {k.decode(): v for k, v in raw.items()}
+        keys = [self._k(job, "step", step) for step in steps]
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hkeys(key)
+        replies = await self._call("read of the index", pipe.execute())
+        names = [[n.decode() for n in step_names] for step_names in replies]
+        pipe = self._client.pipeline(transaction=False)
+        wanted = [[n for n in step_names if n != "manifest" and not n.startswith("rank:")] for step_names in names]
+        for key, fields in zip(keys, wanted):
+            pipe.hmget(key, fields) if fields else pipe.ping()
+        values = await self._call("read of the index", pipe.execute())
+        return [dict(zip(fields, vals)) if fields else {} for fields, vals in zip(wanted, values)]
 
     async def unmark(self, job: str, step: int, tier: str) -> None:
         await self._call(f"retention of step {step} on {tier}", self._scripts["unmark"](
@@ -163,8 +168,7 @@ class RedisIndex:
         assert self._client is not None
         steps = [int(s) for s in await self._call("listing", self._client.zrange(self._k(job, "steps"), 0, -1))]
         out = []
-        for step in steps:
-            fields = await self._fields(job, step)
+        for step, fields in zip(steps, await self._small_fields(job, steps) if steps else []):
             targets = [(int(v), f.split(":", 1)[1]) for f, v in fields.items() if f.startswith("target:")]
             tiers = tuple(name for _, name in sorted(targets))
             complete = frozenset(f.split(":", 1)[1] for f in fields if f.startswith("complete:"))
@@ -182,3 +186,13 @@ class RedisIndex:
     async def delete(self, job: str, step: int) -> None:
         await self._call(f"deletion of step {step}", self._scripts["delete"](
             keys=[self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "steps")], args=[self.epoch, step]))
+
+
+def _tier_state(fields: dict[str, bytes], tier: str, session: str) -> TierState:
+    done = frozenset(int(f.rsplit(":", 1)[1]) for f in fields if f.startswith(f"durable:{tier}:{session}:"))
+    if f"complete:{tier}" in fields:
+        return TierState("complete", "", done)
+    for f, value in sorted(fields.items()):
+        if f.startswith(f"failed:{tier}:") and f.endswith(f":{session}"):
+            return TierState("failed", f"rank {f.split(':')[-2]}: {value.decode(errors='replace')}", done)
+    return TierState("pending", "", done)
