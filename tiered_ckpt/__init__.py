@@ -1,13 +1,14 @@
 """tiered_ckpt: near-free checkpointing of PyTorch training through tiers of storage."""
 from .config import Config, EngineConfig, TierConfig, load_config
-from .dist.state_dict import TrainState
 from .engine import Engine
 from .errors import (CheckpointExists, ConfigError, IncompleteCheckpoint, IntegrityError, SaveError, StateError,
                      TieredCkptError, TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable)
 from .index import CheckpointStatus
-from .loading import Fallback, LoadInfo
+from .loading import LoadInfo
 from .saving import SaveHandle
 from .sync import Checkpointer, SyncSaveHandle
+from .tier_io import Fallback
+from .train_state import TrainState
 
 __version__ = "0.1.0"
 __all__ = [

@@ -96,11 +96,11 @@ async def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
     status = await engine.status(args.step)
     if status is None:
         raise LookupError(f"job {engine.job!r} has no checkpoint {args.step}")
-    m = await engine.read_manifest(args.step, [engine.tiers[t] for t in engine.tier_order(status.tiers)])
+    m = await engine.read_manifest(args.step, status.tiers)
     print(f"job {m.job!r} step {m.step}  created {_when(m.created)}  format v{m.version}")
     print(f"  size {format_size(m.nbytes)} in {sum(len(r.checksums) for r in m.ranks)} parts of "
           f"{format_size(m.part_size)}, {m.checksum}; world size {m.world_size}; {len(m.tensors)} tensors")
-    print(f"  complete on: {', '.join(engine.tier_order(status.complete)) or 'none'}")
+    print(f"  complete on: {', '.join(engine.io.order(status.complete)) or 'none'}")
     for tier, reason in status.failed.items():
         print(f"  failed on {tier}: {reason}")
     if m.metadata:
@@ -122,16 +122,18 @@ async def cmd_verify(engine: Engine, args: argparse.Namespace) -> int:
     steps = [args.step] if args.step is not None else [c.step async for c in engine.list()]
     failures = 0
     for step in steps:
-        m = None
         try:
-            m = await engine.read_manifest(step, list(engine.tiers.values()))
+            m = await engine.read_manifest(step)
         except TieredCkptError as e:
             print(f"step {step}: {e}")
             failures += 1
             continue
+        status = await engine.status(step)
+        if status is None:
+            raise LookupError(f"job {engine.job!r} has no checkpoint {step}")
         with tqdm(total=m.nbytes * len(engine.tiers), unit="B", unit_scale=True, desc=f"step {step}",
                   file=sys.stderr, disable=None) as bar:
-            reports = await verify(engine, step, bar.update)
+            reports = await verify(engine.io, status, m, bar.update)
         for r in reports:
             state = "complete" if r.complete else "incomplete"
             verdict = "ok" if r.ok else f"{len(r.bad)} bad part(s)"

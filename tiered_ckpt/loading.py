@@ -1,38 +1,28 @@
 """Reading a checkpoint back into the caller's tensors, resharding where the layouts differ.
 
-A saved chunk whose box is exactly a contiguous CPU target's box is read with one scatter call straight
-into the target's memory; any other needed chunk (resharding, non-contiguous or non-CPU targets) is read
-into a scratch buffer and its overlap copied over. Each part's crc32c is checked over exactly the bytes
-read; a missing part, a short read or a checksum mismatch reads that part again from the next tier.
+`plan_reads` decides where each needed saved chunk goes: a chunk whose box is exactly a contiguous CPU
+target's box is read with one scatter call straight into the target's memory; any other needed chunk
+(resharding, non-contiguous or non-CPU targets) is read into a scratch buffer and its overlap copied over.
+`read_parts` then reads every needed part through `TierIO.read_verified` (checksum over exactly the bytes
+read; a missing, short or corrupt part is read again from the next tier), with several ranks through the
+broadcast reader, so each part is read once per replica group.
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
-from .checksum import checksum
-from .dist.broadcast import PartRead, read_with_broadcast
-from .errors import IntegrityError, TierError
+from .distributed.broadcast import read_with_broadcast
+from .distributed.coordinator import Coordinator
+from .distributed.dtensor import local_box, local_tensor
+from .layout import PartKey
 from .manifest import Manifest
-from .plan import local_box, local_tensor
 from .staging import tensor_bytes
-from .tiers.base import PartKey, Tier
-
-if TYPE_CHECKING:
-    from .engine import Engine
-
-
-@dataclass(frozen=True)
-class Fallback:
-    """A part that the preferred tier could not serve intact."""
-
-    part: str
-    tier: str
-    reason: str
+from .tier_io import Fallback, PartRead, TierIO
 
 
 @dataclass
@@ -132,8 +122,9 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
     return views if wanted else None
 
 
-async def read_parts(engine: "Engine", manifest: Manifest, tiers: Sequence[Tier],
+async def read_parts(io: TierIO, coordinator: Coordinator, manifest: Manifest, order: Sequence[str],
                      dests: dict[tuple[int, int], memoryview], info: LoadInfo) -> None:
+    """Read every part that holds a wanted chunk into its destinations, from the tiers in `order`."""
     parts: dict[tuple[int, int], PartRead] = {}
     for rank_meta in manifest.ranks:
         spans = rank_spans(manifest, rank_meta.rank)
@@ -142,35 +133,7 @@ async def read_parts(engine: "Engine", manifest: Manifest, tiers: Sequence[Tier]
             if views is not None:
                 key = PartKey(manifest.job, manifest.step, rank_meta.rank, p).path
                 parts[(rank_meta.rank, p)] = PartRead(key, views, manifest.part_length(rank_meta.rank, p), expected)
-
-    async def read_one(key: str, views: list[memoryview], length: int, expected: int) -> None:
-        await _read_one(engine, key, views, length, expected, tiers, info)
-
-    if engine.coordinator.distributed:
-        await read_with_broadcast(engine, parts, read_one, info)
+    if coordinator.distributed:
+        await read_with_broadcast(coordinator, io, order, parts, info)
     else:
-        await asyncio.gather(*(read_one(p.key, p.views, p.length, p.checksum) for p in parts.values()))
-
-
-async def _read_one(engine: "Engine", key: str, views: list[memoryview], length: int, expected: int,
-                    tiers: Sequence[Tier], info: LoadInfo) -> None:
-    for tier in tiers:
-        try:
-            n = await engine.pipelines[tier.name].submit(
-                length, lambda t=tier: t.read_into(key, views), f"read {key}")
-        except TierError as e:
-            info.fallbacks.append(Fallback(key, tier.name, f"{type(e).__name__}: {e}"))
-            continue
-        if n != length:
-            info.fallbacks.append(Fallback(key, tier.name, f"length {n}, expected {length}"))
-            continue
-        actual = await engine.run_blocking(checksum, views)
-        if actual != expected:
-            info.fallbacks.append(Fallback(key, tier.name, f"crc32c {actual:#010x}, expected {expected:#010x}"))
-            continue
-        info.bytes_by_tier[tier.name] = info.bytes_by_tier.get(tier.name, 0) + length
-        return
-    reasons = "; ".join(f"{f.tier}: {f.reason}" for f in info.fallbacks if f.part == key)
-    raise IntegrityError(f"part {key}: no tier returned it intact ({reasons or 'no tier holds this checkpoint'})")
-
-
+        await asyncio.gather(*(io.read_verified(p, order, info.fallbacks, info.bytes_by_tier) for p in parts.values()))

@@ -9,6 +9,7 @@ import msgpack
 import torch
 
 from .errors import IntegrityError
+from .layout import part_count, part_range
 
 FORMAT_VERSION = 1
 
@@ -81,16 +82,14 @@ class Manifest:
         ranks = []
         for r in self.ranks:
             record = records[r.rank]
-            if record.nbytes != r.nbytes or len(record.checksums) != -(-r.nbytes // self.part_size):
+            if record.nbytes != r.nbytes or len(record.checksums) != part_count(r.nbytes, self.part_size):
                 raise IntegrityError(f"rank {r.rank}'s checksum record does not match the manifest")
             ranks.append(record)
         return dataclasses.replace(self, ranks=tuple(ranks))
 
-    def part_count(self, rank: int) -> int:
-        return len(self.ranks[rank].checksums)
-
     def part_length(self, rank: int, index: int) -> int:
-        return min(self.part_size, self.ranks[rank].nbytes - index * self.part_size)
+        start, end = part_range(self.ranks[rank].nbytes, self.part_size, index)
+        return end - start
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(dataclasses.asdict(self))

@@ -51,11 +51,13 @@ class TierPipeline:
         await self._budget.acquire(nbytes)
         try:
             async with self._workers:
-                return await self._with_retries(op, what)
+                return await self.attempt(op, what)
         finally:
             await self._budget.release(nbytes)
 
-    async def _with_retries(self, op: Callable[[], Awaitable[T]], what: str) -> T:
+    async def attempt(self, op: Callable[[], Awaitable[T]], what: str) -> T:
+        """Run `op` with this tier's timeout and retries, outside the budget (for work already counted in
+        another pipeline's budget)."""
         attempt = 0
         while True:
             try:

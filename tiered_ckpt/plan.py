@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
-from .dist.coordinator import Coordinator
+from .distributed.coordinator import Coordinator
+from .distributed.dtensor import layout_key, local_box
 from .errors import StateError
+from .layout import part_count, part_range
 from .manifest import ChunkMeta, TensorMeta
 
 ALIGN = 64  # every chunk starts 64-byte aligned, so byte views can be re-viewed as any dtype
@@ -55,37 +57,15 @@ class Plan:
 
     @property
     def num_parts(self) -> int:
-        return -(-self.nbytes // self.part_size)
+        return part_count(self.nbytes, self.part_size)
 
     def part_range(self, index: int) -> tuple[int, int]:
-        start = index * self.part_size
-        return start, min(start + self.part_size, self.nbytes)
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
-
-
-def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(global shape, global offsets, local sizes) of the part of `t` this rank holds."""
-    if not is_dtensor(t):
-        return tuple(t.shape), (0,) * t.dim(), tuple(t.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if any(p.is_partial() for p in t.placements):
-        raise StateError("a DTensor with a Partial placement must be reduced (redistribute) before saving")
-    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(t.shape), tuple(offsets), tuple(sizes)
+        return part_range(self.nbytes, self.part_size, index)
 
 
 def structure_key(paths: list[str], tensors: list[torch.Tensor], world_size: int, part_size: int) -> tuple:
     """Names, dtypes, shapes, placements and layout as one hashable tuple (cheap to build and hash)."""
-    layout = tuple([(t.shape, tuple(t.placements), tuple(t.device_mesh.mesh.flatten().tolist()),
-                     tuple(t.device_mesh.shape)) if is_dtensor(t) else t.shape for t in tensors])
+    layout = tuple([layout_key(t) for t in tensors])
     return (world_size, part_size, tuple(paths), tuple([t.dtype for t in tensors]), layout)
 
 

@@ -10,28 +10,31 @@ the disk keeps streaming, and a save never waits for the slowest tier unless not
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
 
 from .checksum import ALGORITHM, checksum
-from .errors import IntegrityError, RankFailed, SaveError, TierError, TierNotFound, TierTimeout
+from .commit import Committer
+from .errors import SaveError, TierNotFound
+from .layout import PartKey, manifest_key, rank_meta_key
 from .manifest import Manifest, RankMeta
 from .plan import Plan
-from .staging import StagingBuffer, stage
+from .retention import Retention
+from .staging import StagingBuffer, StagingPool, stage
 from .state import FlatState, encode_skeleton
-from .tiers.base import PartKey, Tier, manifest_key, rank_meta_key
-
-if TYPE_CHECKING:
-    from .engine import Engine
-
-log = logging.getLogger(__name__)
+from .tier_io import PartRead, TierIO
 
 
 def _quiet(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()  # mark retrieved; the handle or the engine reports it
+
+
+def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    if not fut.done():
+        fut.set_exception(error) if error is not None else fut.set_result(None)
 
 
 class SaveHandle:
@@ -75,20 +78,37 @@ class SaveHandle:
         return {t: f.exception() for t, f in self._done.items()
                 if f.done() and not f.cancelled() and f.exception() is not None}
 
-    def _set(self, fut: asyncio.Future[None], error: BaseException | None) -> None:
-        if fut.done():
-            return
-        fut.set_exception(error) if error is not None else fut.set_result(None)
+    def set_staged(self, error: BaseException | None = None) -> None:
+        _resolve(self._staged, error)
+
+    def set_done(self, tier: str, error: BaseException | None = None) -> None:
+        _resolve(self._done[tier], error)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "staged" if self._staged.done() else "staging"
         return f"<SaveHandle step={self.step} tiers={list(self.tiers)} {state}>"
 
 
+@dataclass(frozen=True)
+class SaveServices:
+    """What a save job uses of the engine, and nothing more."""
+
+    tiers: TierIO
+    commit: Committer
+    retention: Retention
+    pool: StagingPool
+
+
 class SaveJob:
-    def __init__(self, engine: "Engine", step: int, flat: FlatState, plan: Plan, buffer: StagingBuffer,
-                 handle: SaveHandle, tiers: list[Tier], metadata: dict[str, Any]):
-        self.engine = engine
+    """One save in flight: stage, then for every targeted tier at once: parts, records, commit, retention."""
+
+    def __init__(self, services: SaveServices, step: int, flat: FlatState, plan: Plan, buffer: StagingBuffer,
+                 handle: SaveHandle, tiers: list[str], metadata: dict[str, Any]):
+        self.io = services.tiers
+        self.commit = services.commit
+        self.retention = services.retention
+        self.pool = services.pool
+        self.job = services.commit.job
         self.step = step
         self.flat = flat
         self.plan = plan
@@ -112,32 +132,37 @@ class SaveJob:
         self._rank_meta: asyncio.Task[bytes] | None = None
         self.task: asyncio.Task[None] | None = None
 
+    def start(self) -> None:
+        """Stage (in a thread) and persist in the background; `handle.staged()` resolves after the copy."""
+        staging = asyncio.create_task(self._stage())
+        self.task = asyncio.create_task(self._run(staging))
+
     # -- staging ---------------------------------------------------------------------------------
-    async def stage(self) -> None:
+    async def _stage(self) -> None:
         try:
-            await self.engine.run_blocking(stage, self.plan, self.flat.tensors, self.buffer)
+            await self.io.run_blocking(stage, self.plan, self.flat.tensors, self.buffer)
         except BaseException as e:
-            self.handle._set(self.handle._staged, e)
+            self.handle.set_staged(e)
             raise
-        self.handle._set(self.handle._staged, None)
+        self.handle.set_staged()
         self.flat.tensors = []  # drop references to the caller's tensors
 
     # -- the background run ----------------------------------------------------------------------
-    async def run(self, staging: asyncio.Task[None]) -> None:
-        engine = self.engine
+    async def _run(self, staging: asyncio.Task[None]) -> None:
         try:
             try:
                 await staging
             except BaseException as e:
                 for tier in self.tiers:
-                    self.handle._set(self.handle._done[tier.name], await self._report(tier, e))
+                    self.handle.set_done(tier, await self.commit.fail_tier(self.step, tier, e))
                 return
             self._checksums = asyncio.create_task(self._compute_checksums())
             try:
-                await engine._begin(self.step, [t.name for t in self.tiers])
+                await self.retention.clear_crashed_attempt(self.step)
+                await self.commit.begin(self.step, self.tiers)
             except BaseException as e:
-                for fut in self.handle._done.values():
-                    self.handle._set(fut, e)
+                for tier in self.tiers:
+                    self.handle.set_done(tier, e)
                 return
             await asyncio.gather(*(self._persist_tier(t) for t in self.tiers))
         finally:
@@ -147,27 +172,26 @@ class SaveJob:
         assert self.buffer is not None
         view = self.buffer.view
         ranges = [self.plan.part_range(p) for p in range(self.plan.num_parts)]
-        return list(await asyncio.gather(
-            *(self.engine.run_blocking(checksum, [view[a:b]]) for a, b in ranges)))
+        return list(await asyncio.gather(*(self.io.run_blocking(checksum, [view[a:b]]) for a, b in ranges)))
 
-    async def manifest_bytes(self) -> bytes:
+    async def _manifest_bytes(self) -> bytes:
         """The manifest (rank 0 only), stored in the index once and returned for every tier."""
         if self._manifest is None:
             self._manifest = asyncio.create_task(self._build_manifest())
         return await asyncio.shield(self._manifest)
 
     async def _build_manifest(self) -> bytes:
-        plan, engine = self.plan, self.engine
+        plan = self.plan
         manifest = Manifest(
-            job=engine.job, step=self.step, world_size=plan.world_size, part_size=plan.part_size,
+            job=self.job, step=self.step, world_size=plan.world_size, part_size=plan.part_size,
             checksum=ALGORITHM, tensors=plan.tensors,
             ranks=tuple(RankMeta(r, n) for r, n in enumerate(plan.rank_nbytes)),
             skeleton=encode_skeleton(self.flat.skeleton), created=time.time(), metadata=self.metadata)
         data = manifest.to_bytes()
-        await engine.index.put_manifest(engine.job, self.step, data)
+        await self.commit.put_manifest(self.step, data)
         return data
 
-    async def rank_meta_bytes(self) -> bytes:
+    async def _rank_meta_bytes(self) -> bytes:
         """This rank's part checksums, stored in the index once and returned for every tier."""
         if self._rank_meta is None:
             self._rank_meta = asyncio.create_task(self._build_rank_meta())
@@ -176,87 +200,53 @@ class SaveJob:
     async def _build_rank_meta(self) -> bytes:
         assert self._checksums is not None
         data = RankMeta(self.plan.rank, self.plan.nbytes, tuple(await self._checksums)).to_bytes()
-        await self.engine.index.put_rank_meta(self.engine.job, self.step, self.plan.rank, data)
+        await self.commit.put_rank_meta(self.step, data)
         return data
 
-    async def _persist_tier(self, tier: Tier) -> None:
-        engine, handle = self.engine, self.handle
-        pipeline = engine.pipelines[tier.name]
-        rank, world = self.plan.rank, self.plan.world_size
+    async def _persist_tier(self, tier: str) -> None:
+        """Parts, then records (checksums; the manifest from rank 0), then a check that nothing vanished,
+        then the commit; retention once the tier is complete."""
+        handle, rank = self.handle, self.plan.rank
         error: BaseException | None = None
         try:
             results = await asyncio.gather(*(
-                pipeline.submit(b - a, lambda p=p: self._write_part(tier, p), f"write part {p} of step {self.step}")
+                self.io.pipelines[tier].submit(b - a, lambda p=p: self._write_part(tier, p),
+                                               f"write part {p} of step {self.step}")
                 for p, (a, b) in ((p, self.plan.part_range(p)) for p in range(self.plan.num_parts))
             ), return_exceptions=True)
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
                 raise failed[0]
-            blobs = [(rank_meta_key(engine.job, self.step, rank), await self.rank_meta_bytes())]
+            blobs = [(rank_meta_key(self.job, self.step, rank), await self._rank_meta_bytes())]
             if rank == 0:
-                blobs.append((manifest_key(engine.job, self.step), await self.manifest_bytes()))
+                blobs.append((manifest_key(self.job, self.step), await self._manifest_bytes()))
             for key, data in blobs:
-                await pipeline.submit(len(data), lambda k=key, d=data: tier.write(k, memoryview(d)), f"write {key}")
-            written = [PartKey(engine.job, self.step, rank, p).path for p in range(self.plan.num_parts)]
-            gone = await tier.missing(written + [key for key, _ in blobs])
+                await self.io.write(tier, key, memoryview(data))
+            written = [self._part_key(p) for p in range(self.plan.num_parts)]
+            gone = await self.io[tier].missing(written + [key for key, _ in blobs])
             if gone:  # e.g. a cache that restarted empty mid-save: never commit what is no longer there
                 raise TierNotFound(f"step {self.step}: {len(gone)} value(s) vanished before the commit, "
-                                   f"first {gone[0]}", tier=tier.name)
-            await engine.index.mark_durable(engine.job, self.step, tier.name, rank, world, engine.session)
-            engine._complete.add(self.step)  # saving this step again is refused from now on
-            if world > 1:
-                await self._wait_for_every_rank(tier)
+                                   f"first {gone[0]}", tier=tier)
+            await self.commit.mark_durable(self.step, tier)
+            self.retention.complete.add(self.step)  # saving this step again is refused from now on
+            await self.commit.wait_complete(self.step, tier)
         except Exception as e:
-            error = await self._report(tier, e)
-        handle.durable_at[tier.name] = time.perf_counter() - handle.started
+            error = await self.commit.fail_tier(self.step, tier, e)
+        handle.durable_at[tier] = time.perf_counter() - handle.started
         if error is None:
-            await engine._retain(tier, finishing=self.step)
-        handle._set(handle._done[tier.name], error)
+            await self.retention.apply(tier, finishing=self.step)
+        handle.set_done(tier, error)
 
-    async def _report(self, tier: Tier, e: BaseException) -> BaseException:
-        """Record this rank's failure on `tier` where every rank sees it; return the error to raise."""
-        engine, rank = self.engine, self.plan.rank
-        if isinstance(e, RankFailed):  # another rank's failure, already recorded
-            return e
-        reason = f"{type(e).__name__}: {e}"
-        log.error("checkpoint step %d failed on tier %s (rank %d): %s", self.step, tier.name, rank, reason)
-        try:
-            await engine.index.mark_failed(engine.job, self.step, tier.name, rank, engine.session, reason)
-        except Exception as e2:  # the index being down must not hide the original error
-            log.error("could not record the failure of tier %s in the index: %s", tier.name, e2)
-        if self.plan.world_size == 1:
-            return e
-        error = RankFailed(f"step {self.step}: rank {rank}: {reason}", tier=tier.name)
-        error.__cause__ = e
-        return error
+    def _part_key(self, p: int) -> str:
+        return PartKey(self.job, self.step, self.plan.rank, p).path
 
-    async def _wait_for_every_rank(self, tier: Tier) -> None:
-        """Resolve when every rank's parts are durable on `tier`; raise the first rank's recorded failure,
-        or a timeout naming the ranks that never reported (a killed rank records nothing)."""
-        engine = self.engine
-        deadline = time.monotonic() + engine.config.engine.commit_timeout
-        delay = 0.005
-        while True:
-            state = await engine.index.tier_state(engine.job, self.step, tier.name, engine.session)
-            if state.state == "complete":
-                return
-            if state.state == "failed":
-                raise RankFailed(f"step {self.step}: {state.reason}", tier=tier.name)
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.plan.world_size)) - state.ranks_done)
-                raise TierTimeout(f"step {self.step} not complete after {engine.config.engine.commit_timeout}s: "
-                                  f"ranks {missing} never reported their parts durable", tier=tier.name)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.25)
-
-    async def _write_part(self, tier: Tier, p: int) -> None:
-        key = PartKey(self.engine.job, self.step, self.plan.rank, p).path
+    async def _write_part(self, tier: str, p: int) -> None:
         ok = False
         try:
             async with self._part_bytes(p) as data:
-                await tier.write(key, data)
+                await self.io[tier].write(self._part_key(p), data)
             ok = True
-            self._holders[p].append(tier.name)
+            self._holders[p].append(tier)
         finally:
             self._pending[p] -= 1
             if (ok and len(self._holders[p]) == 1) or (not ok and self._pending[p] == 0 and not self._holders[p]):
@@ -280,22 +270,14 @@ class SaveJob:
         yield await self._read_back(p, b - a)
 
     async def _read_back(self, p: int, length: int) -> memoryview:
-        """The staging buffer is gone: fetch part p from the fastest tier holding it, verified."""
+        """The staging buffer is gone: fetch part p from the fastest tier holding it, verified, with that
+        tier's timeout and retries. Its bytes are already counted in the writing tier's budget; taking the
+        holder's budget as well could deadlock two tiers that read back from each other."""
         assert self._checksums is not None
-        expected = (await self._checksums)[p]
-        key = PartKey(self.engine.job, self.step, self.plan.rank, p).path
-        reasons = []
-        for name in self.engine.tier_order(self._holders[p]):
-            buf = memoryview(bytearray(length))
-            try:
-                n = await self.engine.tiers[name].read_into(key, [buf])
-            except TierError as e:
-                reasons.append(f"{name}: {e}")
-                continue
-            if n == length and await self.engine.run_blocking(checksum, [buf]) == expected:
-                return buf
-            reasons.append(f"{name}: length {n} or checksum differs")
-        raise IntegrityError(f"part {key} is no longer staged and no tier returned it intact ({'; '.join(reasons)})")
+        buf = memoryview(bytearray(length))
+        part = PartRead(self._part_key(p), [buf], length, (await self._checksums)[p])
+        await self.io.read_verified(part, self.io.order(self._holders[p]), [], budgeted=False)
+        return buf
 
     # -- giving the staging buffer back ----------------------------------------------------------
     def request_detach(self) -> None:
@@ -315,4 +297,4 @@ class SaveJob:
         buffer, self.buffer = self.buffer, None
         if buffer is not None:
             self._detached = True
-            await self.engine.pool.release(buffer)
+            await self.pool.release(buffer)

@@ -14,7 +14,8 @@ from typing import Sequence
 
 import torch
 
-from .plan import Plan, local_tensor
+from .distributed.dtensor import local_tensor
+from .plan import Plan
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

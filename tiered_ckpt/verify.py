@@ -1,14 +1,15 @@
-"""Re-read every part of a checkpoint on every tier that holds it and check length and crc32c."""
+"""Re-read every part of a checkpoint on every tier that holds it and check length and checksum."""
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .checksum import checksum
-from .engine import Engine
-from .errors import TierError
-from .tiers.base import PartKey
+from .errors import IntegrityError
+from .index import CheckpointStatus
+from .layout import PartKey
+from .manifest import Manifest
+from .tier_io import Fallback, PartRead, TierIO
 
 
 @dataclass
@@ -23,32 +24,24 @@ class TierReport:
         return not self.bad
 
 
-async def verify(engine: Engine, step: int, progress: Callable[[int], None] = lambda n: None) -> list[TierReport]:
-    """One report per tier the checkpoint targets (complete or not)."""
-    status = await engine.status(step)
-    if status is None:
-        raise LookupError(f"job {engine.job!r} has no checkpoint {step}")
-    tiers = [engine.tiers[n] for n in engine.tier_order(status.tiers)]
-    manifest = await engine.read_manifest(step, tiers)
+async def verify(io: TierIO, status: CheckpointStatus, manifest: Manifest,
+                 progress: Callable[[int], None] = lambda n: None) -> list[TierReport]:
+    """One report per configured tier the checkpoint targets (complete or not), fastest first."""
     reports = []
-    for tier in tiers:
-        report = TierReport(tier.name, tier.name in status.complete)
+    for tier in io.order(status.tiers):
+        report = TierReport(tier, tier in status.complete)
 
         async def check(rank: int, p: int, expected: int) -> None:
-            key = PartKey(engine.job, step, rank, p).path
             length = manifest.part_length(rank, p)
-            buf = memoryview(bytearray(length))
+            part = PartRead(PartKey(manifest.job, manifest.step, rank, p).path, [memoryview(bytearray(length))],
+                            length, expected)
+            failures: list[Fallback] = []
             try:
-                n = await engine.pipelines[tier.name].submit(length, lambda: tier.read_into(key, [buf]), f"read {key}")
-            except TierError as e:
-                report.bad.append(f"{key}: {type(e).__name__}: {e}")
-                return
+                await io.read_verified(part, [tier], failures)
+            except IntegrityError:
+                report.bad.extend(f"{f.part}: {f.reason}" for f in failures)
             finally:
                 progress(length)
-            if n != length:
-                report.bad.append(f"{key}: length {n}, expected {length}")
-            elif (actual := await engine.run_blocking(checksum, [buf])) != expected:
-                report.bad.append(f"{key}: crc32c {actual:#010x}, expected {expected:#010x}")
 
         checks = [check(r.rank, p, c) for r in manifest.ranks for p, c in enumerate(r.checksums)]
         report.parts = len(checks)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.tiers.base import PartKey
+from tiered_ckpt.layout import PartKey
 
 
 def part_file(engine, tier, index):

@@ -3,19 +3,15 @@ import os
 import pytest
 
 from tiered_ckpt.errors import TierFull
+from tiered_ckpt.testing import TierConformance
 from tiered_ckpt.tiers.local import LocalOptions, LocalTier
 from tiered_ckpt.tiers.memory import MemoryOptions, MemoryTier
-
-from .conformance import TierConformance
 
 
 class TestLocalTier(TierConformance):
     @pytest.fixture
-    async def tier(self, tmp_path):
-        t = LocalTier("disk", LocalOptions(path=str(tmp_path / "disk")))
-        await t.open()
-        yield t
-        await t.close()
+    def make_tier(self, tmp_path):
+        return lambda: LocalTier("disk", LocalOptions(path=str(tmp_path / "disk")))
 
     async def test_no_temp_files_left_behind(self, tier):
         await tier.write("job/step-000000000001/rank-00000/part-000000", memoryview(b"abc"))
@@ -24,12 +20,11 @@ class TestLocalTier(TierConformance):
 
 
 class TestMemoryTier(TierConformance):
+    large_value = 600_000  # the same driver as local; the small capacity below must hold it
+
     @pytest.fixture
-    async def tier(self, shm_dir):
-        t = MemoryTier("host", MemoryOptions(path=str(shm_dir / "host"), capacity=1 << 20))
-        await t.open()
-        yield t
-        await t.close()
+    def make_tier(self, shm_dir):
+        return lambda: MemoryTier("host", MemoryOptions(path=str(shm_dir / "host"), capacity=1 << 20))
 
     async def test_capacity_is_enforced_with_a_clear_error(self, tier):
         await tier.write("job/a", memoryview(bytes(600_000)))
@@ -39,7 +34,7 @@ class TestMemoryTier(TierConformance):
         await tier.delete("job/")
         await tier.write("job/b", memoryview(bytes(1_000_000)))  # room again after delete
 
-    async def test_capacity_counts_what_a_previous_process_left(self, tier, shm_dir):
+    async def test_capacity_counts_what_a_previous_process_left(self, shm_dir, tier):
         await tier.write("job/a", memoryview(bytes(700_000)))
         again = MemoryTier("host", MemoryOptions(path=str(shm_dir / "host"), capacity=1 << 20))
         await again.open()

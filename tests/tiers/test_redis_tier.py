@@ -2,13 +2,13 @@
 import pytest
 
 from tiered_ckpt.errors import ConfigError, TierFull, TierNotFound, TierUnavailable
-from tiered_ckpt.tiers.base import PartKey
+from tiered_ckpt.layout import PartKey
+from tiered_ckpt.testing import TierConformance, payload
 from tiered_ckpt.tiers.redis_peer import RedisOptions, RedisPeerTier
 
-from .conformance import TierConformance, payload
 
 
-async def opened(urls, **kw):
+async def connect(urls, **kw):
     tier = RedisPeerTier("peer", RedisOptions(urls=tuple(urls), **kw))
     await tier.open()
     return tier
@@ -16,16 +16,15 @@ async def opened(urls, **kw):
 
 class TestRedisTier(TierConformance):
     @pytest.fixture
-    async def tier(self, redis_server):
-        t = await opened([redis_server().url], chunk_size=100_000)  # small chunks: values span several
-        yield t
-        await t.close()
+    def make_tier(self, redis_server):
+        url = redis_server().url
+        return lambda: RedisPeerTier("peer", RedisOptions(urls=(url,), chunk_size=100_000))  # values span chunks
 
 
 async def test_ring_placement_and_fallback_to_other_servers(redis_server):
     a, b = redis_server(), redis_server()
-    node0 = await opened([a.url, b.url], node=0)
-    node1 = await opened([a.url, b.url], node=1)
+    node0 = await connect([a.url, b.url], node=0)
+    node1 = await connect([a.url, b.url], node=1)
     key = PartKey("job", 1, 0, 0).path
     await node0.write(key, memoryview(b"from node 0"))
     assert await node0._clients[1].exists(node0.options.prefix + key)  # node 0 writes to node 1's server
@@ -39,7 +38,7 @@ async def test_ring_placement_and_fallback_to_other_servers(redis_server):
 
 async def test_unreachable_server_is_retryable_and_names_tier_and_server(redis_server):
     server = redis_server()
-    tier = await opened([server.url])
+    tier = await connect([server.url])
     server.stop()
     with pytest.raises(TierUnavailable) as err:
         await tier.write("job/x", memoryview(b"abc"))
@@ -48,7 +47,7 @@ async def test_unreachable_server_is_retryable_and_names_tier_and_server(redis_s
 
 
 async def test_evicted_chunk_is_detected_as_not_found(redis_server):
-    tier = await opened([redis_server().url], chunk_size=1000)
+    tier = await connect([redis_server().url], chunk_size=1000)
     key = PartKey("job", 1, 0, 0).path
     data = payload(5000)
     await tier.write(key, memoryview(data))
@@ -60,7 +59,7 @@ async def test_evicted_chunk_is_detected_as_not_found(redis_server):
 
 
 async def test_maxmemory_refusal_is_tier_full(redis_server):
-    tier = await opened([redis_server("--maxmemory", "2mb", "--maxmemory-policy", "noeviction").url])
+    tier = await connect([redis_server("--maxmemory", "2mb", "--maxmemory-policy", "noeviction").url])
     with pytest.raises(TierFull, match="out of memory"):
         for i in range(20):
             await tier.write(f"job/{i}", memoryview(bytes(500_000)))

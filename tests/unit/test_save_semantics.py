@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.tiers.base import PartKey
+from tiered_ckpt.layout import PartKey
 
 
 def state_of(value: float, n: int = 50_000):
@@ -204,9 +204,8 @@ async def test_restarted_process_loads_from_memory_tier(make_config):
 async def test_retention_spares_a_checkpoint_being_loaded(make_config):
     async with tc.Engine(make_config(tiers=[{"keep_last": 1}, {"keep_last": 1}])) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
-        engine._loading[1] += 1  # what load() holds while it reads step 1
-        await (await engine.save(2, state_of(2.0))).wait()
-        assert [c.step async for c in engine.list()] == [1, 2]
-        engine._loading[1] -= 1
+        with engine.retention.busy.loading(1):  # what load() holds while it reads step 1
+            await (await engine.save(2, state_of(2.0))).wait()
+            assert [c.step async for c in engine.list()] == [1, 2]
         await (await engine.save(3, state_of(3.0))).wait()
         assert [c.step async for c in engine.list()] == [3]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import parse_config
-from ..engine import Engine
+from .. import Engine
 from ..sizes import format_size
 from .measure import drop_cache, mixed_state, state_nbytes
 

@@ -17,7 +17,7 @@ import torch
 import uvloop
 
 from ..config import parse_config
-from ..engine import Engine
+from .. import Engine
 from ..plan import Planner
 from ..sizes import format_size, parse_size
 from . import baselines
@@ -199,7 +199,7 @@ def report(r: dict[str, Any]) -> str:
             lines.append(f"| {label} | {r[key]:.4f} | {gbs(r[key]):.2f} |")
     lines += ["", f"plan: first {r['plan_miss'] * 1e3:.3f} ms, cached {r['plan_hit'] * 1e3:.3f} ms; peak extra RSS "
               f"during the first save {format_size(r['peak_extra_rss'])}", "",
-              "| target (design.md) | measured | target | met |", "|---|---:|---:|:---:|"]
+              "| figure | measured | target | met |", "|---|---:|---:|:---:|"]
 
     def row(label: str, value: float, target: str, ok: bool) -> None:
         lines.append(f"| {label} | {value:.3f} | {target} | {'yes' if ok else 'NO'} |")

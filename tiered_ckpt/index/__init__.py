@@ -8,7 +8,7 @@ from .base import CheckpointStatus, Index
 
 def open_index(url: str) -> Index:
     if url.startswith("file://"):
-        from .local import FileIndex
+        from .file import FileIndex
 
         return FileIndex(index_path(url))
     if url.startswith(("redis://", "rediss://", "unix://")):

@@ -1,8 +1,10 @@
 """The tier driver contract: six async methods over string keys.
 
-Drivers hold no retries and no concurrency limits (the pipeline owns both). Blocking work runs in
-`self.executor` threads so the event loop never blocks. Lifecycle: the engine constructs a driver with
-its options, sets `executor`, calls `open()`, then any mix of the methods from one event loop, then `close()`.
+Drivers hold no retries and no concurrency limits (the pipeline owns both), and import nothing from the
+engine but this module and `errors`. Blocking work runs in `self.executor` threads so the event loop never
+blocks. Lifecycle (`start_tier` below, used by the engine and by the conformance suite alike): construct the
+driver with its options, set `executor`, call `bind()`, `open()`, then any mix of the methods from one event
+loop, then `close()`.
 """
 from __future__ import annotations
 
@@ -10,43 +12,9 @@ import asyncio
 from abc import ABC, abstractmethod
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterable, Sequence, TypeVar
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class PartKey:
-    """Where one part of one rank of one checkpoint lives on every tier."""
-
-    job: str
-    step: int
-    rank: int
-    index: int
-
-    @property
-    def path(self) -> str:
-        return f"{step_prefix(self.job, self.step)}rank-{self.rank:05d}/part-{self.index:06d}"
-
-
-def step_prefix(job: str, step: int) -> str:
-    return f"{job}/step-{step:012d}/"
-
-
-def manifest_key(job: str, step: int) -> str:
-    return f"{step_prefix(job, step)}manifest.msgpack"
-
-
-def rank_meta_key(job: str, step: int, rank: int) -> str:
-    return f"{step_prefix(job, step)}rank-{rank:05d}/checksums.msgpack"
-
-
-@dataclass(frozen=True)
-class TierCaps:
-    """What the engine may assume of a tier."""
-
-    persistent: bool = True  # survives the training process
-    max_object_size: int | None = None  # a part must not exceed this
 
 
 @dataclass(frozen=True)
@@ -56,7 +24,6 @@ class NoOptions:
 
 class Tier(ABC):
     Options: ClassVar[type] = NoOptions
-    caps: ClassVar[TierCaps] = TierCaps()
 
     def __init__(self, name: str, options: Any):
         self.name = name
@@ -106,12 +73,32 @@ class Tier(ABC):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
 
-def scatter(data: bytes | memoryview, out: Sequence[memoryview]) -> int:
-    """Copy `data` into the buffers of `out` in order (for drivers that receive whole values)."""
-    view = memoryview(data)
-    pos = 0
-    for buf in out:
-        n = min(len(buf), len(view) - pos)
-        buf[:n] = view[pos : pos + n]
-        pos += n
-    return len(view)
+async def start_tier(tier: Tier, executor: Executor, *, rank: int = 0, world_size: int = 1, node: int = 0,
+                     num_nodes: int = 1) -> Tier:
+    """The driver lifecycle up to ready: executor, placement, open. The engine and the conformance suite
+    both start drivers through here, so a driver tested by the suite is started exactly as in a job."""
+    tier.executor = executor
+    tier.bind(rank=rank, world_size=world_size, node=node, num_nodes=num_nodes)
+    await tier.open()
+    return tier
+
+
+def scatter(pieces: Iterable[bytes | memoryview], out: Sequence[memoryview], start: int = 0) -> None:
+    """Copy `pieces`, consecutive bytes of one value beginning at byte `start` of it, into `out`, the buffers
+    that the whole value fills in order. One pass, no join: for drivers that receive a value whole, in
+    chunks, or by ranges. Bytes beyond the last buffer are dropped."""
+    bufs = iter(out)
+    buf, buf_start, pos = memoryview(b""), 0, start  # the current buffer and the value offset it begins at
+    for piece in pieces:
+        src, taken = memoryview(piece).cast("B"), 0
+        while taken < len(src):
+            while pos >= buf_start + len(buf):
+                buf_start += len(buf)
+                nxt = next(bufs, None)
+                if nxt is None:
+                    return
+                buf = nxt
+            lo = pos - buf_start
+            n = min(len(buf) - lo, len(src) - taken)
+            buf[lo : lo + n] = src[taken : taken + n]
+            pos, taken = pos + n, taken + n

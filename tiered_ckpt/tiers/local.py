@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import TierError, TierFull, TierNotFound
-from .base import Tier, TierCaps
+from .base import Tier
 
 SIZE = {"size": True}
 TMP = ".tmp-"
@@ -30,7 +30,6 @@ class LocalOptions:
 
 class LocalTier(Tier):
     Options = LocalOptions
-    caps = TierCaps(persistent=True)
 
     def __init__(self, name: str, options: LocalOptions):
         super().__init__(name, options)
@@ -124,6 +123,11 @@ class LocalTier(Tier):
         if self.options.fsync and path.parent.exists():
             _fsync_dir(path.parent)
         return freed
+
+    async def missing(self, keys: Sequence[str]) -> list[str]:
+        """A file can vanish behind the engine's back (an operator or a cleaner of /dev/shm): one stat per
+        key before a commit is cheap next to writing the parts."""
+        return await self.run_blocking(lambda: [k for k in keys if not self._path(k).is_file()])
 
     async def list(self, prefix: str) -> list[str]:
         def walk() -> list[str]:

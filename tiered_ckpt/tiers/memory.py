@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .base import TierCaps
 from .local import LocalTier
 
 SIZE = {"size": True}
@@ -22,4 +21,3 @@ class MemoryOptions:
 
 class MemoryTier(LocalTier):
     Options = MemoryOptions
-    caps = TierCaps(persistent=False)

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
 from ..errors import ConfigError, TierError, TierFull, TierNotFound, TierUnavailable
-from .base import Tier, TierCaps
+from .base import Tier, scatter
 
 SIZE = {"size": True}
 MAX_BULK = 512 * 2**20
@@ -41,7 +41,6 @@ class RedisOptions:
 
 class RedisPeerTier(Tier):
     Options = RedisOptions
-    caps = TierCaps(persistent=True)
 
     def __init__(self, name: str, options: RedisOptions):
         super().__init__(name, options)
@@ -127,7 +126,7 @@ class RedisPeerTier(Tier):
     async def read_into(self, key: str, out: Sequence[memoryview]) -> int:
         length, chunks = await self._chunks(key)
         if length == sum(len(b) for b in out):
-            await self.run_blocking(_scatter_chunks, chunks, out)
+            await self.run_blocking(scatter, chunks, out)
         return length
 
     async def read(self, key: str) -> bytes:
@@ -181,17 +180,3 @@ class RedisPeerTier(Tier):
             except rexc.RedisError as e:
                 raise self._fail(server, e, f"listing {prefix}*") from e
         return sorted(keys)
-
-
-def _scatter_chunks(chunks: list[bytes], out: Sequence[memoryview]) -> None:
-    """Copy the chunks into the buffers in order, without joining them first (no extra copy)."""
-    index, pos = 0, 0
-    for chunk in chunks:
-        view, taken = memoryview(chunk), 0
-        while taken < len(view) and index < len(out):
-            buf = out[index]
-            n = min(len(buf) - pos, len(view) - taken)
-            buf[pos : pos + n] = view[taken : taken + n]
-            pos, taken = pos + n, taken + n
-            if pos == len(buf):
-                index, pos = index + 1, 0

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import ConfigError, TierError, TierNotFound, TierUnavailable
-from .base import Tier, TierCaps
+from .base import Tier, scatter
 
 SIZE = {"size": True}
 RETRYABLE_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
@@ -39,7 +39,6 @@ class S3Options:
 
 class S3Tier(Tier):
     Options = S3Options
-    caps = TierCaps(persistent=True)
 
     def __init__(self, name: str, options: S3Options):
         super().__init__(name, options)
@@ -134,7 +133,7 @@ class S3Tier(Tier):
         if expected <= size:  # one GET, no HEAD
             data, total = await self._get(key)
             if total == expected:
-                await self.run_blocking(_place, data, 0, out)
+                await self.run_blocking(scatter, [data], out)
             return total
         slots = asyncio.Semaphore(self.options.concurrency)
 
@@ -142,7 +141,7 @@ class S3Tier(Tier):
             async with slots:
                 chunk, total = await self._get(key, start, min(start + size, expected))
             if total == expected:
-                await self.run_blocking(_place, chunk, start, out)
+                await self.run_blocking(scatter, [chunk], out, start)
             return total
 
         # every range at once; each Content-Range carries the object's length, so truncation shows
@@ -176,16 +175,3 @@ class S3Tier(Tier):
 
     async def list(self, prefix: str) -> list[str]:
         return sorted(k[len(self._prefix):] for k in await self._keys(prefix))
-
-
-def _place(data: bytes, start: int, out: Sequence[memoryview]) -> None:
-    """Copy `data`, which begins at byte `start` of the value, into the scatter buffers."""
-    src, pos, offset = memoryview(data), 0, 0
-    for buf in out:
-        lo, hi = max(start, offset), min(start + len(src), offset + len(buf))
-        if lo < hi:
-            buf[lo - offset : hi - offset] = src[lo - start : hi - start]
-            pos += hi - lo
-        offset += len(buf)
-        if offset >= start + len(src):
-            break

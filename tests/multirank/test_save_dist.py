@@ -12,7 +12,7 @@ import torch.distributed as dist
 import tiered_ckpt as tc
 
 from .common import config
-from .multirank import run_ranks
+from .spawn import run_ranks
 
 
 def replicated_state(seed: float) -> dict[str, torch.Tensor]:

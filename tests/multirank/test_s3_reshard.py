@@ -9,7 +9,7 @@ import torch
 import tiered_ckpt as tc
 from tiered_ckpt.config import parse_config
 
-from .multirank import run_ranks
+from .spawn import run_ranks
 
 
 def s3_only(index: Path, endpoint: str, bucket: str):

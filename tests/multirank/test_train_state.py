@@ -6,7 +6,7 @@ import torch
 import tiered_ckpt as tc
 
 from .common import config
-from .multirank import run_ranks
+from .spawn import run_ranks
 
 
 def build(world: int):

@@ -10,42 +10,33 @@ storage per load: 1x the parts needed, instead of 1x per replica (NeMo#6131).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from ..errors import IntegrityError
 from ..staging import tensor_bytes
+from ..tier_io import PartRead, TierIO
+from ..tiers.base import scatter
+from .coordinator import Coordinator
 
 if TYPE_CHECKING:
-    from ..engine import Engine
     from ..loading import LoadInfo
-    from ..tiers.base import Tier
+
+PartId = tuple[int, int]  # (saved rank, part index)
 
 
-@dataclass
-class PartRead:
-    key: str
-    views: list[memoryview]
-    length: int
-    checksum: int
-
-
-ReadOne = Callable[[str, list[memoryview], int, int], Awaitable[None]]
-
-
-async def read_with_broadcast(engine: "Engine", parts: dict[tuple[int, int], PartRead], read_one: ReadOne,
-                              info: "LoadInfo") -> None:
-    coordinator = engine.coordinator
-    everyone = await coordinator.all_gather_object(sorted((k, p.length) for k, p in parts.items()))
-    needers: dict[tuple[int, int], list[int]] = {}
-    lengths: dict[tuple[int, int], int] = {}
-    for rank, wanted in enumerate(everyone):
-        for key, length in wanted:
-            needers.setdefault(tuple(key), []).append(rank)
-            lengths[tuple(key)] = length
-    load = [0] * coordinator.world_size
+def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]]) -> tuple[list[tuple[PartId, tuple[int, ...], int]],
+                                                                             dict[PartId, int]]:
+    """From every rank's (part, length) wants: [(part, ranks that need it, the rank that reads it)] for parts
+    several ranks need, in one global order, and every part's length. Deterministic: each rank computes it."""
+    needers: dict[PartId, list[int]] = {}
+    lengths: dict[PartId, int] = {}
+    for rank, parts in enumerate(wanted):
+        for key, length in parts:
+            needers.setdefault(tuple(key), []).append(rank)  # type: ignore[arg-type]
+            lengths[tuple(key)] = length  # type: ignore[index]
+    load = [0] * len(wanted)
     plan = []
     for key in sorted(needers):
         members = tuple(needers[key])
@@ -53,20 +44,30 @@ async def read_with_broadcast(engine: "Engine", parts: dict[tuple[int, int], Par
             reader = min(members, key=lambda r: (load[r], r))
             load[reader] += lengths[key]
             plan.append((key, members, reader))
+    return plan, lengths
+
+
+async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Sequence[str],
+                              parts: dict[PartId, PartRead], info: "LoadInfo") -> None:
+    everyone = await coordinator.all_gather_object(sorted((k, p.length) for k, p in parts.items()))
+    plan, lengths = plan_broadcasts(everyone)
+    shared = {key for key, _, _ in plan}
     groups = {}
     for members in sorted({m for _, m, _ in plan}):
         groups[members] = await coordinator.subgroup(members)  # every rank creates every group, in order
 
+    def read(part: PartRead) -> asyncio.Task[str]:
+        return asyncio.create_task(io.read_verified(part, order, info.fallbacks, info.bytes_by_tier))
+
     me = coordinator.rank
-    solo = [asyncio.create_task(read_one(p.key, p.views, p.length, p.checksum))
-            for k, p in parts.items() if len(needers[k]) == 1]
-    buffers: dict[tuple[int, int], torch.Tensor] = {}
-    prefetch: dict[tuple[int, int], asyncio.Task[None]] = {}
+    solo = [read(p) for k, p in parts.items() if k not in shared]
+    buffers: dict[PartId, torch.Tensor] = {}
+    prefetch: dict[PartId, asyncio.Task[str]] = {}
     for key, members, reader in plan:
         if reader == me:
             buffers[key] = torch.empty(lengths[key], dtype=torch.uint8)
             p = parts[key]
-            prefetch[key] = asyncio.create_task(read_one(p.key, [tensor_bytes(buffers[key])], p.length, p.checksum))
+            prefetch[key] = read(PartRead(p.key, [tensor_bytes(buffers[key])], p.length, p.checksum))
     try:
         for key, members, reader in plan:
             if me not in members:
@@ -88,16 +89,10 @@ async def read_with_broadcast(engine: "Engine", parts: dict[tuple[int, int], Par
             await coordinator.broadcast_tensor(buffers[key], reader, groups[members])
             if reader != me:
                 info.bytes_received += lengths[key]
-            await engine.run_blocking(_scatter, buffers.pop(key), parts[key].views)
+            data = buffers.pop(key)  # held here: the byte view below does not keep the tensor alive
+            await io.run_blocking(scatter, [tensor_bytes(data)], parts[key].views)
         await asyncio.gather(*solo)
     finally:
         for task in (*solo, *prefetch.values()):
             if not task.done():
                 task.cancel()
-
-
-def _scatter(buf: torch.Tensor, views: Sequence[memoryview]) -> None:
-    data, pos = tensor_bytes(buf), 0
-    for view in views:
-        view[:] = data[pos : pos + len(view)]
-        pos += len(view)

@@ -23,9 +23,8 @@ from typing import Sequence
 import msgpack
 
 from ..errors import IncompleteCheckpoint
+from ..layout import parse_step_dir, step_dir
 from .base import CheckpointStatus, TierState
-
-STEP = "step-"
 
 
 class FileIndex:
@@ -44,7 +43,7 @@ class FileIndex:
         return 0
 
     def _dir(self, job: str, step: int) -> Path:
-        return self.root / job / f"{STEP}{step:012d}"
+        return self.root / job / step_dir(step)
 
     async def begin(self, job: str, step: int, tiers: Sequence[str]) -> None:
         record = msgpack.packb({"tiers": list(tiers), "created": time.time()})
@@ -74,8 +73,7 @@ class FileIndex:
             _atomic_write(d / "durable" / f"{tier}.{rank}.{session}", b"")
             if len(_ranks(d / "durable", tier, session)) < world_size:
                 return False
-            _atomic_write(d / "complete" / tier, b"")
-            return True
+            return _atomic_create(d / "complete" / tier)  # several last ranks may race here: one wins
         return await asyncio.to_thread(mark)
 
     async def mark_failed(self, job: str, step: int, tier: str, rank: int, session: str, reason: str) -> None:
@@ -118,7 +116,8 @@ class FileIndex:
         if not base.is_dir():
             return out
         for d in sorted(base.iterdir()):
-            if not d.name.startswith(STEP):
+            step = parse_step_dir(d.name)
+            if step is None:
                 continue
             failures = [p.name.rsplit(".", 2) for p in _entries(d / "failed")]
             try:
@@ -133,7 +132,7 @@ class FileIndex:
                 name, rank, _ = p.name.rsplit(".", 2)
                 if name not in complete:
                     failed.setdefault(name, f"rank {rank}: {p.read_text(errors='replace')}")
-            out.append(CheckpointStatus(int(d.name[len(STEP):]), tuple(record["tiers"]), complete, failed,
+            out.append(CheckpointStatus(step, tuple(record["tiers"]), complete, failed,
                                         record.get("created", 0.0)))
         return out
 
@@ -177,6 +176,23 @@ def _atomic_write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _atomic_create(path: Path) -> bool:
+    """Create an empty, durable `path` unless it exists; True for the one caller that created it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)  # atomic, and fails if the name exists
+        created = True
+    except FileExistsError:
+        created = False
+    finally:
+        tmp.unlink()
+    _fsync_dir(path.parent)
+    return created
 
 
 def _fsync_dir(path: Path) -> None:

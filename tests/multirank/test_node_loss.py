@@ -12,7 +12,7 @@ import torch
 import tiered_ckpt as tc
 from tiered_ckpt.config import parse_config
 
-from .multirank import run_ranks
+from .spawn import run_ranks
 
 
 def node_config(root: str, node: int, urls: list[str]):

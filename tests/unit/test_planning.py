@@ -1,0 +1,94 @@
+"""The save planner (build_plan) and the read planner (plan_reads) on their own, without an engine."""
+import pytest
+import torch
+
+from tiered_ckpt.errors import StateError
+from tiered_ckpt.layout import part_count
+from tiered_ckpt import loading
+from tiered_ckpt.loading import plan_reads
+from tiered_ckpt.manifest import Manifest, RankMeta
+from tiered_ckpt.plan import ALIGN, build_plan
+from tiered_ckpt.staging import tensor_bytes
+
+
+def descriptor(path, shape, offsets=None, sizes=None, dtype="torch.float32", itemsize=4):
+    return (path, dtype, itemsize, tuple(shape), tuple(offsets or (0,) * len(shape)), tuple(sizes or shape))
+
+
+def plans(everyone, part_size=1 << 20):
+    return [build_plan(("k",), everyone, r, part_size) for r in range(len(everyone))]
+
+
+def test_replicated_tensors_are_written_once_and_spread_evenly():
+    state = [descriptor(f"t{i}", (n,)) for i, n in enumerate([300_000, 120_000, 50_000, 50_000, 20_000, 7_000, 10])]
+    everyone = [state] * 4
+    ps = plans(everyone)
+    assert all(p.rank_nbytes == ps[0].rank_nbytes and p.tensors == ps[0].tensors for p in ps)  # every rank agrees
+    total = sum(4 * n for n in [300_000, 120_000, 50_000, 50_000, 20_000, 7_000, 10])
+    written = sum(c.nbytes for t in ps[0].tensors for c in t.chunks)
+    assert written == total  # each byte once, not once per replica
+    assert max(ps[0].rank_nbytes) / (sum(ps[0].rank_nbytes) / 4) < 1.1
+    for t in ps[0].tensors:  # the chunks of each tensor tile it exactly (large ones are split along dim 0)
+        assert sum(c.sizes[0] for c in t.chunks) == t.shape[0]
+    assert len(next(t for t in ps[0].tensors if t.path == "t0").chunks) == 4
+
+
+def test_sharded_tensors_stay_with_their_owner_and_chunks_are_aligned():
+    everyone = [[descriptor("w", (10, 3), (0, 0), (5, 3)), descriptor("b", (7,), dtype="torch.int8", itemsize=1)],
+                [descriptor("w", (10, 3), (5, 0), (5, 3))]]
+    ps = plans(everyone)
+    w = next(t for t in ps[0].tensors if t.path == "w")
+    assert sorted((c.rank, c.offsets) for c in w.chunks) == [(0, (0, 0)), (1, (5, 0))]
+    for p in ps:
+        assert all(c.offset % ALIGN == 0 for c in p.local)
+        assert sum(c.nbytes for c in p.local) <= p.nbytes
+    assert [c.index for c in ps[1].local] == [0]  # rank 1 holds only its shard of w
+
+
+def test_parts_cut_the_stream_at_part_size():
+    ps = plans([[descriptor("a", (1000,)), descriptor("b", (3000,))]], part_size=4096)
+    p = ps[0]
+    assert p.num_parts == part_count(p.nbytes, 4096) == 4
+    assert [p.part_range(i) for i in range(p.num_parts)] == [(0, 4096), (4096, 8192), (8192, 12288), (12288, p.nbytes)]
+
+
+def test_a_tensor_that_differs_between_ranks_is_refused_naming_it():
+    with pytest.raises(StateError, match=r"'w'.*rank 1"):
+        plans([[descriptor("w", (4,))], [descriptor("w", (5,))]])
+
+
+def manifest_for(plan, job="j", step=1):
+    return Manifest(job=job, step=step, world_size=plan.world_size, part_size=plan.part_size, checksum="crc32c",
+                    tensors=plan.tensors, ranks=tuple(RankMeta(r, n, (0,) * part_count(n, plan.part_size))
+                                                        for r, n in enumerate(plan.rank_nbytes)),
+                    skeleton=b"", created=0.0)
+
+
+def test_same_layout_reads_go_straight_into_contiguous_targets():
+    plan = plans([[descriptor("w", (8, 4))]])[0]
+    target = torch.zeros(8, 4)
+    reads = plan_reads(manifest_for(plan), {0: ("w", target)})
+    [(key, view)] = reads.dests.items()
+    assert key == (0, plan.tensors[0].chunks[0].byte_offset)
+    assert view.obj is not None and len(view) == target.numel() * 4
+    source = torch.arange(32, dtype=torch.float32)
+    view[:] = tensor_bytes(source)  # what a tier read would do
+    assert torch.equal(target.flatten(), source)
+    assert reads.copies == []
+
+
+def test_resharded_reads_copy_only_the_overlap_through_scratch(monkeypatch):
+    """Saved as two row shards of 5; loaded by a rank holding rows 3..8 (a different sharding). The box
+    a DTensor would report is given directly (tests/multirank runs real DTensors)."""
+    ps = plans([[descriptor("w", (10, 2), (0, 0), (5, 2))], [descriptor("w", (10, 2), (5, 0), (5, 2))]])
+    manifest = manifest_for(ps[0])
+    full = torch.arange(20, dtype=torch.float32).view(10, 2)
+    target = torch.zeros(5, 2)
+    monkeypatch.setattr(loading, "local_box", lambda t: ((10, 2), (3, 0), (5, 2)))
+    reads = plan_reads(manifest, {0: ("w", target)})
+    assert len(reads.dests) == 2 and len(reads.copies) == 2  # both saved chunks overlap rows 3..8
+    for chunk in manifest.tensors[0].chunks:  # fill the scratch buffers as the tiers would
+        rows = full[chunk.offsets[0] : chunk.offsets[0] + chunk.sizes[0]].contiguous()
+        reads.dests[(chunk.rank, chunk.byte_offset)][:] = tensor_bytes(rows)
+    reads.finish()
+    assert torch.equal(target, full[3:8])

@@ -1,0 +1,80 @@
+"""The commit protocol of one rank, over the index.
+
+For each checkpoint a save calls, in order: `begin` (the checkpoint is listed, incomplete), `put_manifest`
+(rank 0) and `put_rank_meta` (every rank, its part checksums), then per tier, once this rank's parts and
+records are durable on it, `mark_durable`, then `wait_complete` until every rank of this session has
+marked the tier (the index makes the last marker the commit, atomically). A failure on a tier is
+recorded with `fail_tier`, where every rank's wait sees it, so all ranks raise the same error. Markers are
+scoped to the session (one opening of the engines of a job), so markers of a crashed earlier attempt at the
+same step never count towards a new one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Sequence
+
+from .errors import RankFailed, TierTimeout
+from .index import Index
+
+log = logging.getLogger(__name__)
+
+
+class Committer:
+    def __init__(self, index: Index, job: str, *, rank: int, world_size: int, session: str, timeout: float):
+        self.index = index
+        self.job = job
+        self.rank = rank
+        self.world_size = world_size
+        self.session = session
+        self.timeout = timeout
+
+    async def begin(self, step: int, tiers: Sequence[str]) -> None:
+        await self.index.begin(self.job, step, tiers)
+
+    async def put_manifest(self, step: int, data: bytes) -> None:
+        await self.index.put_manifest(self.job, step, data)
+
+    async def put_rank_meta(self, step: int, data: bytes) -> None:
+        await self.index.put_rank_meta(self.job, step, self.rank, data)
+
+    async def mark_durable(self, step: int, tier: str) -> None:
+        """This rank's parts and records are durable on `tier`; the last rank's marker commits the tier."""
+        await self.index.mark_durable(self.job, step, tier, self.rank, self.world_size, self.session)
+
+    async def wait_complete(self, step: int, tier: str) -> None:
+        """Return once every rank has marked `tier` (it is then complete); raise the first rank's recorded
+        failure, or a timeout naming the ranks that never reported (a killed rank records nothing)."""
+        if self.world_size == 1:
+            return
+        deadline = time.monotonic() + self.timeout
+        delay = 0.005
+        while True:
+            state = await self.index.tier_state(self.job, step, tier, self.session)
+            if state.state == "complete":
+                return
+            if state.state == "failed":
+                raise RankFailed(f"step {step}: {state.reason}", tier=tier)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - state.ranks_done)
+                raise TierTimeout(f"step {step} not complete after {self.timeout}s: "
+                                  f"ranks {missing} never reported their parts durable", tier=tier)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    async def fail_tier(self, step: int, tier: str, error: BaseException) -> BaseException:
+        """Record this rank's failure on `tier` where every rank sees it; return the error to raise here."""
+        if isinstance(error, RankFailed):  # another rank's failure, already recorded
+            return error
+        reason = f"{type(error).__name__}: {error}"
+        log.error("checkpoint step %d failed on tier %s (rank %d): %s", step, tier, self.rank, reason)
+        try:
+            await self.index.mark_failed(self.job, step, tier, self.rank, self.session, reason)
+        except Exception as e:  # the index being down must not hide the original error
+            log.error("could not record the failure of tier %s in the index: %s", tier, e)
+        if self.world_size == 1:
+            return error
+        failed = RankFailed(f"step {step}: rank {self.rank}: {reason}", tier=tier)
+        failed.__cause__ = error
+        return failed

@@ -1,0 +1,36 @@
+"""DTensor helpers: which box of a global tensor this rank holds. Plain tensors are their own single box."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import StateError
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t
+
+
+def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(global shape, global offsets, local sizes) of the part of `t` this rank holds."""
+    if not is_dtensor(t):
+        return tuple(t.shape), (0,) * t.dim(), tuple(t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(p.is_partial() for p in t.placements):
+        raise StateError("a DTensor with a Partial placement must be reduced (redistribute) before saving")
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(t.shape), tuple(offsets), tuple(sizes)
+
+
+def layout_key(t: torch.Tensor) -> Any:
+    """A hashable description of how `t` is laid out over ranks: its shape, and for a DTensor its
+    placements and device mesh."""
+    if not is_dtensor(t):
+        return t.shape
+    return t.shape, tuple(t.placements), tuple(t.device_mesh.mesh.flatten().tolist()), tuple(t.device_mesh.shape)

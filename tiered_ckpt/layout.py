@@ -1,0 +1,96 @@
+"""The storage layout: every key a checkpoint uses on a tier, how to parse one back, and the part arithmetic.
+
+    <job>/step-<12 digits>/manifest.msgpack                     the manifest (rank 0)
+    <job>/step-<12 digits>/rank-<5 digits>/checksums.msgpack     one rank's part checksums
+    <job>/step-<12 digits>/rank-<5 digits>/part-<6 digits>       one part of one rank's packed stream
+
+A rank's stream of `nbytes` bytes is cut into parts of `part_size` bytes (the last one shorter). The plan,
+the manifest, the file index and the tiers' listings all go through this module, so a key is formatted
+and parsed in one place only.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+STEP_DIR = "step-"
+MANIFEST = "manifest.msgpack"
+CHECKSUMS = "checksums.msgpack"
+_KEY = re.compile(r"^(?P<job>[^/]+)/step-(?P<step>\d{12,})/"
+                  r"(?:(?P<manifest>manifest\.msgpack)|rank-(?P<rank>\d{5,})/(?:(?P<checksums>checksums\.msgpack)"
+                  r"|part-(?P<part>\d{6,})))$")
+
+
+@dataclass(frozen=True)
+class PartKey:
+    """Where one part of one rank of one checkpoint lives on every tier."""
+
+    job: str
+    step: int
+    rank: int
+    index: int
+
+    @property
+    def path(self) -> str:
+        return f"{step_prefix(self.job, self.step)}rank-{self.rank:05d}/part-{self.index:06d}"
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    """What a key names: kind is "manifest", "checksums" (rank set) or "part" (rank and index set)."""
+
+    job: str
+    step: int
+    kind: str
+    rank: int | None = None
+    index: int | None = None
+
+
+def step_dir(step: int) -> str:
+    """The name of one checkpoint's folder (on tiers and in the file index)."""
+    return f"{STEP_DIR}{step:012d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step a folder name stands for, or None when the name is not a step folder."""
+    digits = name.removeprefix(STEP_DIR)
+    return int(digits) if name.startswith(STEP_DIR) and digits.isdigit() else None
+
+
+def step_prefix(job: str, step: int) -> str:
+    return f"{job}/{step_dir(step)}/"
+
+
+def job_prefix(job: str) -> str:
+    return f"{job}/"
+
+
+def manifest_key(job: str, step: int) -> str:
+    return f"{step_prefix(job, step)}{MANIFEST}"
+
+
+def rank_meta_key(job: str, step: int, rank: int) -> str:
+    return f"{step_prefix(job, step)}rank-{rank:05d}/{CHECKSUMS}"
+
+
+def parse_key(key: str) -> ParsedKey | None:
+    """The parts of a key this layout wrote, or None for anything else (temp files, foreign keys)."""
+    m = _KEY.match(key)
+    if m is None:
+        return None
+    job, step = m["job"], int(m["step"])
+    if m["manifest"]:
+        return ParsedKey(job, step, "manifest")
+    if m["checksums"]:
+        return ParsedKey(job, step, "checksums", int(m["rank"]))
+    return ParsedKey(job, step, "part", int(m["rank"]), int(m["part"]))
+
+
+def part_count(nbytes: int, part_size: int) -> int:
+    return -(-nbytes // part_size)
+
+
+def part_range(nbytes: int, part_size: int, index: int) -> tuple[int, int]:
+    """[start, end) of part `index` in a stream of `nbytes` bytes."""
+    start = index * part_size
+    return start, min(start + part_size, nbytes)

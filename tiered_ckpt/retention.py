@@ -1,0 +1,143 @@
+"""Retention and deletion: keep_last per tier, removing a checkpoint, cleaning what a crashed run left, and
+the one definition of which steps are busy.
+
+A step is *busy* while a save of it is in flight (not yet done on every tier it targets) or a load is
+reading it; nothing here removes a busy step. Every removal drops the index record before the data, so a
+crash part-way leaves unreferenced bytes on a tier, never a "complete" entry whose parts are gone.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Protocol
+
+from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable
+from .index import CheckpointStatus, Index
+from .layout import step_prefix
+from .tier_io import TierIO
+
+log = logging.getLogger(__name__)
+
+
+class _InFlight(Protocol):
+    def done(self) -> bool: ...
+
+
+class BusySteps:
+    """Saves in flight (tracked until their handle is done on every tier) and loads reading a step."""
+
+    def __init__(self) -> None:
+        self._saves: dict[int, _InFlight] = {}
+        self._loads: Counter[int] = Counter()
+
+    def saving(self, step: int, handle: _InFlight) -> None:
+        self._saves[step] = handle
+
+    def saved(self, step: int) -> None:
+        self._saves.pop(step, None)
+
+    @contextmanager
+    def loading(self, step: int) -> Iterator[None]:
+        self._loads[step] += 1
+        try:
+            yield
+        finally:
+            self._loads[step] -= 1
+            if not self._loads[step]:
+                del self._loads[step]
+
+    def steps(self, *, besides: int | None = None) -> set[int]:
+        busy = {s for s, h in self._saves.items() if not h.done()} | set(self._loads)
+        busy.discard(besides)  # type: ignore[arg-type]
+        return busy
+
+
+class Retention:
+    def __init__(self, job: str, index: Index, tiers: TierIO, keep_last: Mapping[str, int | None], *, rank: int = 0,
+                 world_size: int = 1):
+        self.job = job
+        self.index = index
+        self.tiers = tiers
+        self.keep_last = dict(keep_last)
+        self.rank = rank
+        self.world_size = world_size
+        self.busy = BusySteps()
+        self.complete: set[int] = set()  # steps complete on some tier, as far as this process knows
+        self._lock = asyncio.Lock()
+
+    async def clear_crashed_attempt(self, step: int) -> None:
+        """Before saving `step` (single rank): remove what a crashed earlier attempt at it left. With several
+        ranks, session-scoped markers keep such leftovers from counting, and a resuming load removes them."""
+        if self.world_size > 1:
+            return
+        for status in await self.index.list(self.job):
+            if status.step == step:
+                if status.is_complete:
+                    raise CheckpointExists(f"job {self.job!r} step {step} became complete elsewhere meanwhile")
+                await self.forget(status)
+
+    async def apply(self, tier: str, *, finishing: int | None = None) -> None:
+        """Apply keep_last on `tier` as save `finishing` ends. Only complete checkpoints count, so a save in
+        flight never pushes out the last complete one; other busy steps are untouched."""
+        keep_last = self.keep_last.get(tier)
+        if keep_last is None:
+            return
+        async with self._lock:
+            try:
+                statuses = await self.index.list(self.job)
+                complete = sorted(s.step for s in statuses if tier in s.complete)
+                if not complete:
+                    return
+                oldest_kept = complete[-keep_last:][0]
+                busy = self.busy.steps(besides=finishing)
+                for s in statuses:
+                    if tier in s.tiers and s.step < oldest_kept and s.step not in busy:
+                        await self.drop(s, tier)
+            except Exception as e:  # retention must never fail a save
+                log.error("retention on tier %s failed: %s: %s", tier, type(e).__name__, e)
+
+    async def delete(self, step: int) -> None:
+        """Delete checkpoint `step` everywhere; refused while it is busy."""
+        if step in self.busy.steps():
+            raise CheckpointExists(f"job {self.job!r} step {step} is being saved or loaded; try again later")
+        for status in await self.index.list(self.job):
+            if status.step == step:
+                await self.forget(status)
+                return
+        raise IncompleteCheckpoint(f"job {self.job!r} has no checkpoint {step}")
+
+    async def drop_incomplete_after(self, step: int) -> None:
+        """When resuming from `step`: remove incomplete checkpoints newer than it, leftovers of the crashed
+        run that the resumed run would otherwise save over."""
+        try:
+            statuses = await self.index.list(self.job)
+        except IndexUnavailable as e:
+            log.warning("%s: leftovers of the crashed run are not cleaned up now", e)
+            return
+        busy = self.busy.steps()
+        for s in statuses:
+            if s.step > step and not s.is_complete and s.step not in busy:
+                log.info("removing incomplete checkpoint %d left by an earlier run", s.step)
+                await self.forget(s)
+
+    async def forget(self, status: CheckpointStatus) -> None:
+        """Remove a checkpoint everywhere: the index record first, then the data on every tier."""
+        await self.index.delete(self.job, status.step)
+        self.complete.discard(status.step)
+        for name in status.tiers:
+            if name in self.tiers:
+                await self.tiers[name].delete(step_prefix(self.job, status.step))
+
+    async def drop(self, status: CheckpointStatus, tier: str) -> None:
+        """Remove `status.step` from one tier: the index record first (rank 0 keeps the books), then the
+        data (every rank, so node-local tiers are cleaned on every node; on shared tiers it is idempotent)."""
+        if self.rank == 0:
+            await self.index.unmark(self.job, status.step, tier)
+        if tier in self.tiers:
+            await self.tiers[tier].delete(step_prefix(self.job, status.step))
+        if not status.complete - {tier}:
+            self.complete.discard(status.step)
+        if self.rank == 0 and not set(status.tiers) - {tier}:
+            await self.index.delete(self.job, status.step)

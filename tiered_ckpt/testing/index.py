@@ -1,0 +1,110 @@
+"""The conformance suite every Index passes (the file index, the Redis index, a third party's).
+
+Subclass `IndexConformance` and give it one fixture, `make_index`: a function that returns a new,
+*unopened* index over one empty store, the same store on every call. The suite opens and fences each index
+as a job's writer does and closes it afterwards.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Callable
+
+import pytest
+
+from ..errors import IncompleteCheckpoint
+from ..index import Index
+
+JOB = "job"
+
+
+class IndexConformance:
+    @pytest.fixture
+    async def opened(self, make_index: Callable[[], Index]) -> AsyncIterator[Callable[[], Any]]:
+        started: list[Index] = []
+
+        async def open_one(job: str = JOB, *, epoch: int | None = None) -> Index:
+            """A writer of `job`: fenced as a new incarnation, or joining incarnation `epoch` (another rank)."""
+            index = make_index()
+            await index.open()
+            index.epoch = await index.fence(job) if epoch is None else epoch
+            started.append(index)
+            return index
+
+        yield open_one
+        for index in started:
+            await index.close()
+
+    @pytest.fixture
+    async def index(self, opened) -> Index:  # type: ignore[no-untyped-def]
+        return await opened()
+
+    async def test_begin_lists_an_incomplete_checkpoint_with_its_tiers_in_order(self, index):
+        await index.begin(JOB, 5, ["host", "disk", "s3"])
+        [status] = await index.list(JOB)
+        assert (status.step, status.tiers, status.complete, status.is_complete) == (5, ("host", "disk", "s3"),
+                                                                                    frozenset(), False)
+        assert status.created > 0
+
+    async def test_list_is_sorted_by_step_and_per_job(self, index, opened):
+        for step in (30, 4, 100):
+            await index.begin(JOB, step, ["disk"])
+        await (await opened("other")).begin("other", 7, ["disk"])
+        assert [s.step for s in await index.list(JOB)] == [4, 30, 100]
+        assert [s.step for s in await index.list("other")] == [7]
+        assert await index.list("nobody") == []
+
+    async def test_manifest_and_rank_records_round_trip(self, index):
+        await index.begin(JOB, 1, ["disk"])
+        await index.put_manifest(JOB, 1, b"\x00manifest\xff")
+        await index.put_rank_meta(JOB, 1, 0, b"rank0")
+        await index.put_rank_meta(JOB, 1, 3, b"rank3")
+        assert await index.get_manifest(JOB, 1) == b"\x00manifest\xff"
+        assert [await index.get_rank_meta(JOB, 1, r) for r in (0, 3)] == [b"rank0", b"rank3"]
+        with pytest.raises(IncompleteCheckpoint):
+            await index.get_rank_meta(JOB, 1, 1)
+        with pytest.raises(IncompleteCheckpoint):
+            await index.get_manifest(JOB, 2)
+
+    async def test_a_tier_completes_when_every_rank_of_one_session_marked_it(self, index):
+        await index.begin(JOB, 1, ["host", "disk"])
+        assert not await index.mark_durable(JOB, 1, "disk", 0, 3, "s1")
+        assert not await index.mark_durable(JOB, 1, "disk", 0, 3, "s1")  # a repeat does not count twice
+        assert not await index.mark_durable(JOB, 1, "disk", 1, 3, "old")  # an earlier attempt's marker
+        assert not await index.mark_durable(JOB, 1, "disk", 1, 3, "s1")
+        state = await index.tier_state(JOB, 1, "disk", "s1")
+        assert (state.state, state.ranks_done) == ("pending", frozenset({0, 1}))
+        assert (await index.list(JOB))[0].complete == frozenset()
+        assert await index.mark_durable(JOB, 1, "disk", 2, 3, "s1")
+        assert (await index.tier_state(JOB, 1, "disk", "s1")).state == "complete"
+        [status] = await index.list(JOB)
+        assert status.complete == frozenset({"disk"}) and status.incomplete == ("host",)
+
+    async def test_concurrent_marks_complete_exactly_once(self, index, opened):
+        others = [await opened(epoch=index.epoch) for _ in range(3)]
+        await index.begin(JOB, 2, ["disk"])
+        results = await asyncio.gather(*(i.mark_durable(JOB, 2, "disk", r, 4, "s")
+                                         for r, i in enumerate([index, *others])))
+        assert sorted(results) == [False, False, False, True]
+
+    async def test_a_failure_is_seen_by_every_rank_and_listed(self, index):
+        await index.begin(JOB, 3, ["disk", "s3"])
+        await index.mark_failed(JOB, 3, "s3", 1, "s1", "TierFull: no space")
+        state = await index.tier_state(JOB, 3, "s3", "s1")
+        assert state.state == "failed" and "rank 1" in state.reason and "no space" in state.reason
+        assert (await index.tier_state(JOB, 3, "s3", "s2")).state == "pending"  # another session's failure
+        [status] = await index.list(JOB)
+        assert "s3" in status.failed and "no space" in status.failed["s3"]
+
+    async def test_unmark_drops_one_tier_and_delete_drops_the_checkpoint(self, index):
+        await index.begin(JOB, 4, ["host", "disk"])
+        await index.put_manifest(JOB, 4, b"m")
+        for tier in ("host", "disk"):
+            assert await index.mark_durable(JOB, 4, tier, 0, 1, "s")
+        await index.unmark(JOB, 4, "host")
+        [status] = await index.list(JOB)
+        assert status.complete == frozenset({"disk"}) and status.tiers == ("disk",)
+        await index.delete(JOB, 4)
+        assert await index.list(JOB) == []
+        with pytest.raises(IncompleteCheckpoint):
+            await index.get_manifest(JOB, 4)
+        await index.delete(JOB, 4)  # absent: not an error

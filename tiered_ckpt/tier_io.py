@@ -1,0 +1,124 @@
+"""TierIO: the configured tiers, fastest first, each behind its own pipeline and thread pool.
+
+Every byte the engine moves goes through here: part writes, manifest writes, and `read_verified`, the one
+way a part is read back (by load, by a save whose staging buffer was handed on, and by verify). Each read
+runs through the tier's pipeline, so it has the tier's timeout and retries, and its checksum is checked
+over exactly the bytes read before the next tier is tried.
+"""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+from .checksum import ALGORITHM, checksum
+from .config import TierConfig
+from .errors import IntegrityError, TierError
+from .pipeline import TierPipeline
+from .tiers.base import Tier, start_tier
+from .tiers.registry import driver_class
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A part that the preferred tier could not serve intact."""
+
+    part: str
+    tier: str
+    reason: str
+
+
+@dataclass
+class PartRead:
+    """One part to read: its key, the buffers its bytes fill in order, its length and expected checksum."""
+
+    key: str
+    views: list[memoryview]
+    length: int
+    checksum: int
+
+
+class TierIO:
+    def __init__(self, configs: Sequence[TierConfig], io_threads: int):
+        self.configs = {t.name: t for t in configs}
+        self.drivers: dict[str, Tier] = {t.name: driver_class(t.kind)(t.name, t.options) for t in configs}
+        self.pipelines = {t.name: TierPipeline(t.name, workers=t.workers, inflight=t.inflight, retries=t.retries,
+                                               timeout=t.timeout) for t in configs}
+        # CPU work (staging copies, checksums, scatters) on one pool; each tier's I/O on its own, sized to its
+        # pipeline: a disk blocked in fsync must not starve the memory tier, whose speed is what lets the
+        # next save reuse the staging buffer early.
+        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tiered_ckpt")
+        self._tier_executors = {t.name: ThreadPoolExecutor(t.workers, thread_name_prefix=f"tiered_ckpt-{t.name}")
+                                for t in configs}
+
+    def __getitem__(self, name: str) -> Tier:
+        return self.drivers[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.drivers
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.drivers)
+
+    def order(self, names: Iterable[str]) -> list[str]:
+        """`names` sorted fastest first (the order of [[tiers]] in the config); unknown names dropped."""
+        wanted = set(names)
+        return [n for n in self.drivers if n in wanted]
+
+    async def open(self, *, rank: int, world_size: int, node: int, num_nodes: int) -> None:
+        for name, tier in self.drivers.items():
+            await start_tier(tier, self._tier_executors[name], rank=rank, world_size=world_size, node=node,
+                             num_nodes=num_nodes)
+
+    async def close(self) -> None:
+        for tier in self.drivers.values():
+            await tier.close()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        for executor in (self._executor, *self._tier_executors.values()):
+            executor.shutdown(wait=False)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """CPU work (memcpy, checksums) in a thread; the functions used here release the GIL."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def write(self, tier: str, key: str, data: memoryview, what: str | None = None) -> None:
+        await self.pipelines[tier].submit(len(data), lambda: self.drivers[tier].write(key, data), what or f"write {key}")
+
+    async def read_verified(self, part: PartRead, tiers: Sequence[str], fallbacks: list[Fallback],
+                            served: dict[str, int] | None = None, *, budgeted: bool = True) -> str:
+        """Fill `part.views` from the first of `tiers` (in that order) that returns the part whole and with
+        the expected checksum; return that tier's name and add the bytes to `served[tier]`. Each failed try
+        is appended to `fallbacks`; when none succeeds, raise IntegrityError naming every reason (the
+        buffers' contents are undefined then). Every try has the tier's timeout and retries; `budgeted`
+        also holds the tier's byte budget and a worker slot while it runs."""
+        reasons = []
+        for name in tiers:
+            reason = await self._try_read(name, part, budgeted)
+            if reason is None:
+                if served is not None:
+                    served[name] = served.get(name, 0) + part.length
+                return name
+            fallbacks.append(Fallback(part.key, name, reason))
+            reasons.append(f"{name}: {reason}")
+        raise IntegrityError(f"part {part.key}: no tier returned it intact "
+                             f"({'; '.join(reasons) or 'no tier holds this checkpoint'})")
+
+    async def _try_read(self, name: str, part: PartRead, budgeted: bool) -> str | None:
+        """None when `part` was read intact from tier `name`, else why not."""
+        pipeline, what = self.pipelines[name], f"read {part.key}"
+        op = lambda: self.drivers[name].read_into(part.key, part.views)  # noqa: E731
+        try:
+            n = await (pipeline.submit(part.length, op, what) if budgeted else pipeline.attempt(op, what))
+        except TierError as e:
+            return f"{type(e).__name__}: {e}"
+        if n != part.length:
+            return f"length {n}, expected {part.length}"
+        actual = await self.run_blocking(checksum, part.views)
+        if actual != part.checksum:
+            return f"{ALGORITHM} {actual:#010x}, expected {part.checksum:#010x}"
+        return None
