@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 
 from .checksum import ALGORITHM, checksum
 from .commit import Committer
-from .errors import SaveError, TierNotFound
+from .errors import IntegrityError, SaveError, TierNotFound
 from .layout import PartKey, manifest_key, rank_meta_key
 from .manifest import Manifest, RankMeta
 from .plan import Plan
@@ -274,10 +274,17 @@ class SaveJob:
         tier's timeout and retries. Its bytes are already counted in the writing tier's budget; taking the
         holder's budget as well could deadlock two tiers that read back from each other."""
         assert self._checksums is not None
-        buf = memoryview(bytearray(length))
-        part = PartRead(self._part_key(p), [buf], length, (await self._checksums)[p])
-        await self.io.read_verified(part, self.io.order(self._holders[p]), [], budgeted=False)
-        return buf
+        expected, reasons = (await self._checksums)[p], []
+        for tier in self.io.order(self._holders[p]):
+            buf = memoryview(bytearray(length))  # fresh per tier: a timed-out read may still write the last one
+            try:
+                await self.io.read_verified(PartRead(self._part_key(p), [buf], length, expected), [tier], [],
+                                            budgeted=False)
+                return buf
+            except IntegrityError as e:
+                reasons.append(str(e))
+        raise IntegrityError(f"part {self._part_key(p)} is no longer staged and no tier returned it intact "
+                             f"({'; '.join(reasons)})")
 
     # -- giving the staging buffer back ----------------------------------------------------------
     def request_detach(self) -> None:

@@ -8,7 +8,6 @@ At most `max_inflight` buffers exist; a save that needs one waits for a release,
 from __future__ import annotations
 
 import asyncio
-import ctypes
 from contextlib import nullcontext
 from typing import Sequence
 
@@ -19,13 +18,12 @@ from .plan import Plan
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (no copy). The tensor must outlive it."""
+    """A writable byte view of a contiguous CPU tensor's memory (no copy). The view holds a reference to
+    the tensor's storage (through a uint8 view and its numpy array), so memory can never be freed under a
+    thread that still reads or writes it, e.g. after a timed-out or cancelled read."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("tensor_bytes needs a contiguous CPU tensor")
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 class StagingBuffer:

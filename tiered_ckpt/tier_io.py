@@ -2,8 +2,9 @@
 
 Every byte the engine moves goes through here: part writes, manifest writes, and `read_verified`, the one
 way a part is read back (by load, by a save whose staging buffer was handed on, and by verify). Each read
-runs through the tier's pipeline, so it has the tier's timeout and retries, and its checksum is checked
-over exactly the bytes read before the next tier is tried.
+has the tier's timeout and retries (and, but for a save's read-back, whose bytes the writing tier's budget
+already counts, its byte budget and worker slots), and its checksum is checked over exactly the bytes read
+before the next tier is tried.
 """
 from __future__ import annotations
 

@@ -89,8 +89,7 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
             await coordinator.broadcast_tensor(buffers[key], reader, groups[members])
             if reader != me:
                 info.bytes_received += lengths[key]
-            data = buffers.pop(key)  # held here: the byte view below does not keep the tensor alive
-            await io.run_blocking(scatter, [tensor_bytes(data)], parts[key].views)
+            await io.run_blocking(scatter, [tensor_bytes(buffers.pop(key))], parts[key].views)
         await asyncio.gather(*solo)
     finally:
         for task in (*solo, *prefetch.values()):

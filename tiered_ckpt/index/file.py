@@ -189,8 +189,11 @@ def _atomic_create(path: Path) -> bool:
         created = True
     except FileExistsError:
         created = False
+    except OSError:  # a file system without hard links: rename (atomic, but two racers may both see True)
+        created = not path.exists()
+        os.replace(tmp, path)
     finally:
-        tmp.unlink()
+        tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
     return created
 

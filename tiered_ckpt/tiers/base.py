@@ -64,9 +64,9 @@ class Tier(ABC):
         """Keys starting with `prefix`, sorted."""
 
     async def missing(self, keys: Sequence[str]) -> list[str]:
-        """Which of `keys` are no longer stored, checked just before a commit. Tiers whose writes are
-        durable when they return (files fsynced) can't lose them and return []; a cache that may restart
-        or evict (Redis) checks, so a checkpoint never becomes complete on it with parts already gone."""
+        """Which of `keys` are no longer stored, checked just before a commit, so a checkpoint never becomes
+        complete on a tier with parts already gone (a cache that restarted or evicted, a file removed by
+        an operator). The default, [], suits stores whose acknowledged writes cannot vanish (S3)."""
         return []
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
