@@ -6,13 +6,14 @@ from .errors import (CheckpointExists, ConfigError, IncompleteCheckpoint, Integr
 from .index import CheckpointStatus
 from .loading import LoadInfo
 from .saving import SaveHandle
+from .state import PerRank
 from .sync import Checkpointer, SyncSaveHandle
 from .tier_io import Fallback
 from .train_state import TrainState
 
 __version__ = "0.1.0"
 __all__ = [
-    "Engine", "Checkpointer", "TrainState", "SaveHandle", "SyncSaveHandle", "LoadInfo", "Fallback", "CheckpointStatus",
+    "Engine", "Checkpointer", "TrainState", "PerRank", "SaveHandle", "SyncSaveHandle", "LoadInfo", "Fallback", "CheckpointStatus",
     "Config", "EngineConfig", "TierConfig", "load_config",
     "TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable", "TierTimeout",
     "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointExists", "SaveError",

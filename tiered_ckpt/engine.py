@@ -23,15 +23,15 @@ from .catalog import Catalog
 from .commit import Committer
 from .config import Config, load_config
 from .distributed.coordinator import Coordinator
-from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, StateError
+from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, RankFailed, StateError
 from .index import CheckpointStatus, Index, open_index
-from .loading import LoadInfo, plan_reads, read_parts
+from .loading import LoadInfo, Reads, plan_reads, read_parts
 from .manifest import Manifest
 from .plan import Planner
 from .retention import Retention
 from .saving import SaveHandle, SaveJob, SaveServices
 from .staging import StagingPool
-from .state import decode_skeleton, flatten, match
+from .state import LoadTarget, SavedTensor, decode_skeleton, flatten, match
 from .tier_io import TierIO
 
 log = logging.getLogger(__name__)
@@ -150,13 +150,14 @@ class Engine:
             raise CheckpointExists(f"job {self.job!r} step {step} already exists; delete it to save it again")
         if any(j.step == step for j in self._jobs):
             raise CheckpointExists(f"job {self.job!r}: a save of step {step} is already in flight")
-        metadata = dict(metadata or {})
-        try:
-            msgpack.packb(metadata)
-        except (TypeError, ValueError) as e:
-            raise StateError(f"metadata must be msgpack-able: {e}") from None
-        flat = flatten(state, allow_pickle=self.config.engine.allow_pickle)
         targets = [t.name for t in self.config.tiers if step % t.every == 0]
+        try:
+            metadata = _checked_metadata(metadata)
+            flat = flatten(state, allow_pickle=self.config.engine.allow_pickle, rank=self.rank)
+        except Exception as e:
+            if not self.coordinator.distributed:
+                raise
+            raise await self._failed_before_plan(step, targets, e) from e
         handle = SaveHandle(step, targets)
         if not targets:
             handle.set_staged()
@@ -175,6 +176,18 @@ class Engine:
         if not lazy:
             await handle.staged()
         return handle
+
+    async def _failed_before_plan(self, step: int, targets: list[str], error: BaseException) -> BaseException:
+        """This rank cannot save its state: make the save fail on every rank, in bounded time. On a first
+        save the other ranks wait in the plan gather, which this rank joins with its error; with cached
+        plans they run no collective, so the failure is recorded on each target tier, where their commit
+        wait sees it (RankFailed naming this rank, instead of a timeout)."""
+        await self.planner.join_failed(error)  # raises RankFailed on every rank when it joined the gather
+        assert self._services is not None
+        for tier in targets:
+            await self._services.commit.fail_tier(step, tier, error)
+        return RankFailed(f"step {step}: rank {self.rank} failed before the save was planned: "
+                          f"{type(error).__name__}: {error}")
 
     def _finished(self, job: SaveJob) -> None:
         self._jobs.remove(job)
@@ -196,20 +209,26 @@ class Engine:
         if unknown:
             raise ValueError(f"unknown tier(s) {unknown}; configured: {list(self.tiers)}")
         status = await self._agree_on_step(step, allowed)
+        info = LoadInfo(status.step, None)
+        order = [n for n in self.io.order(status.complete) if n in allowed]
         error: BaseException | None = None
-        order: list[str] = []
+        manifest: Manifest | None = None
+        reads: Reads | None = None
         with self.retention.busy.loading(status.step):
-            try:
-                order = [n for n in self.io.order(status.complete) if n in allowed]
+            try:  # local work: a failure here must not make this rank skip the collectives below
                 manifest = await self.catalog.read_manifest(status.step, order)
-                target = match(state, decode_skeleton(manifest.skeleton), allow_pickle=self.config.engine.allow_pickle,
-                               describe=lambda i: (manifest.tensors[i].torch_dtype, manifest.tensors[i].shape))
+                target = self._match(state, manifest)
                 reads = plan_reads(manifest, target.tensors)
-                info = LoadInfo(status.step, None)
-                await read_parts(self.io, self.coordinator, manifest, order, reads.dests, info)
-                await self.io.run_blocking(reads.finish)
             except Exception as e:
                 error = e
+            try:  # every rank enters the same collectives, whatever happened above
+                read = await read_parts(self.io, self.coordinator, manifest, order, reads.dests if reads else {},
+                                        info, ready=error is None)
+                if read and reads is not None and error is None:  # unread scratch must never be copied over
+                    await self.io.run_blocking(reads.finish)
+                    await self.io.run_blocking(target.copy_ties)
+            except Exception as e:
+                error = error or e
         await self.coordinator.agree(error)  # every rank succeeds, or every rank raises
         if error is not None:
             raise error
@@ -220,6 +239,15 @@ class Engine:
             log.warning("step %d: %d part read(s) fell back to a slower tier: %s", info.step, len(info.fallbacks),
                         "; ".join(f"{f.part} on {f.tier}: {f.reason}" for f in info.fallbacks[:5]))
         return info
+
+    def _match(self, state: Any, manifest: Manifest) -> LoadTarget:
+        """Pair `state` with this rank's saved skeleton (rank 0's for a rank the saved world lacked); keys it
+        lacks are looked up in the other ranks' skeletons."""
+        source = self.rank if self.rank < manifest.world_size else 0
+        others = [lambda r=r: decode_skeleton(manifest.skeleton_of(r)) for r in range(len(manifest.ranks)) if r != source]
+        saved = {t.path: SavedTensor(i, t.torch_dtype, t.shape) for i, t in enumerate(manifest.tensors)}
+        return match(state, decode_skeleton(manifest.skeleton_of(source)), tensors=saved, others=others,
+                     allow_pickle=self.config.engine.allow_pickle, rank=self.rank, saved_world=manifest.world_size)
 
     async def _agree_on_step(self, step: int | None, allowed: list[str]) -> CheckpointStatus:
         """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error). When
@@ -235,10 +263,14 @@ class Engine:
                     await self.retention.drop_incomplete_after(status.step)
                 choice = ("ok", status)
             except IncompleteCheckpoint as e:
-                choice = ("error", str(e))
+                choice = ("missing", str(e))
+            except Exception as e:  # every rank must leave the broadcast below with the same answer
+                choice = ("error", f"{type(e).__name__}: {e}")
         choice = await self.coordinator.broadcast_object(choice if self.rank == 0 else None)
-        if choice[0] == "error":
+        if choice[0] == "missing":
             raise IncompleteCheckpoint(choice[1])
+        if choice[0] == "error":
+            raise RankFailed(f"rank 0 failed while picking the checkpoint to load: {choice[1]}")
         return choice[1]
 
     async def statuses(self) -> list[CheckpointStatus]:
@@ -267,3 +299,12 @@ class Engine:
         """Delete checkpoint `step` from every tier and the index (commit records first)."""
         self._check_open()
         await self.retention.delete(step)
+
+
+def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    metadata = dict(metadata or {})
+    try:
+        msgpack.packb(metadata)
+    except (TypeError, ValueError) as e:
+        raise StateError(f"metadata must be msgpack-able: {e}") from None
+    return metadata

@@ -59,7 +59,7 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
         meta = manifest.tensors[index]
         local = local_tensor(target)
         _, box_offsets, box_sizes = local_box(target)
-        direct = local.device.type == "cpu" and local.is_contiguous()
+        direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == meta.torch_dtype
         for chunk in meta.chunks:
             overlap = _intersect(chunk.offsets, chunk.sizes, box_offsets, box_sizes)
             if overlap is None or chunk.nbytes == 0:
@@ -122,11 +122,13 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
     return views if wanted else None
 
 
-async def read_parts(io: TierIO, coordinator: Coordinator, manifest: Manifest, order: Sequence[str],
-                     dests: dict[tuple[int, int], memoryview], info: LoadInfo) -> None:
-    """Read every part that holds a wanted chunk into its destinations, from the tiers in `order`."""
+async def read_parts(io: TierIO, coordinator: Coordinator, manifest: Manifest | None, order: Sequence[str],
+                     dests: dict[tuple[int, int], memoryview], info: LoadInfo, *, ready: bool = True) -> bool:
+    """Read every part that holds a wanted chunk into its destinations, from the tiers in `order`; return
+    whether the reads ran. A rank that failed before (`ready=False`) still takes part, so the ranks'
+    collectives stay in step; then no rank reads anything (and every rank returns False)."""
     parts: dict[tuple[int, int], PartRead] = {}
-    for rank_meta in manifest.ranks:
+    for rank_meta in manifest.ranks if manifest is not None and ready else ():
         spans = rank_spans(manifest, rank_meta.rank)
         for p, expected in enumerate(rank_meta.checksums):
             views = part_views(manifest, rank_meta.rank, p, spans, dests)
@@ -134,6 +136,7 @@ async def read_parts(io: TierIO, coordinator: Coordinator, manifest: Manifest, o
                 key = PartKey(manifest.job, manifest.step, rank_meta.rank, p).path
                 parts[(rank_meta.rank, p)] = PartRead(key, views, manifest.part_length(rank_meta.rank, p), expected)
     if coordinator.distributed:
-        await read_with_broadcast(coordinator, io, order, parts, info)
-    else:
+        return await read_with_broadcast(coordinator, io, order, parts, info, ready=ready)
+    if ready:
         await asyncio.gather(*(io.read_verified(p, order, info.fallbacks, info.bytes_by_tier) for p in parts.values()))
+    return ready

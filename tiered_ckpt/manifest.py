@@ -11,7 +11,8 @@ import torch
 from .errors import IntegrityError
 from .layout import part_count, part_range
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each rank's record carries that rank's skeleton
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,13 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class RankMeta:
-    """One rank's packed stream. The manifest (written by rank 0) leaves `checksums` empty; each rank
-    stores its own in a rank record, since only that rank computed them."""
+    """One rank's packed stream. The manifest (written by rank 0) leaves `checksums` and `skeleton` empty;
+    each rank stores its own in a rank record, since only that rank computed them."""
 
     rank: int
     nbytes: int
     checksums: tuple[int, ...] = ()
+    skeleton: bytes = b""  # this rank's state structure and plain values (empty in format 1)
 
     def to_bytes(self) -> bytes:
         return msgpack.packb({"version": FORMAT_VERSION, **dataclasses.asdict(self)})
@@ -53,9 +55,9 @@ class RankMeta:
     def from_bytes(cls, data: bytes, *, source: str) -> "RankMeta":
         try:
             raw = msgpack.unpackb(data)
-            if raw.pop("version", None) != FORMAT_VERSION:
+            if raw.pop("version", None) not in READABLE_VERSIONS:
                 raise ValueError("unknown format version")
-            return cls(raw["rank"], raw["nbytes"], tuple(raw["checksums"]))
+            return cls(raw["rank"], raw["nbytes"], tuple(raw["checksums"]), bytes(raw.get("skeleton", b"")))
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             raise IntegrityError(f"{source} is not a valid rank record: {e}") from e
 
@@ -87,6 +89,10 @@ class Manifest:
             ranks.append(record)
         return dataclasses.replace(self, ranks=tuple(ranks))
 
+    def skeleton_of(self, rank: int) -> bytes:
+        """Rank `rank`'s skeleton (format 1 kept rank 0's only, in the manifest)."""
+        return self.ranks[rank].skeleton or self.skeleton
+
     def part_length(self, rank: int, index: int) -> int:
         start, end = part_range(self.ranks[rank].nbytes, self.part_size, index)
         return end - start
@@ -98,14 +104,16 @@ class Manifest:
     def from_bytes(cls, data: bytes, *, source: str = "manifest") -> "Manifest":
         try:
             raw = msgpack.unpackb(data, strict_map_key=False)
-            if raw.get("version") != FORMAT_VERSION:
-                raise IntegrityError(f"{source}: format version {raw.get('version')!r}, this library reads {FORMAT_VERSION}")
+            if raw.get("version") not in READABLE_VERSIONS:
+                raise IntegrityError(f"{source}: format version {raw.get('version')!r}, this library reads "
+                                     f"{', '.join(map(str, READABLE_VERSIONS))}")
             raw["tensors"] = tuple(
                 TensorMeta(t["path"], t["dtype"], tuple(t["shape"]),
                            tuple(ChunkMeta(tuple(c["offsets"]), tuple(c["sizes"]), c["rank"], c["byte_offset"],
                                            c["nbytes"]) for c in t["chunks"]))
                 for t in raw["tensors"])
-            raw["ranks"] = tuple(RankMeta(r["rank"], r["nbytes"], tuple(r["checksums"])) for r in raw["ranks"])
+            raw["ranks"] = tuple(RankMeta(r["rank"], r["nbytes"], tuple(r["checksums"]), bytes(r.get("skeleton", b"")))
+                                 for r in raw["ranks"])
             return cls(**raw)
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             raise IntegrityError(f"{source} is not a valid manifest: {e}") from e

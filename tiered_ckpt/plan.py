@@ -22,7 +22,7 @@ import torch
 
 from .distributed.coordinator import Coordinator
 from .distributed.dtensor import layout_key, local_box
-from .errors import StateError
+from .errors import RankFailed, StateError
 from .layout import part_count, part_range
 from .manifest import ChunkMeta, TensorMeta
 
@@ -88,16 +88,48 @@ class Planner:
             self._cache.move_to_end(key)
             return plan
         self.misses += 1
-        descriptors = []
-        for path, t in zip(paths, tensors):
-            global_shape, offsets, sizes = local_box(t)
-            descriptors.append((path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
+        error: BaseException | None = None
+        try:
+            descriptors: Any = []
+            for path, t in zip(paths, tensors):
+                global_shape, offsets, sizes = local_box(t)
+                descriptors.append((path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
+        except Exception as e:
+            error, descriptors = e, _Failed(f"{type(e).__name__}: {e}")
         everyone = await self.coordinator.all_gather_object(descriptors)
+        _raise_first_failure(everyone, self.rank, error)
         plan = build_plan(key, everyone, self.rank, self.part_size)
         self._cache[key] = plan
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return plan
+
+
+    async def join_failed(self, error: BaseException) -> None:
+        """This rank could not even describe its state (state_dict() raised, a value was refused). On a first
+        save every rank gathers a plan, so join that gather with the error: every rank raises RankFailed
+        naming this rank. With plans cached, the other ranks most likely hit theirs and run no collective,
+        so return and let the caller record the failure where their commit wait sees it."""
+        if self._cache or not self.coordinator.distributed:
+            return
+        everyone = await self.coordinator.all_gather_object(_Failed(f"{type(error).__name__}: {error}"))
+        _raise_first_failure(everyone, self.rank, error)
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A rank's place in the plan gather when it failed before planning."""
+
+    reason: str
+
+
+def _raise_first_failure(everyone: list[Any], rank: int, error: BaseException | None) -> None:
+    for r, descriptors in enumerate(everyone):
+        if isinstance(descriptors, _Failed):
+            failed = RankFailed(f"rank {r} failed before the save was planned: {descriptors.reason}")
+            if r == rank:
+                failed.__cause__ = error
+            raise failed
 
 
 def build_plan(key: tuple, everyone: list[list[tuple[Any, ...]]], rank: int, part_size: int) -> Plan:

@@ -130,6 +130,7 @@ class SaveJob:
         self._checksums: asyncio.Task[list[int]] | None = None
         self._manifest: asyncio.Task[bytes] | None = None
         self._rank_meta: asyncio.Task[bytes] | None = None
+        self._encoded_skeleton: bytes | None = None
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -186,10 +187,15 @@ class SaveJob:
             job=self.job, step=self.step, world_size=plan.world_size, part_size=plan.part_size,
             checksum=ALGORITHM, tensors=plan.tensors,
             ranks=tuple(RankMeta(r, n) for r, n in enumerate(plan.rank_nbytes)),
-            skeleton=encode_skeleton(self.flat.skeleton), created=time.time(), metadata=self.metadata)
+            skeleton=self._skeleton(), created=time.time(), metadata=self.metadata)
         data = manifest.to_bytes()
         await self.commit.put_manifest(self.step, data)
         return data
+
+    def _skeleton(self) -> bytes:
+        if self._encoded_skeleton is None:
+            self._encoded_skeleton = encode_skeleton(self.flat.skeleton)
+        return self._encoded_skeleton
 
     async def _rank_meta_bytes(self) -> bytes:
         """This rank's part checksums, stored in the index once and returned for every tier."""
@@ -199,7 +205,7 @@ class SaveJob:
 
     async def _build_rank_meta(self) -> bytes:
         assert self._checksums is not None
-        data = RankMeta(self.plan.rank, self.plan.nbytes, tuple(await self._checksums)).to_bytes()
+        data = RankMeta(self.plan.rank, self.plan.nbytes, tuple(await self._checksums), self._skeleton()).to_bytes()
         await self.commit.put_rank_meta(self.step, data)
         return data
 

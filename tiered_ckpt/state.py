@@ -1,28 +1,58 @@
 """State ↔ (skeleton, tensors).
 
 The skeleton is the state's nested structure with every tensor replaced by a TensorRef and every object
-that has state_dict() replaced by its state dict. It is msgpack-encoded into the manifest (never pickle
-unless the user opts in), so plain values such as a learning rate or a step counter round-trip exactly.
-Loading walks the caller's state and the saved skeleton together and fills tensors in place.
+that has state_dict() replaced by its state dict. It is msgpack-encoded (never pickle unless the user opts
+in), so plain values such as a learning rate or a step counter round-trip exactly. Every rank stores its
+own skeleton. Loading walks the caller's state and a saved skeleton together and fills tensors in place.
+
+The rules of what comes back (docs/state.md):
+- a tensor is saved under its path ("model/layer/weight"); a plain tensor with the same path on several
+  ranks is one replicated tensor, written once; `PerRank(x)` saves x under a per-rank name instead;
+- entries that share one storage (tied weights) are saved once; the others are aliases of the first;
+- a subtree that holds no tensors is a value: load replaces it whole (lists of any length, dicts, None);
+- containers that hold tensors are matched strictly, key by key; a saved dtype is cast to the target's.
 """
 from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
 import torch
 
 from .errors import StateError
 
-_EXT_TENSOR, _EXT_TUPLE, _EXT_PICKLE = 1, 2, 3
+_EXT_TENSOR, _EXT_TUPLE, _EXT_PICKLE, _EXT_ALIAS, _EXT_PER_RANK = 1, 2, 3, 4, 5
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
 @dataclass(frozen=True)
 class TensorRef:
     index: int
+
+
+@dataclass(frozen=True)
+class TensorAlias:
+    """A tensor that shares its storage with the tensor saved under `name` (tied weights): saved once."""
+
+    name: str
+
+
+@dataclass
+class PerRank:
+    """Marks a value or a tensor as this rank's own. Each rank's is saved under a per-rank name and given
+    back to the same rank; a rank that did not exist at save time gets a clear error. After a load, the
+    loaded value is in `.value` (tensors are filled in place)."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class PerRankMark:
+    """Skeleton node: the subtree below was wrapped in PerRank."""
+
+    inner: Any
 
 
 @dataclass
@@ -43,6 +73,19 @@ def path_str(path: tuple[Any, ...]) -> str:
     return "/".join(map(str, path)) or "<root>"
 
 
+def per_rank_name(where: str, rank: int) -> str:
+    """The saved name of a PerRank tensor of `rank` at path `where`."""
+    return f"{where}@rank{rank}"
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Identifies one view of one storage: two entries with the same key are the same (tied) tensor."""
+    local = t.to_local() if type(t).__name__ == "DTensor" else t
+    placements = tuple(t.placements) if local is not t else ()
+    return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+            tuple(local.stride()), local.dtype, placements)
+
+
 def check_dtype(t: torch.Tensor, where: str) -> None:
     if t.dtype in _UNSUPPORTED:
         raise StateError(f"tensor {where!r} has dtype {t.dtype}, which tiered_ckpt cannot store as raw bytes")
@@ -61,28 +104,37 @@ def _unsupported_dtypes() -> frozenset[torch.dtype]:
 _UNSUPPORTED = _unsupported_dtypes()
 
 
-def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
+def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0) -> FlatState:
     """Walk `state`; tensors go to FlatState.tensors, the rest into the skeleton. Errors name the key."""
     flat = FlatState(skeleton=None)
+    seen: dict[tuple[Any, ...], str] = {}  # view → saved name, to save tied entries once
 
-    def walk(value: Any, path: tuple[Any, ...]) -> Any:
+    def walk(value: Any, path: tuple[Any, ...], per_rank: bool) -> Any:
         if isinstance(value, torch.Tensor):
             where = path_str(path)
             check_dtype(value, where)
+            name = per_rank_name(where, rank) if per_rank else where
+            if value.device.type != "meta" and value.numel():
+                key = _view_key(value)
+                if key in seen:
+                    return TensorAlias(seen[key])
+                seen[key] = name
             flat.tensors.append(value)  # staging copies under no_grad: no detach needed
-            flat.paths.append(where)
+            flat.paths.append(name)
             return TensorRef(len(flat.tensors) - 1)
+        if isinstance(value, PerRank):
+            return PerRankMark(walk(value.value, path, True))
         if isinstance(value, dict):
             for k in value:
                 if type(k) not in (str, int):
                     raise StateError(f"key {k!r} under {path_str(path)!r} must be a str or int")
-            return {k: walk(v, path + (k,)) for k, v in value.items()}
+            return {k: walk(v, path + (k,), per_rank) for k, v in value.items()}
         if isinstance(value, tuple):
-            return tuple(walk(v, path + (i,)) for i, v in enumerate(value))
+            return tuple(walk(v, path + (i,), per_rank) for i, v in enumerate(value))
         if isinstance(value, list):
-            return [walk(v, path + (i,)) for i, v in enumerate(value)]
+            return [walk(v, path + (i,), per_rank) for i, v in enumerate(value)]
         if _is_stateful(value):
-            return walk(value.state_dict(), path)
+            return walk(value.state_dict(), path, per_rank)
         if type(value) in _PLAIN:
             if type(value) is int and not -(2**63) <= value < 2**64:
                 raise StateError(f"int at {path_str(path)!r} does not fit in 64 bits")
@@ -97,7 +149,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
             "is not a tensor, a container, a stateful object or a msgpack-able value; convert it, or set "
             "allow_pickle = true in [engine] to store it with pickle")
 
-    flat.skeleton = walk(state, ())
+    flat.skeleton = walk(state, (), False)
     return flat
 
 
@@ -113,6 +165,10 @@ def encode_skeleton(skeleton: Any) -> bytes:
             return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), default=default, strict_types=True))
         if isinstance(obj, Pickled):
             return msgpack.ExtType(_EXT_PICKLE, obj.data)
+        if isinstance(obj, TensorAlias):
+            return msgpack.ExtType(_EXT_ALIAS, obj.name.encode())
+        if isinstance(obj, PerRankMark):
+            return msgpack.ExtType(_EXT_PER_RANK, msgpack.packb(obj.inner, default=default, strict_types=True))
         raise TypeError(f"cannot encode {type(obj)}")
 
     return msgpack.packb(skeleton, default=default, strict_types=True)
@@ -126,20 +182,46 @@ def decode_skeleton(data: bytes) -> Any:
             return tuple(msgpack.unpackb(data, ext_hook=ext_hook, strict_map_key=False))
         if code == _EXT_PICKLE:
             return Pickled(data)
+        if code == _EXT_ALIAS:
+            return TensorAlias(data.decode())
+        if code == _EXT_PER_RANK:
+            return PerRankMark(msgpack.unpackb(data, ext_hook=ext_hook, strict_map_key=False))
         raise StateError(f"unknown msgpack extension type {code} in the manifest")
 
     return msgpack.unpackb(data, ext_hook=ext_hook, strict_map_key=False)
 
 
+@dataclass(frozen=True)
+class SavedTensor:
+    """What a load needs to know of one saved tensor: its position in the manifest, dtype and shape."""
+
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
 @dataclass
 class LoadTarget:
-    """What one load must do: fill `tensors[ref]` from saved tensor `ref`, then run `assign` (plain values
-    and new objects into the caller's containers), then `finish` (load_state_dict calls). Nothing in the
-    caller's state changes until the reads have succeeded."""
+    """What one load must do: fill `tensors[index]` (the caller's tensor) from saved tensor `index`, copy
+    `ties` (a saved tensor wanted by two targets that do not share storage), then, after every rank read
+    its parts, run `assign` (plain values and new objects into the caller's containers) and `finish`
+    (load_state_dict calls). No caller tensor is written before the reads start."""
 
     tensors: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    ties: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     assign: list[Callable[[], None]] = field(default_factory=list)
     finish: list[Callable[[], None]] = field(default_factory=list)
+
+    def add(self, index: int, where: str, tensor: torch.Tensor) -> None:
+        if index not in self.tensors:
+            self.tensors[index] = (where, tensor)
+        elif _view_key(self.tensors[index][1]) != _view_key(tensor):  # a tie in the target stays filled once
+            self.ties.append((self.tensors[index][1], tensor))
+
+    def copy_ties(self) -> None:
+        with torch.no_grad():
+            for src, dst in self.ties:
+                dst.copy_(src)
 
     def apply(self) -> None:
         for fn in self.assign:
@@ -147,29 +229,71 @@ class LoadTarget:
         for fn in self.finish:
             fn()
 
+    @property
+    def empty(self) -> bool:
+        return not (self.tensors or self.assign or self.finish)
 
-def match(
-    state: Any, saved: Any, *, describe: Callable[[int], tuple[torch.dtype, tuple[int, ...]]], allow_pickle: bool
-) -> LoadTarget:
-    """Pair the caller's state with the saved skeleton. Tensors the caller has are filled in place; keys
-    the caller's plain dicts lack are not loaded (partial loads work); inside a stateful object's state
-    dict, values the object lacks (e.g. a fresh optimizer's state) are created and handed to
-    load_state_dict. Raises StateError naming the key on any mismatch, before anything is read."""
+
+_MISSING = object()
+_WRAPPERS = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
+
+
+def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_pickle: bool, rank: int = 0,
+          saved_world: int = 1, others: Sequence[Callable[[], Any]] = ()) -> LoadTarget:
+    """Pair the caller's state with the saved skeleton `saved` (this rank's own, or rank 0's when this rank
+    did not exist at save time); `tensors` maps saved names to what was saved. A key the caller has that
+    `saved` lacks is looked up in the other ranks' skeletons (`others`, decoded on demand), so a key held
+    by one rank only can be loaded by any rank. Tensors the caller has are filled in place; keys the
+    caller's plain dicts lack are not loaded (partial loads work); inside a stateful object's state dict,
+    values the object lacks (a fresh optimizer's state) are created and handed to load_state_dict. Raises
+    StateError naming the key on any mismatch, before anything is read."""
     target = LoadTarget()
+    decoded: list[Any] = []
 
-    def materialize(saved_value: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(saved_value, TensorRef):
-            dtype, shape = describe(saved_value.index)
-            t = torch.empty(shape, dtype=dtype)
-            target.tensors[saved_value.index] = (path_str(path), t)
+    def other_skeletons() -> list[Any]:
+        if len(decoded) < len(others):
+            decoded.extend(load() for load in others[len(decoded):])
+        return decoded
+
+    def find_elsewhere(path: tuple[Any, ...]) -> Any:
+        for skeleton in other_skeletons():
+            node = skeleton
+            for k in path:
+                if isinstance(node, dict) and k in node:
+                    node = node[k]
+                elif isinstance(node, (list, tuple)) and isinstance(k, int) and 0 <= k < len(node):
+                    node = node[k]
+                else:
+                    node = _MISSING
+                    break
+            if node is not _MISSING and not isinstance(node, PerRankMark):  # another rank's own stays its own
+                return node
+        return _MISSING
+
+    def saved_tensor(name: str, where: str) -> SavedTensor:
+        found = tensors.get(name)
+        if found is None:
+            raise StateError(f"tensor {where!r}: the checkpoint has no data for it (saved as {name!r})")
+        return found
+
+    def materialize(saved_value: Any, path: tuple[Any, ...], per_rank: bool) -> Any:
+        where = path_str(path)
+        if isinstance(saved_value, (TensorRef, TensorAlias)):
+            name = saved_value.name if isinstance(saved_value, TensorAlias) else (
+                per_rank_name(where, rank) if per_rank else where)
+            meta = saved_tensor(name, where)
+            t = torch.empty(meta.shape, dtype=meta.dtype)
+            target.add(meta.index, where, t)
             return t
+        if isinstance(saved_value, PerRankMark):
+            return materialize(saved_value.inner, path, True)
         if isinstance(saved_value, dict):
-            return {k: materialize(v, path + (k,)) for k, v in saved_value.items()}
+            return {k: materialize(v, path + (k,), per_rank) for k, v in saved_value.items()}
         if isinstance(saved_value, (list, tuple)):
-            return type(saved_value)(materialize(v, path + (i,)) for i, v in enumerate(saved_value))
+            return type(saved_value)(materialize(v, path + (i,), per_rank) for i, v in enumerate(saved_value))
         if isinstance(saved_value, Pickled):
             if not allow_pickle:
-                raise StateError(f"value at {path_str(path)!r} was saved with pickle; set allow_pickle = true to load it")
+                raise StateError(f"value at {where!r} was saved with pickle; set allow_pickle = true to load it")
             return pickle.loads(saved_value.data)
         return saved_value
 
@@ -177,53 +301,131 @@ def match(
         if new is not old:
             target.assign.append(lambda: container.__setitem__(key, new))
 
-    def walk(value: Any, saved_value: Any, path: tuple[Any, ...], fill_missing: bool) -> Any:
+    def per_rank_inner(saved_value: PerRankMark, where: str) -> Any:
+        if rank >= saved_world:
+            raise StateError(f"{where!r} is per-rank and was saved by {saved_world} ranks; rank {rank} has no "
+                             f"saved value (load it without this entry, or give it a default after loading)")
+        return saved_value.inner
+
+    def walk(value: Any, saved_value: Any, path: tuple[Any, ...], fill_missing: bool, per_rank: bool) -> Any:
         where = path_str(path)
+        if isinstance(value, PerRank):
+            if not isinstance(saved_value, PerRankMark):
+                raise StateError(f"{where!r} is PerRank in the given state but was not saved per rank")
+            new = walk(value.value, per_rank_inner(saved_value, where), path, fill_missing, True)
+            if new is not value.value:
+                target.assign.append(lambda: setattr(value, "value", new))
+            return value
+        if isinstance(saved_value, PerRankMark):  # saved per rank, asked for plainly: this rank's own
+            return walk(value, per_rank_inner(saved_value, where), path, fill_missing, True)
         if isinstance(value, torch.Tensor):
-            if not isinstance(saved_value, TensorRef):
-                raise StateError(f"{where!r} is a tensor in the given state but a {type(saved_value).__name__} in the checkpoint")
-            dtype, shape = describe(saved_value.index)
-            if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-                raise StateError(
-                    f"tensor {where!r}: the given state has shape {tuple(value.shape)} {value.dtype}, "
-                    f"the checkpoint has shape {tuple(shape)} {dtype}")
-            target.tensors[saved_value.index] = (where, value.detach())
+            if isinstance(saved_value, TensorAlias):
+                name = saved_value.name
+            elif isinstance(saved_value, TensorRef):
+                name = per_rank_name(where, rank) if per_rank else where
+            else:
+                raise StateError(f"{where!r} is a tensor in the given state but a {type(saved_value).__name__} "
+                                 f"in the checkpoint")
+            meta = saved_tensor(name, where)
+            if tuple(value.shape) != tuple(meta.shape):
+                raise StateError(f"tensor {where!r}: the given state has shape {tuple(value.shape)}, the checkpoint "
+                                 f"has shape {tuple(meta.shape)}")
+            if value.device.type == "meta":
+                raise StateError(f"tensor {where!r} is on the meta device: it has no memory to load into "
+                                 f"(materialize it first, e.g. model.to_empty(device=...))")
+            target.add(meta.index, where, value.detach())  # a dtype that differs is cast
             return value
         if _is_stateful(value) and not isinstance(value, (dict, list, tuple)):
             current = value.state_dict()
-            filled = walk(current, saved_value, path, True)
+            filled = walk(current, saved_value, path, True, per_rank)
             if not (isinstance(value, torch.nn.Module) and _all_in_place(current, saved_value)):
                 target.finish.append(lambda v=value, sd=filled: v.load_state_dict(sd))
             return value
+        if not _has_tensor(value) and not _holds_tensors(saved_value):
+            new = materialize(saved_value, path, per_rank)  # a value: replaced whole
+            if type(value) in (dict, list) and type(new) is type(value):
+                # in place: a caller holding this dict or list (progress = state["progress"]) sees the load
+                target.assign.append(lambda: _replace_contents(value, new))
+                return value
+            return new
         if isinstance(value, dict):
             if not isinstance(saved_value, dict):
-                raise StateError(f"{where!r} is a dict in the given state but a {type(saved_value).__name__} in the checkpoint")
-            missing = [k for k in value if k not in saved_value]
-            if missing:
-                raise StateError(f"key {path_str(path + (missing[0],))!r} is in the given state but not in the checkpoint")
+                raise StateError(f"{where!r} is a dict in the given state but a {type(saved_value).__name__} "
+                                 f"in the checkpoint")
+            for k in value:
+                if k not in saved_value:
+                    elsewhere = find_elsewhere(path + (k,))
+                    if elsewhere is _MISSING:
+                        raise StateError(_missing_key_message(path, k, value, saved_value))
+                    set_later(value, k, value[k], walk(value[k], elsewhere, path + (k,), fill_missing, per_rank))
             for k, v in saved_value.items():
                 if k in value:
-                    set_later(value, k, value[k], walk(value[k], v, path + (k,), fill_missing))
+                    set_later(value, k, value[k], walk(value[k], v, path + (k,), fill_missing, per_rank))
                 elif fill_missing:
-                    set_later(value, k, None, materialize(v, path + (k,)))
+                    set_later(value, k, None, materialize(v, path + (k,), per_rank))
             return value
         if isinstance(value, (list, tuple)):
             if not isinstance(saved_value, (list, tuple)) or len(saved_value) != len(value):
                 raise StateError(f"{where!r}: the given state has a {type(value).__name__} of length {len(value)}, "
                                  f"the checkpoint has {saved_value!r:.80}")
-            items = [walk(v, s, path + (i,), fill_missing) for i, (v, s) in enumerate(zip(value, saved_value))]
+            items = [walk(v, s, path + (i,), fill_missing, per_rank)
+                     for i, (v, s) in enumerate(zip(value, saved_value))]
             if isinstance(value, list):
                 for i, (old, new) in enumerate(zip(value, items)):
                     set_later(value, i, old, new)
                 return value
             return type(value)(items) if type(value) is tuple else type(value)(*items)
-        return materialize(saved_value, path)
+        return materialize(saved_value, path, per_rank)
 
-    walk(state, saved, (), False)
+    walk(state, saved, (), False, False)
+    if target.empty and isinstance(saved, dict) and saved:
+        raise StateError(f"the given state has no key in common with the checkpoint, whose top-level keys are "
+                         f"{sorted(map(str, saved))}")
     return target
+
+
+def _replace_contents(container: Any, new: Any) -> None:
+    container.clear()
+    container.update(new) if isinstance(container, dict) else container.extend(new)
+
+
+def _has_tensor(value: Any) -> bool:
+    """Whether a caller's value holds a tensor (or an object whose state may: stateful objects count)."""
+    if isinstance(value, (torch.Tensor, PerRank)) or _is_stateful(value):
+        return True
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    return False
+
+
+def _holds_tensors(saved: Any) -> bool:
+    if isinstance(saved, (TensorRef, TensorAlias, PerRankMark)):
+        return True
+    if isinstance(saved, dict):
+        return any(_holds_tensors(v) for v in saved.values())
+    if isinstance(saved, (list, tuple)):
+        return any(_holds_tensors(v) for v in saved)
+    return False
+
+
+def _missing_key_message(path: tuple[Any, ...], key: Any, given: dict[Any, Any], saved: dict[Any, Any]) -> str:
+    message = f"key {path_str(path + (key,))!r} is in the given state but not in the checkpoint"
+    if not path:
+        message += f" (its top-level keys: {sorted(map(str, saved))})"
+    for prefix in _WRAPPERS:
+        if isinstance(key, str) and f"{prefix}{key}" in saved:
+            return (f"{message}: the checkpoint's keys carry a {prefix!r} prefix (saved from a wrapped model); "
+                    f"load into the wrapper, or save the unwrapped model (e.g. model.module)")
+        if isinstance(key, str) and key.startswith(prefix) and key[len(prefix):] in saved:
+            return (f"{message}: the given state's keys carry a {prefix!r} prefix the checkpoint lacks; load into "
+                    f"the unwrapped model (e.g. model.module)")
+    return message
 
 
 def _all_in_place(current: Any, saved: Any) -> bool:
     """True when a module's saved state is exactly its tensors, so filling them in place is the whole load."""
     return (isinstance(current, dict) and isinstance(saved, dict) and current.keys() == saved.keys()
-            and all(isinstance(v, torch.Tensor) and isinstance(saved[k], TensorRef) for k, v in current.items()))
+            and all(isinstance(v, torch.Tensor) and isinstance(saved[k], (TensorRef, TensorAlias))
+                    for k, v in current.items()))

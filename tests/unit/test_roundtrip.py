@@ -97,8 +97,6 @@ async def test_shape_mismatch_names_key_and_both_shapes(engine):
     await (await engine.save(1, {"w": torch.zeros(3, 4)})).wait()
     with pytest.raises(tc.StateError, match=r"'w'.*\(4, 3\).*\(3, 4\)"):
         await engine.load({"w": torch.zeros(4, 3)})
-    with pytest.raises(tc.StateError, match=r"'w'.*float64.*float32"):
-        await engine.load({"w": torch.zeros(3, 4, dtype=torch.float64)})
     with pytest.raises(tc.StateError, match=r"'extra'.*not in the checkpoint"):
         await engine.load({"w": torch.zeros(3, 4), "extra": 1})
 

@@ -48,9 +48,15 @@ def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]]) -> tuple[lis
 
 
 async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Sequence[str],
-                              parts: dict[PartId, PartRead], info: "LoadInfo") -> None:
-    everyone = await coordinator.all_gather_object(sorted((k, p.length) for k, p in parts.items()))
-    plan, lengths = plan_broadcasts(everyone)
+                              parts: dict[PartId, PartRead], info: "LoadInfo", *, ready: bool = True) -> bool:
+    """Collective: every rank calls it once per load, with the parts it needs (none if it is not `ready`).
+    Returns False, having read nothing, when any rank was not ready. Every rank walks the whole broadcast
+    plan, failure or not, so no rank leaves a collective early; the first error is raised at the end."""
+    wanted = sorted((k, p.length) for k, p in parts.items())
+    everyone = await coordinator.all_gather_object((ready, wanted))
+    if not all(ok for ok, _ in everyone):
+        return False  # a rank failed before reading: no one reads; the load's agreement reports it
+    plan, lengths = plan_broadcasts([w for _, w in everyone])
     shared = {key for key, _, _ in plan}
     groups = {}
     for members in sorted({m for _, m, _ in plan}):
@@ -68,6 +74,7 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
             buffers[key] = torch.empty(lengths[key], dtype=torch.uint8)
             p = parts[key]
             prefetch[key] = read(PartRead(p.key, [tensor_bytes(buffers[key])], p.length, p.checksum))
+    errors: list[BaseException] = []
     try:
         for key, members, reader in plan:
             if me not in members:
@@ -77,21 +84,28 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
                 try:
                     await prefetch[key]
                     status[0] = 1
-                except IntegrityError:
-                    status[0] = 0
+                except Exception as e:
+                    errors.append(e)
             else:
                 buffers[key] = torch.empty(lengths[key], dtype=torch.uint8)
             await coordinator.broadcast_tensor(status, reader, groups[members])
             if status[0] != 1:
-                if reader == me:
-                    await prefetch[key]  # re-raise the reader's own error
-                raise IntegrityError(f"part {parts[key].key}: rank {reader}, its reader, found no intact copy")
+                if reader != me:
+                    errors.append(IntegrityError(f"part {parts[key].key}: rank {reader}, its reader, found no "
+                                                 f"intact copy"))
+                buffers.pop(key, None)
+                continue
             await coordinator.broadcast_tensor(buffers[key], reader, groups[members])
             if reader != me:
                 info.bytes_received += lengths[key]
             await io.run_blocking(scatter, [tensor_bytes(buffers.pop(key))], parts[key].views)
-        await asyncio.gather(*solo)
+        for outcome in await asyncio.gather(*solo, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                errors.append(outcome)
     finally:
         for task in (*solo, *prefetch.values()):
             if not task.done():
                 task.cancel()
+    if errors:
+        raise errors[0]
+    return True

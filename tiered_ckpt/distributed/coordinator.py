@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import TieredCkptError
+from ..errors import RankFailed
 
 
 class Coordinator:
@@ -93,7 +93,7 @@ class Coordinator:
             if report is not None:
                 if error is not None and rank == self.rank:
                     raise error
-                raise TieredCkptError(f"rank {rank} failed: {report}")
+                raise RankFailed(f"rank {rank} failed: {report}")
 
     async def destroy(self) -> None:
         if self.group is not None and dist.is_initialized():

@@ -1,0 +1,119 @@
+"""What comes back, and how: values vs tensors, dtype casts, tied weights, per-rank entries, wrapped-model
+keys, and states that match nothing. Each rule is in docs/state.md."""
+import pytest
+import torch
+
+import tiered_ckpt as tc
+
+
+async def test_a_subtree_without_tensors_is_a_value_replaced_whole(engine):
+    saved = {"w": torch.ones(4), "extra": {"lrs": [0.001, 0.0005], "history": {"loss": [3.2, 2.9, 2.7]}, "note": None}}
+    await (await engine.save(1, saved)).wait()
+    extra = {"lrs": [], "history": {}, "note": "x"}
+    state = {"w": torch.zeros(4), "extra": extra}
+    await engine.load(state)
+    assert state["extra"] == {"lrs": [0.001, 0.0005], "history": {"loss": [3.2, 2.9, 2.7]}, "note": None}
+    assert state["extra"] is extra  # dicts and lists are refilled in place: references the caller holds see it
+    assert torch.equal(state["w"], torch.ones(4))
+
+
+async def test_containers_that_hold_tensors_still_match_strictly(engine):
+    await (await engine.save(1, {"ws": [torch.ones(2), torch.ones(3)]})).wait()
+    with pytest.raises(tc.StateError, match=r"'ws'.*length 1"):
+        await engine.load({"ws": [torch.zeros(2)]})
+
+
+async def test_a_state_with_nothing_in_common_is_an_error_naming_the_saved_keys(engine):
+    await (await engine.save(1, {"model": {"w": torch.ones(2)}, "step": 1})).wait()
+    with pytest.raises(tc.StateError, match=r"no key in common.*\['model', 'step'\]"):
+        await engine.load({})
+    with pytest.raises(tc.StateError, match=r"'optimizer' is in the given state but not in the checkpoint.*"
+                                            r"\['model', 'step'\]"):
+        await engine.load({"optimizer": {"m": torch.zeros(2)}})
+
+
+@pytest.mark.parametrize("saved_dtype, target_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float16),
+                                                       (torch.float64, torch.bfloat16)])
+async def test_a_saved_dtype_is_cast_to_the_target_dtype(engine, saved_dtype, target_dtype):
+    source = torch.linspace(-3, 3, 60, dtype=torch.float64).reshape(6, 10)
+    model = torch.nn.Linear(10, 6).to(saved_dtype)
+    with torch.no_grad():
+        model.weight.copy_(source)
+    await (await engine.save(1, {"model": model, "t": source.to(saved_dtype)})).wait()
+    target = torch.nn.Linear(10, 6).to(target_dtype)
+    strided = torch.zeros(10, 6, dtype=target_dtype).t()  # a non-contiguous target takes the scratch path
+    await engine.load({"model": target, "t": strided})
+    expected = source.to(saved_dtype).to(target_dtype)
+    assert target.weight.dtype == target_dtype and torch.equal(target.weight.detach(), expected)
+    assert torch.equal(strided, expected)
+
+
+async def test_a_shape_mismatch_names_only_the_shape(engine):
+    await (await engine.save(1, {"w": torch.zeros(3, 4)})).wait()
+    with pytest.raises(tc.StateError, match=r"'w'.*shape \(4, 3\).*shape \(3, 4\)") as err:
+        await engine.load({"w": torch.zeros(4, 3, dtype=torch.float64)})
+    assert "float" not in str(err.value)
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self, tie: bool = True):
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 16)
+        self.head = torch.nn.Linear(16, 100, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+
+async def test_tied_weights_are_written_once_and_stay_tied(engine):
+    torch.manual_seed(0)
+    model = TiedLM()
+    await (await engine.save(1, {"model": model})).wait()
+    manifest = await engine.read_manifest(1)
+    assert manifest.nbytes == 100 * 16 * 4  # one copy of the shared storage, not two
+    fresh = TiedLM()
+    await engine.load({"model": fresh})
+    assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, model.embed.weight)
+    untied = TiedLM(tie=False)  # a target without the tie gets both filled
+    await engine.load({"model": untied})
+    assert torch.equal(untied.embed.weight, model.embed.weight) and torch.equal(untied.head.weight, model.embed.weight)
+
+
+async def test_per_rank_entries_round_trip_in_one_process(engine):
+    rng = torch.get_rng_state()
+    await (await engine.save(1, {"rng": tc.PerRank(rng), "loader": tc.PerRank({"pos": 17})})).wait()
+    state = {"rng": tc.PerRank(torch.zeros_like(rng)), "loader": tc.PerRank({"pos": 0})}
+    await engine.load(state)
+    assert torch.equal(state["rng"].value, rng) and state["loader"].value == {"pos": 17}
+
+
+async def test_a_wrapped_models_prefix_is_named_in_the_error(engine):
+    wrapped = torch.nn.DataParallel(torch.nn.Linear(3, 2))  # keys "module.weight", as DDP saves them
+    await (await engine.save(1, {"model": wrapped})).wait()
+    with pytest.raises(tc.StateError, match=r"'model/weight'.*'module\.' prefix"):
+        await engine.load({"model": torch.nn.Linear(3, 2)})
+    plain = torch.nn.Linear(3, 2)
+    await (await engine.save(2, {"model": plain})).wait()
+    with pytest.raises(tc.StateError, match=r"'model/module\.weight'.*'module\.' prefix the checkpoint lacks"):
+        await engine.load({"model": torch.nn.DataParallel(torch.nn.Linear(3, 2))}, step=2)
+
+
+async def test_loading_into_a_meta_tensor_is_an_error(engine):
+    await (await engine.save(1, {"w": torch.ones(3)})).wait()
+    with pytest.raises(tc.StateError, match=r"'w'.*meta device"):
+        await engine.load({"w": torch.empty(3, device="meta")})
+
+
+async def test_train_state_of_a_bf16_run_loads_into_an_fp32_model(engine):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+    optim.step()
+    await (await engine.save(1, {"train": tc.TrainState(model, optim)})).wait()
+    fp32 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optim32 = torch.optim.AdamW(fp32.parameters(), lr=1e-3)
+    await engine.load({"train": tc.TrainState(fp32, optim32)})
+    for a, b in zip(model.parameters(), fp32.parameters()):
+        assert b.dtype == torch.float32 and torch.equal(a.float(), b.detach())
+    saved_avg, loaded_avg = optim.state_dict()["state"][0]["exp_avg"], optim32.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(saved_avg.float(), loaded_avg)  # torch's Optimizer casts its state to the params' dtype
