@@ -23,7 +23,7 @@ from .catalog import Catalog
 from .commit import Committer
 from .config import Config, load_config
 from .distributed.coordinator import Coordinator
-from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, RankFailed, StateError
+from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, IntegrityError, RankFailed, StateError
 from .index import CheckpointStatus, Index, open_index
 from .loading import LoadInfo, Reads, plan_reads, read_parts
 from .manifest import Manifest
@@ -222,13 +222,17 @@ class Engine:
             except Exception as e:
                 error = e
             try:  # every rank enters the same collectives, whatever happened above
-                read = await read_parts(self.io, self.coordinator, manifest, order, reads.dests if reads else {},
-                                        info, ready=error is None)
+                read = await read_parts(self.io, self.coordinator, manifest if error is None else None, order,
+                                        reads, info)
                 if read and reads is not None and error is None:  # unread scratch must never be copied over
                     await self.io.run_blocking(reads.finish)
                     await self.io.run_blocking(target.copy_ties)
             except Exception as e:
                 error = error or e
+            finally:
+                self.io.bounce.clear()  # loads are rare: do not hold part-sized buffers between them
+        if error is not None and info.overwritten:
+            error = _partly_overwritten(error, info.overwritten)
         await self.coordinator.agree(error)  # every rank succeeds, or every rank raises
         if error is not None:
             raise error
@@ -308,3 +312,13 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
     except (TypeError, ValueError) as e:
         raise StateError(f"metadata must be msgpack-able: {e}") from None
     return metadata
+
+
+def _partly_overwritten(error: BaseException, keys: set[str]) -> BaseException:
+    """A load that failed after some verified parts reached the given state: say which entries changed."""
+    shown = sorted(keys)
+    more = f" and {len(shown) - 10} more" if len(shown) > 10 else ""
+    wrapped = IntegrityError(f"{error} (entries of the given state already overwritten with checkpoint data: "
+                             f"{shown[:10]}{more}; the others are untouched)")
+    wrapped.__cause__ = error
+    return wrapped

@@ -33,6 +33,7 @@ class LoadInfo:
     fallbacks: list[Fallback] = field(default_factory=list)
     seconds: float = 0.0
     bytes_received: int = 0  # bytes this rank got by broadcast from the reader of its replica group
+    overwritten: set[str] = field(default_factory=set)  # entries of the given state already written
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Reads:
     or non-CPU targets)."""
 
     dests: dict[tuple[int, int], memoryview] = field(default_factory=dict)
+    direct: dict[tuple[int, int], str] = field(default_factory=dict)  # dests that are a target's memory: its key
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list)  # scratch buffers the views point into
 
@@ -55,7 +57,7 @@ class Reads:
 def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]]) -> Reads:
     reads = Reads()
     scratch: dict[tuple[int, int], torch.Tensor] = {}
-    for index, (_, target) in targets.items():
+    for index, (where, target) in targets.items():
         meta = manifest.tensors[index]
         local = local_tensor(target)
         _, box_offsets, box_sizes = local_box(target)
@@ -67,6 +69,7 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
             key = (chunk.rank, chunk.byte_offset)
             if direct and chunk.offsets == box_offsets and chunk.sizes == box_sizes:
                 reads.dests[key] = tensor_bytes(local)
+                reads.direct[key] = where
                 continue
             if key not in scratch:
                 scratch[key] = torch.empty(chunk.nbytes, dtype=torch.uint8)
@@ -95,12 +98,14 @@ def rank_spans(manifest: Manifest, rank: int) -> list[tuple[int, int]]:
 
 
 def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, int]],
-               dests: dict[tuple[int, int], memoryview]) -> list[memoryview] | None:
-    """The buffers that one part's bytes scatter into, in order; None if no wanted chunk is in it."""
+               reads: Reads) -> tuple[list[memoryview], tuple[str, ...]] | None:
+    """The buffers that one part's bytes scatter into, in order, and the keys of the targets whose own
+    memory some of them are; None if no wanted chunk is in the part."""
     start = part * manifest.part_size
     end = start + manifest.part_length(rank, part)
     first = max(bisect.bisect_right(spans, (start,)) - 1, 0)
     views: list[memoryview] = []
+    targets: list[str] = []
     pos, wanted = start, False
     for offset, nbytes in spans[first:]:
         if offset >= end:
@@ -110,33 +115,47 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
         if offset > pos:
             views.append(memoryview(bytearray(offset - pos)))  # alignment padding
         lo, hi = max(offset, start), min(offset + nbytes, end)
-        dest = dests.get((rank, offset))
+        dest = reads.dests.get((rank, offset))
         if dest is None:
             views.append(memoryview(bytearray(hi - lo)))  # a chunk this rank does not need
         else:
             views.append(dest[lo - offset : hi - offset])
             wanted = True
+            if (rank, offset) in reads.direct:
+                targets.append(reads.direct[(rank, offset)])
         pos = hi
     if end > pos:
         views.append(memoryview(bytearray(end - pos)))
-    return views if wanted else None
+    return (views, tuple(targets)) if wanted else None
+
+
+def parts_to_read(manifest: Manifest, reads: Reads) -> dict[tuple[int, int], PartRead]:
+    """Every part (saved rank, index) that holds a chunk this rank needs, with the buffers it fills."""
+    parts: dict[tuple[int, int], PartRead] = {}
+    for rank_meta in manifest.ranks:
+        spans = rank_spans(manifest, rank_meta.rank)
+        for p, expected in enumerate(rank_meta.checksums):
+            found = part_views(manifest, rank_meta.rank, p, spans, reads)
+            if found is not None:
+                key = PartKey(manifest.job, manifest.step, rank_meta.rank, p).path
+                length = manifest.part_length(rank_meta.rank, p)
+                parts[(rank_meta.rank, p)] = PartRead(key, found[0], length, expected, found[1])
+    return parts
 
 
 async def read_parts(io: TierIO, coordinator: Coordinator, manifest: Manifest | None, order: Sequence[str],
-                     dests: dict[tuple[int, int], memoryview], info: LoadInfo, *, ready: bool = True) -> bool:
+                     reads: Reads | None, info: LoadInfo) -> bool:
     """Read every part that holds a wanted chunk into its destinations, from the tiers in `order`; return
-    whether the reads ran. A rank that failed before (`ready=False`) still takes part, so the ranks'
+    whether the reads ran. A rank that failed before (no manifest or reads) still takes part, so the ranks'
     collectives stay in step; then no rank reads anything (and every rank returns False)."""
-    parts: dict[tuple[int, int], PartRead] = {}
-    for rank_meta in manifest.ranks if manifest is not None and ready else ():
-        spans = rank_spans(manifest, rank_meta.rank)
-        for p, expected in enumerate(rank_meta.checksums):
-            views = part_views(manifest, rank_meta.rank, p, spans, dests)
-            if views is not None:
-                key = PartKey(manifest.job, manifest.step, rank_meta.rank, p).path
-                parts[(rank_meta.rank, p)] = PartRead(key, views, manifest.part_length(rank_meta.rank, p), expected)
+    ready = manifest is not None and reads is not None
+    parts = parts_to_read(manifest, reads) if manifest is not None and reads is not None else {}
     if coordinator.distributed:
         return await read_with_broadcast(coordinator, io, order, parts, info, ready=ready)
     if ready:
-        await asyncio.gather(*(io.read_verified(p, order, info.fallbacks, info.bytes_by_tier) for p in parts.values()))
+        outcomes = await asyncio.gather(*(io.read_verified(p, order, info) for p in parts.values()),
+                                        return_exceptions=True)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed:
+            raise failed[0]
     return ready

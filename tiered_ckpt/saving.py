@@ -24,7 +24,7 @@ from .plan import Plan
 from .retention import Retention
 from .staging import StagingBuffer, StagingPool, stage
 from .state import FlatState, encode_skeleton
-from .tier_io import PartRead, TierIO
+from .tier_io import PartRead, ReadLog, TierIO
 
 
 def _quiet(fut: asyncio.Future) -> None:
@@ -284,7 +284,7 @@ class SaveJob:
         for tier in self.io.order(self._holders[p]):
             buf = memoryview(bytearray(length))  # fresh per tier: a timed-out read may still write the last one
             try:
-                await self.io.read_verified(PartRead(self._part_key(p), [buf], length, expected), [tier], [],
+                await self.io.read_verified(PartRead(self._part_key(p), [buf], length, expected), [tier], ReadLog(),
                                             budgeted=False)
                 return buf
             except IntegrityError as e:

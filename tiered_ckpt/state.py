@@ -307,17 +307,20 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
                              f"saved value (load it without this entry, or give it a default after loading)")
         return saved_value.inner
 
-    def walk(value: Any, saved_value: Any, path: tuple[Any, ...], fill_missing: bool, per_rank: bool) -> Any:
+    def walk(value: Any, saved_value: Any, path: tuple[Any, ...], extra: str, per_rank: bool) -> Any:
+        """`extra`: what to do with saved keys the caller's dict lacks: "skip" (plain dicts: partial loads),
+        "fill" (a stateful object's state: create them, e.g. a fresh optimizer's), "error" (a module's state:
+        load_state_dict would refuse them, so refuse before any byte is written)."""
         where = path_str(path)
         if isinstance(value, PerRank):
             if not isinstance(saved_value, PerRankMark):
                 raise StateError(f"{where!r} is PerRank in the given state but was not saved per rank")
-            new = walk(value.value, per_rank_inner(saved_value, where), path, fill_missing, True)
+            new = walk(value.value, per_rank_inner(saved_value, where), path, extra, True)
             if new is not value.value:
                 target.assign.append(lambda: setattr(value, "value", new))
             return value
         if isinstance(saved_value, PerRankMark):  # saved per rank, asked for plainly: this rank's own
-            return walk(value, per_rank_inner(saved_value, where), path, fill_missing, True)
+            return walk(value, per_rank_inner(saved_value, where), path, extra, True)
         if isinstance(value, torch.Tensor):
             if isinstance(saved_value, TensorAlias):
                 name = saved_value.name
@@ -337,7 +340,11 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
             return value
         if _is_stateful(value) and not isinstance(value, (dict, list, tuple)):
             current = value.state_dict()
-            filled = walk(current, saved_value, path, True, per_rank)
+            for key in getattr(value, "strict_keys", ()):  # e.g. TrainState's model: a module's state
+                if isinstance(current, dict) and isinstance(saved_value, dict) and key in current and key in saved_value:
+                    _refuse_unexpected(path + (key,), current[key], saved_value[key])
+            filled = walk(current, saved_value, path, "error" if isinstance(value, torch.nn.Module) else "fill",
+                          per_rank)
             if not (isinstance(value, torch.nn.Module) and _all_in_place(current, saved_value)):
                 target.finish.append(lambda v=value, sd=filled: v.load_state_dict(sd))
             return value
@@ -357,18 +364,20 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
                     elsewhere = find_elsewhere(path + (k,))
                     if elsewhere is _MISSING:
                         raise StateError(_missing_key_message(path, k, value, saved_value))
-                    set_later(value, k, value[k], walk(value[k], elsewhere, path + (k,), fill_missing, per_rank))
+                    set_later(value, k, value[k], walk(value[k], elsewhere, path + (k,), extra, per_rank))
+            if extra == "error":
+                _refuse_unexpected(path, value, saved_value)
             for k, v in saved_value.items():
                 if k in value:
-                    set_later(value, k, value[k], walk(value[k], v, path + (k,), fill_missing, per_rank))
-                elif fill_missing:
+                    set_later(value, k, value[k], walk(value[k], v, path + (k,), extra, per_rank))
+                elif extra == "fill":
                     set_later(value, k, None, materialize(v, path + (k,), per_rank))
             return value
         if isinstance(value, (list, tuple)):
             if not isinstance(saved_value, (list, tuple)) or len(saved_value) != len(value):
                 raise StateError(f"{where!r}: the given state has a {type(value).__name__} of length {len(value)}, "
                                  f"the checkpoint has {saved_value!r:.80}")
-            items = [walk(v, s, path + (i,), fill_missing, per_rank)
+            items = [walk(v, s, path + (i,), extra, per_rank)
                      for i, (v, s) in enumerate(zip(value, saved_value))]
             if isinstance(value, list):
                 for i, (old, new) in enumerate(zip(value, items)):
@@ -377,11 +386,19 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
             return type(value)(items) if type(value) is tuple else type(value)(*items)
         return materialize(saved_value, path, per_rank)
 
-    walk(state, saved, (), False, False)
+    walk(state, saved, (), "skip", False)
     if target.empty and isinstance(saved, dict) and saved:
         raise StateError(f"the given state has no key in common with the checkpoint, whose top-level keys are "
                          f"{sorted(map(str, saved))}")
     return target
+
+
+def _refuse_unexpected(path: tuple[Any, ...], given: Any, saved: Any) -> None:
+    """A module's load_state_dict refuses entries it lacks: refuse them before any byte is written."""
+    unexpected = sorted(map(str, set(saved) - set(given))) if isinstance(given, dict) and isinstance(saved, dict) else []
+    if unexpected:
+        raise StateError(f"{path_str(path)!r}: the checkpoint has entries the given module lacks, which its "
+                         f"load_state_dict would refuse: {unexpected[:10]}")
 
 
 def _replace_contents(container: Any, new: Any) -> None:

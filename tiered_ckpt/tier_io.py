@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence, TypeVar
+
+import torch
 
 from .checksum import ALGORITHM, checksum
 from .config import TierConfig
 from .errors import IntegrityError, TierError
 from .pipeline import TierPipeline
-from .tiers.base import Tier, start_tier
+from .staging import tensor_bytes
+from .tiers.base import Tier, scatter, start_tier
 from .tiers.registry import driver_class
 
 T = TypeVar("T")
@@ -34,12 +38,51 @@ class Fallback:
 
 @dataclass
 class PartRead:
-    """One part to read: its key, the buffers its bytes fill in order, its length and expected checksum."""
+    """One part to read: its key, the buffers its bytes fill in order, its length and expected checksum, and
+    the caller's entries (`targets`) whose own memory some of those buffers are. A part with targets is
+    read into a bounce buffer and verified before a byte reaches them."""
 
     key: str
     views: list[memoryview]
     length: int
     checksum: int
+    targets: tuple[str, ...] = ()
+
+
+@dataclass
+class ReadLog:
+    """What reads report: per-part fallbacks, bytes served per tier, caller entries already written."""
+
+    fallbacks: list[Fallback] = field(default_factory=list)
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    overwritten: set[str] = field(default_factory=set)
+
+
+class BouncePool:
+    """A few reusable part-sized buffers (touched once, not per load), so reads into a caller's memory are
+    verified first without a second copy of the whole state. At most `count` exist; a read waits for one."""
+
+    def __init__(self, count: int):
+        self._free: list[torch.Tensor] = []
+        self._slots = asyncio.Semaphore(count)
+
+    @asynccontextmanager
+    async def buffer(self, nbytes: int) -> AsyncIterator[memoryview]:
+        async with self._slots:
+            buf = next((b for b in self._free if b.numel() >= nbytes), None)
+            if buf is None:
+                if self._free:
+                    self._free.pop()  # too small: replace it
+                buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            else:
+                self._free.remove(buf)
+            try:
+                yield tensor_bytes(buf)[:nbytes]
+            finally:
+                self._free.append(buf)
+
+    def clear(self) -> None:
+        self._free.clear()
 
 
 class TierIO:
@@ -54,6 +97,7 @@ class TierIO:
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tiered_ckpt")
         self._tier_executors = {t.name: ThreadPoolExecutor(t.workers, thread_name_prefix=f"tiered_ckpt-{t.name}")
                                 for t in configs}
+        self.bounce = BouncePool(max(2, io_threads))
 
     def __getitem__(self, name: str) -> Tier:
         return self.drivers[name]
@@ -90,36 +134,43 @@ class TierIO:
     async def write(self, tier: str, key: str, data: memoryview, what: str | None = None) -> None:
         await self.pipelines[tier].submit(len(data), lambda: self.drivers[tier].write(key, data), what or f"write {key}")
 
-    async def read_verified(self, part: PartRead, tiers: Sequence[str], fallbacks: list[Fallback],
-                            served: dict[str, int] | None = None, *, budgeted: bool = True) -> str:
+    async def read_verified(self, part: PartRead, tiers: Sequence[str], log: ReadLog, *, budgeted: bool = True) -> str:
         """Fill `part.views` from the first of `tiers` (in that order) that returns the part whole and with
-        the expected checksum; return that tier's name and add the bytes to `served[tier]`. Each failed try
-        is appended to `fallbacks`; when none succeeds, raise IntegrityError naming every reason (the
-        buffers' contents are undefined then). Every try has the tier's timeout and retries; `budgeted`
-        also holds the tier's byte budget and a worker slot while it runs."""
+        the expected checksum; return that tier's name. A part with `targets` goes through a bounce buffer:
+        the caller's memory receives only verified bytes, and its targets are added to `log.overwritten`.
+        Each failed try is added to `log.fallbacks`; when none succeeds, raise IntegrityError naming every
+        reason. Every try has the tier's timeout and retries; `budgeted` also holds the tier's byte budget
+        and a worker slot while it runs."""
         reasons = []
         for name in tiers:
-            reason = await self._try_read(name, part, budgeted)
+            if part.targets:
+                async with self.bounce.buffer(part.length) as buf:
+                    reason = await self._try_read(name, part.key, [buf], part, budgeted)
+                    if reason is None:
+                        await self.run_blocking(scatter, [buf], part.views)
+                        log.overwritten.update(part.targets)
+            else:
+                reason = await self._try_read(name, part.key, part.views, part, budgeted)
             if reason is None:
-                if served is not None:
-                    served[name] = served.get(name, 0) + part.length
+                log.bytes_by_tier[name] = log.bytes_by_tier.get(name, 0) + part.length
                 return name
-            fallbacks.append(Fallback(part.key, name, reason))
+            log.fallbacks.append(Fallback(part.key, name, reason))
             reasons.append(f"{name}: {reason}")
         raise IntegrityError(f"part {part.key}: no tier returned it intact "
                              f"({'; '.join(reasons) or 'no tier holds this checkpoint'})")
 
-    async def _try_read(self, name: str, part: PartRead, budgeted: bool) -> str | None:
-        """None when `part` was read intact from tier `name`, else why not."""
-        pipeline, what = self.pipelines[name], f"read {part.key}"
-        op = lambda: self.drivers[name].read_into(part.key, part.views)  # noqa: E731
+    async def _try_read(self, name: str, key: str, views: list[memoryview], part: PartRead,
+                        budgeted: bool) -> str | None:
+        """None when `part` was read intact from tier `name` into `views`, else why not."""
+        pipeline, what = self.pipelines[name], f"read {key}"
+        op = lambda: self.drivers[name].read_into(key, views)  # noqa: E731
         try:
             n = await (pipeline.submit(part.length, op, what) if budgeted else pipeline.attempt(op, what))
         except TierError as e:
             return f"{type(e).__name__}: {e}"
         if n != part.length:
             return f"length {n}, expected {part.length}"
-        actual = await self.run_blocking(checksum, part.views)
+        actual = await self.run_blocking(checksum, views)
         if actual != part.checksum:
             return f"{ALGORITHM} {actual:#010x}, expected {part.checksum:#010x}"
         return None

@@ -13,6 +13,8 @@ import torch
 
 
 class TrainState:
+    strict_keys = ("model",)  # the model's entries must match exactly, as set_state_dict will demand
+
     def __init__(self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
                  options: Any = None):
         self.model = model

@@ -9,7 +9,7 @@ from .errors import IntegrityError
 from .index import CheckpointStatus
 from .layout import PartKey
 from .manifest import Manifest
-from .tier_io import Fallback, PartRead, TierIO
+from .tier_io import PartRead, ReadLog, TierIO
 
 
 @dataclass
@@ -35,11 +35,11 @@ async def verify(io: TierIO, status: CheckpointStatus, manifest: Manifest,
             length = manifest.part_length(rank, p)
             part = PartRead(PartKey(manifest.job, manifest.step, rank, p).path, [memoryview(bytearray(length))],
                             length, expected)
-            failures: list[Fallback] = []
+            log = ReadLog()
             try:
-                await io.read_verified(part, [tier], failures)
+                await io.read_verified(part, [tier], log)
             except IntegrityError:
-                report.bad.extend(f"{f.part}: {f.reason}" for f in failures)
+                report.bad.extend(f"{f.part}: {f.reason}" for f in log.fallbacks)
             finally:
                 progress(length)
 

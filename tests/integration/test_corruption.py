@@ -64,3 +64,31 @@ async def test_corrupt_index_manifest_falls_back_to_a_tier_copy(engine, tmp_path
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     await engine.load(out)
     assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+async def test_no_unverified_byte_reaches_the_given_state_and_the_error_names_what_changed(engine):
+    """Part 0 holds all of `a` and is corrupt on every tier; part 1 (all of `b`) is intact."""
+    state = {"a": torch.ones(16384), "b": torch.full((1000,), 2.0)}  # a: exactly one 64 KiB part
+    await (await engine.save(1, state)).wait()
+    for tier in ("host", "disk"):
+        path = part_file(engine, tier, 0)
+        data = bytearray(path.read_bytes())
+        data[100] ^= 0x40
+        path.write_bytes(bytes(data))
+    out = {"a": torch.zeros(16384), "b": torch.zeros(1000)}
+    with pytest.raises(tc.IntegrityError, match=r"part-000000.*already overwritten.*\['b'\]") as err:
+        await engine.load(out)
+    assert "'a'" not in str(err.value).split("already overwritten")[1]
+    assert torch.count_nonzero(out["a"]) == 0  # not one corrupt byte in the caller's tensor
+
+
+async def test_a_module_missing_an_entry_is_refused_before_anything_is_written(engine):
+    with_bias = torch.nn.Linear(4, 3)
+    await (await engine.save(1, {"model": with_bias, "train": tc.TrainState(with_bias)})).wait()
+    without = torch.nn.Linear(4, 3, bias=False)
+    before = without.weight.detach().clone()
+    with pytest.raises(tc.StateError, match=r"'model'.*lacks.*\['bias'\]"):
+        await engine.load({"model": without})
+    with pytest.raises(tc.StateError, match=r"'train/model'.*lacks.*\['bias'\]"):
+        await engine.load({"train": tc.TrainState(without)})
+    assert torch.equal(without.weight, before)

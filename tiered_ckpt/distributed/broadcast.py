@@ -63,7 +63,7 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
         groups[members] = await coordinator.subgroup(members)  # every rank creates every group, in order
 
     def read(part: PartRead) -> asyncio.Task[str]:
-        return asyncio.create_task(io.read_verified(part, order, info.fallbacks, info.bytes_by_tier))
+        return asyncio.create_task(io.read_verified(part, order, info))
 
     me = coordinator.rank
     solo = [read(p) for k, p in parts.items() if k not in shared]
@@ -98,7 +98,8 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
             await coordinator.broadcast_tensor(buffers[key], reader, groups[members])
             if reader != me:
                 info.bytes_received += lengths[key]
-            await io.run_blocking(scatter, [tensor_bytes(buffers.pop(key))], parts[key].views)
+            await io.run_blocking(scatter, [tensor_bytes(buffers.pop(key))], parts[key].views)  # verified by its reader
+            info.overwritten.update(parts[key].targets)
         for outcome in await asyncio.gather(*solo, return_exceptions=True):
             if isinstance(outcome, BaseException):
                 errors.append(outcome)
