@@ -15,7 +15,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 import msgpack
 
@@ -30,7 +30,7 @@ from .manifest import Manifest
 from .plan import Planner
 from .retention import Retention
 from .saving import SaveHandle, SaveJob, SaveServices
-from .staging import StagingPool
+from .staging import StagingPool, producer_events
 from .state import LoadTarget, SavedTensor, decode_skeleton, flatten, match
 from .tier_io import TierIO
 
@@ -134,14 +134,16 @@ class Engine:
         return self.coordinator.session
 
     # -- save ------------------------------------------------------------------------------------
-    async def save(self, step: int, state: Any, *, lazy: bool = False,
-                   metadata: dict[str, Any] | None = None) -> SaveHandle:
+    async def save(self, step: int, state: Any, *, lazy: bool = False, metadata: dict[str, Any] | None = None,
+                   ready_events: Mapping[Any, Any] | None = None) -> SaveHandle:
         """Stage `state` and persist it in the background as checkpoint `step`.
 
         Returns once the tensors are copied to host buffers (the caller may mutate them then). With
         lazy=True it returns at once and the copy runs in a thread: await `handle.staged()` before
         anything mutates the tensors (e.g. before optimizer.step()). At most max_inflight saves hold
-        staging buffers; a further save waits here for one."""
+        staging buffers; a further save waits here for one. CUDA copies wait for `ready_events` (per device,
+        from `staging.producer_events()` in the thread that runs the training step); by default they are
+        recorded here, on the calling thread's current streams."""
         self._check_open()
         assert self._services is not None
         if type(step) is not int or step < 0:
@@ -158,6 +160,7 @@ class Engine:
             if not self.coordinator.distributed:
                 raise
             raise await self._failed_before_plan(step, targets, e) from e
+        events = producer_events(flat.tensors) if ready_events is None else ready_events
         handle = SaveHandle(step, targets)
         if not targets:
             handle.set_staged()
@@ -167,7 +170,7 @@ class Engine:
             for job in self._jobs:
                 job.request_detach()
         buffer = await self.pool.acquire(plan.nbytes)
-        job = SaveJob(self._services, step, flat, plan, buffer, handle, targets, metadata)
+        job = SaveJob(self._services, step, flat, plan, buffer, handle, targets, metadata, events)
         job.start()
         self._jobs.append(job)
         self.retention.busy.saving(step, handle)

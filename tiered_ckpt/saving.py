@@ -13,7 +13,7 @@ import asyncio
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
 from .checksum import ALGORITHM, checksum
 from .commit import Committer
@@ -103,7 +103,7 @@ class SaveJob:
     """One save in flight: stage, then for every targeted tier at once: parts, records, commit, retention."""
 
     def __init__(self, services: SaveServices, step: int, flat: FlatState, plan: Plan, buffer: StagingBuffer,
-                 handle: SaveHandle, tiers: list[str], metadata: dict[str, Any]):
+                 handle: SaveHandle, tiers: list[str], metadata: dict[str, Any], events: Mapping[Any, Any]):
         self.io = services.tiers
         self.commit = services.commit
         self.retention = services.retention
@@ -116,6 +116,7 @@ class SaveJob:
         self.handle = handle
         self.tiers = tiers
         self.metadata = metadata
+        self.events = events  # CUDA: the producer streams' state at save() time (staging.producer_events)
         n = plan.num_parts
         self._holders: list[list[str]] = [[] for _ in range(n)]
         self._pending = [len(tiers)] * n  # tier writes not yet finished, per part
@@ -141,7 +142,7 @@ class SaveJob:
     # -- staging ---------------------------------------------------------------------------------
     async def _stage(self) -> None:
         try:
-            await self.io.run_blocking(stage, self.plan, self.flat.tensors, self.buffer)
+            await self.io.run_blocking(stage, self.plan, self.flat.tensors, self.buffer, self.events)
         except BaseException as e:
             self.handle.set_staged(e)
             raise

@@ -8,8 +8,7 @@ At most `max_inflight` buffers exist; a save that needs one waits for a release,
 from __future__ import annotations
 
 import asyncio
-from contextlib import nullcontext
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -91,18 +90,62 @@ class StagingPool:
         return sum(b.capacity for b in self._free)
 
 
-def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer) -> None:
-    """Copy this rank's boxes into `buf` at the plan's offsets. Runs in a worker thread (copy_ drops
-    the GIL). CUDA tensors are copied on a side stream and synchronized before returning."""
+def producer_events(tensors: Sequence[torch.Tensor] | None = None) -> dict[torch.device, Any]:
+    """For each CUDA device that `tensors` live on (None: the current device), an event recorded now on the
+    calling thread's current stream: the point after which the tensors hold the values to save. Staging
+    copies wait for it, so a copy can never read a tensor before a pending kernel (the optimizer step, the
+    forward) has written it. Record it in the thread that runs the training step. Empty without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    if tensors is None:
+        devices = {torch.device("cuda", torch.cuda.current_device())}
+    else:
+        devices = {local_tensor(t).device for t in tensors if local_tensor(t).is_cuda}
+    return {d: torch.cuda.current_stream(d).record_event() for d in devices}
+
+
+def stream_steps(devices: Sequence[torch.device | None], events: Mapping[torch.device, Any]) -> list[tuple[Any, ...]]:
+    """The order of operations that copies sources on `devices` (None for a CPU source) to host memory:
+    for each CUDA device, a side stream that first waits for the producer (its event, or else the current
+    stream of the copying thread), then the copies (CUDA ones on their device's side stream), then every
+    side stream synchronized, so the buffer holds the data when staging returns. Kept apart from the CUDA
+    calls so that a CPU test can check the ordering."""
+    cuda_devices = sorted({d for d in devices if d is not None}, key=str)
+    steps: list[tuple[Any, ...]] = []
+    for d in cuda_devices:
+        steps.append(("stream", d))
+        steps.append(("wait_event", d, events[d]) if d in events else ("wait_stream", d))
+    steps += [("copy", i, d) for i, d in enumerate(devices)]
+    steps += [("synchronize", d) for d in cuda_devices]
+    return steps
+
+
+def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
+          events: Mapping[torch.device, Any] | None = None) -> None:
+    """Copy this rank's boxes into `buf` at the plan's offsets. Runs in a worker thread (copy_ drops the
+    GIL). CUDA tensors are copied on side streams ordered after `events` (see stream_steps)."""
     sources = []
     for c in plan.local:
         src = local_tensor(tensors[c.index])
         sources.append(src if c.dim0 is None else src.narrow(0, *c.dim0))
-    cuda = any(s.is_cuda for s in sources)
-    stream = torch.cuda.Stream() if cuda else None
     views = buf.views_for(plan)
-    with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else nullcontext()):
-        for src, dst in zip(sources, views):
-            dst.copy_(src, non_blocking=src.is_cuda)
-    if stream is not None:
-        stream.synchronize()
+    streams: dict[torch.device, Any] = {}
+    with torch.no_grad():
+        for step in stream_steps([s.device if s.is_cuda else None for s in sources], events or {}):
+            op, *args = step
+            if op == "stream":
+                streams[args[0]] = torch.cuda.Stream(device=args[0])
+            elif op == "wait_event":
+                streams[args[0]].wait_event(args[1])
+            elif op == "wait_stream":
+                streams[args[0]].wait_stream(torch.cuda.current_stream(args[0]))
+            elif op == "copy":
+                index, device = args
+                src, dst = sources[index], views[index]
+                if device is None:
+                    dst.copy_(src)
+                else:
+                    with torch.cuda.stream(streams[device]):
+                        dst.copy_(src, non_blocking=True)
+            else:  # synchronize
+                streams[args[0]].synchronize()

@@ -18,6 +18,7 @@ from .engine import Engine
 from .index import CheckpointStatus
 from .loading import LoadInfo
 from .saving import SaveHandle
+from .staging import producer_events
 
 T = TypeVar("T")
 
@@ -77,7 +78,9 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, *, lazy: bool = False, metadata: dict[str, Any] | None = None) -> SyncSaveHandle:
         """Blocks until the tensors are staged (lazy=False) and returns; persistence goes on in the background."""
-        return SyncSaveHandle(self._run(self.engine.save(step, state, lazy=lazy, metadata=metadata)), self)
+        events = producer_events()  # here, in the training thread, whose streams produce the tensors
+        return SyncSaveHandle(self._run(self.engine.save(step, state, lazy=lazy, metadata=metadata,
+                                                         ready_events=events)), self)
 
     def load(self, state: Any, *, step: int | None = None, tiers: Sequence[str] | None = None) -> LoadInfo:
         return self._run(self.engine.load(state, step=step, tiers=tiers))

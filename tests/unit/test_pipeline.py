@@ -61,21 +61,34 @@ async def test_timeout_becomes_tier_timeout_and_is_retried():
     assert len(calls) == 2
 
 
-async def test_byte_budget_and_workers_bound_concurrency():
-    p = pipeline(workers=4, inflight=100)
-    running, peak_bytes, peak_ops = {"bytes": 0, "ops": 0}, [0], [0]
+def concurrency_probe():
+    running, peak = {"bytes": 0, "ops": 0}, {"bytes": 0, "ops": 0}
 
     async def op(n):
         running["bytes"] += n
         running["ops"] += 1
-        peak_bytes[0] = max(peak_bytes[0], running["bytes"])
-        peak_ops[0] = max(peak_ops[0], running["ops"])
+        peak["bytes"] = max(peak["bytes"], running["bytes"])
+        peak["ops"] = max(peak["ops"], running["ops"])
         await asyncio.sleep(0.01)
         running["bytes"] -= n
         running["ops"] -= 1
 
+    return op, peak
+
+
+async def test_the_byte_budget_bounds_bytes_in_flight():
+    p = pipeline(workers=10, inflight=100)
+    op, peak = concurrency_probe()
     await asyncio.gather(*(p.submit(40, lambda: op(40), "op") for _ in range(10)))
-    assert peak_bytes[0] <= 100 and peak_ops[0] <= 2
+    assert peak == {"bytes": 80, "ops": 2}  # the budget, not the 10 workers, is the limit here
     # an item larger than the whole budget still runs, alone
+    op, peak = concurrency_probe()
     await asyncio.gather(p.submit(500, lambda: op(500), "big"), p.submit(40, lambda: op(40), "small"))
-    assert peak_bytes[0] == 500
+    assert peak == {"bytes": 500, "ops": 1}
+
+
+async def test_workers_bound_operations_in_flight():
+    p = pipeline(workers=3, inflight=10_000)
+    op, peak = concurrency_probe()
+    await asyncio.gather(*(p.submit(10, lambda: op(10), "op") for _ in range(12)))
+    assert peak == {"bytes": 30, "ops": 3}  # the workers, not the budget, are the limit here

@@ -33,8 +33,18 @@ async def test_mutation_right_after_save_does_not_leak(engine):
 async def test_lazy_save_returns_before_copying_and_staged_guards_mutation(engine):
     state = state_of(2.0)
     handle = await engine.save(1, state, lazy=True)
+    state["w"].fill_(3.0)  # before staged(): the copy has not run yet, so the checkpoint gets this value
     await handle.staged()
-    state["w"].fill_(-5.0)  # mutation after staged(): must not reach the checkpoint
+    state["w"].fill_(-5.0)  # after staged(): must not reach the checkpoint
+    await handle.wait()
+    _, out = await load_values(engine)
+    assert torch.all(out["w"] == 3.0)
+
+
+async def test_a_plain_save_returns_after_copying(engine):
+    state = state_of(2.0)
+    handle = await engine.save(1, state)
+    state["w"].fill_(3.0)
     await handle.wait()
     _, out = await load_values(engine)
     assert torch.all(out["w"] == 2.0)
@@ -201,11 +211,54 @@ async def test_restarted_process_loads_from_memory_tier(make_config):
             await engine.save(1, state_of(1.0))
 
 
-async def test_retention_spares_a_checkpoint_being_loaded(make_config):
+async def test_retention_spares_a_checkpoint_being_loaded(make_config, monkeypatch):
+    """A load of step 1 is held inside its read of step 1's parts while saves 2 and 3 run retention with
+    keep_last = 1: step 1 must survive until the load is done, and the load must return step 1 intact."""
     async with tc.Engine(make_config(tiers=[{"keep_last": 1}, {"keep_last": 1}])) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
-        with engine.retention.busy.loading(1):  # what load() holds while it reads step 1
-            await (await engine.save(2, state_of(2.0))).wait()
-            assert [c.step async for c in engine.list()] == [1, 2]
-        await (await engine.save(3, state_of(3.0))).wait()
-        assert [c.step async for c in engine.list()] == [3]
+        host = engine.tiers["host"]
+        real_read_into, reading, release = host.read_into, asyncio.Event(), asyncio.Event()
+
+        async def held_read_into(key, out):
+            if key.endswith("step-000000000001/rank-00000/part-000000"):  # hold one read (one worker slot)
+                reading.set()
+                await release.wait()
+            return await real_read_into(key, out)
+
+        monkeypatch.setattr(host, "read_into", held_read_into)
+        loading = asyncio.create_task(load_values(engine, step=1, tiers=["host"]))
+        await reading.wait()
+        for step in (2, 3):
+            await (await engine.save(step, state_of(float(step)))).wait()
+        assert [c.step async for c in engine.list()] == [1, 3]  # 2 retired, 1 spared while it is read
+        release.set()
+        info, out = await loading
+        assert info.step == 1 and torch.all(out["w"] == 1.0)
+        await (await engine.save(4, state_of(4.0))).wait()
+        assert [c.step async for c in engine.list()] == [4]  # once the load is done, retention takes it
+
+
+async def test_max_inflight_backpressure_holds_the_next_save_until_a_buffer_frees(make_config, monkeypatch):
+    """With max_inflight = 1 and both tiers held, save 2 cannot take the only staging buffer: save() waits
+    (it neither drops the save nor allocates a second buffer) until a tier holds save 1's parts."""
+    async with tc.Engine(make_config(max_inflight=1)) as engine:
+        release = asyncio.Event()
+        for tier in engine.tiers.values():
+            real_write = tier.write
+
+            async def held_write(key, data, real_write=real_write):
+                await release.wait()
+                return await real_write(key, data)
+
+            monkeypatch.setattr(tier, "write", held_write)
+        h1 = await engine.save(1, state_of(1.0))
+        second = asyncio.create_task(engine.save(2, state_of(2.0)))
+        await asyncio.sleep(0.3)
+        assert not second.done() and engine.pool._count == 1
+        release.set()
+        h2 = await second
+        await h1.wait()
+        await h2.wait()
+        for step in (1, 2):
+            _, out = await load_values(engine, step=step)
+            assert torch.all(out["w"] == step)
