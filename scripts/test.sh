@@ -15,4 +15,4 @@ if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>
     (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || echo "warning: could not install redis-server" >&2
 fi
 
-exec "$PY" -m pytest -q -o faulthandler_timeout=300 "$@"
+exec "$PY" -m pytest -q "$@"

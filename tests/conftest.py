@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
 import tiered_ckpt as tc
+from tiered_ckpt.bench.measure import start_local_server
 from tiered_ckpt.config import parse_config
 
 
@@ -54,40 +53,34 @@ async def engine(make_config):
 
 
 class RedisServer:
-    """A real redis-server process on a free port; stop() kills it, start() brings it back empty."""
+    """A real redis-server process on a free port; stop() kills it, start() brings it back empty on the same
+    port (or fails clearly if something else took the port meanwhile)."""
 
     def __init__(self, tmp: Path, *args: str):
         self.tmp, self.args = tmp, args
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.port: int | None = None
         self.proc: subprocess.Popen | None = None
 
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _argv(self, port: int) -> list[str]:
+        return ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.tmp), *self.args]
+
     def start(self) -> "RedisServer":
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.tmp), *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        if self.port is None:
+            self.proc, self.port = start_local_server(self._argv, timeout=10)
+        else:  # a restart keeps the port: clients reconnect to the same URL
+            self.proc, _ = start_local_server(self._argv, timeout=10, port=self.port)
+        return self
 
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -111,25 +104,20 @@ def redis_server(tmp_path):
 @pytest.fixture(scope="session")
 def s3_endpoint(tmp_path_factory):
     """A real S3-compatible HTTP server (moto_server) on a free port, with test credentials in the
-    environment (the standard AWS chain picks them up)."""
+    environment (the standard AWS chain picks them up) for the session; the environment is restored after."""
     if shutil.which("moto_server") is None:
         pytest.fail("moto_server is not installed; scripts/test.sh installs moto[server]")
-    port = _free_port()
     log = tmp_path_factory.mktemp("moto") / "moto.log"
-    proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)], stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT)
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        raise RuntimeError(f"moto_server did not start: {log.read_text()[-2000:]}")
+    proc, port = start_local_server(lambda port: ["moto_server", "-H", "127.0.0.1", "-p", str(port)], log=log)
+    credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {name: os.environ.get(name) for name in credentials}
+    os.environ.update(credentials)
     yield f"http://127.0.0.1:{port}"
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     proc.kill()
     proc.wait()
 

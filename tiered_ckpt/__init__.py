@@ -1,8 +1,8 @@
 """tiered_ckpt: near-free checkpointing of PyTorch training through tiers of storage."""
 from .config import Config, EngineConfig, TierConfig, load_config
 from .engine import Engine
-from .errors import (CheckpointExists, ConfigError, IncompleteCheckpoint, IntegrityError, SaveError, StateError,
-                     TieredCkptError, TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable)
+from .errors import (CheckpointExists, ConfigError, IncompleteCheckpoint, IntegrityError, RankFailed, SaveError,
+                     StateError, TieredCkptError, TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable)
 from .index import CheckpointStatus
 from .loading import LoadInfo
 from .saving import SaveHandle
@@ -16,5 +16,5 @@ __all__ = [
     "Engine", "Checkpointer", "TrainState", "PerRank", "SaveHandle", "SyncSaveHandle", "LoadInfo", "Fallback", "CheckpointStatus",
     "Config", "EngineConfig", "TierConfig", "load_config",
     "TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable", "TierTimeout",
-    "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointExists", "SaveError",
+    "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointExists", "SaveError", "RankFailed",
 ]

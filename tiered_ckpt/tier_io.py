@@ -69,13 +69,13 @@ class BouncePool:
     @asynccontextmanager
     async def buffer(self, nbytes: int) -> AsyncIterator[memoryview]:
         async with self._slots:
-            buf = next((b for b in self._free if b.numel() >= nbytes), None)
-            if buf is None:
+            fits = next((i for i, b in enumerate(self._free) if b.numel() >= nbytes), None)  # by position:
+            if fits is not None:  # `in` and remove() would compare tensors elementwise
+                buf = self._free.pop(fits)
+            else:
                 if self._free:
                     self._free.pop()  # too small: replace it
                 buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-            else:
-                self._free.remove(buf)
             try:
                 yield tensor_bytes(buf)[:nbytes]
             finally:

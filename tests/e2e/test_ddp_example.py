@@ -1,12 +1,15 @@
+import pytest
+
 """examples/train_gpt_ddp.py under torchrun: crash at 2 ranks, resume at 3, then at 1; the losses follow the
 uninterrupted 2-rank run (equal up to floating-point reduction order, which changes with the world size)."""
 import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 from .test_examples import REPO, losses, toml
+
+pytestmark = pytest.mark.timeout(600)  # real processes (gloo, torchrun): slower than unit tests
 
 EXAMPLE = str(REPO / "examples" / "train_gpt_ddp.py")
 

@@ -30,7 +30,7 @@ async def hold_forever() -> None:
 
 def arm(phase: str) -> None:
     """Make this process stop in `phase` of the save of step 2."""
-    write, apply, atomic_create, stage = LocalTier.write, Retention.apply, file_index._atomic_create, saving.stage
+    write, apply, atomic_create = LocalTier.write, Retention.apply, file_index._atomic_create
     written: dict[str, int] = {}
 
     async def held_write(self, key, data):

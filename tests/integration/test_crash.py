@@ -1,7 +1,6 @@
 """SIGKILL a saving process inside each phase of a save (staging, some parts on one tier, one tier committed,
 manifest written, index commit): the previous checkpoint stays loadable, the partial one is never visible
 as complete where it is not whole, and what did complete loads intact."""
-import asyncio
 import signal
 import subprocess
 import sys

@@ -1,6 +1,5 @@
 """The engine with a Redis peer-cache tier, against real redis-server processes that die, restart empty
 or evict."""
-import asyncio
 
 import torch
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt.config import parse_config
 
 from .spawn import run_ranks
+
+pytestmark = pytest.mark.timeout(300)  # real processes (gloo, torchrun): slower than unit tests
 
 
 def node_config(root: str, node: int, urls: list[str]):

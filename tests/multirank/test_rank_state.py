@@ -13,6 +13,8 @@ import tiered_ckpt as tc
 from .common import config
 from .spawn import run_ranks
 
+pytestmark = pytest.mark.timeout(300)  # real processes (gloo, torchrun): slower than unit tests
+
 
 def rank_state(rank: int, fill: bool) -> dict:
     """A key only this rank holds, a replicated tensor, and plain values that differ per rank."""

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 import tiered_ckpt as tc
 
 from .common import config
 from .spawn import run_ranks
+
+pytestmark = pytest.mark.timeout(300)  # real processes (gloo, torchrun): slower than unit tests
 
 
 def full(name: str) -> torch.Tensor:

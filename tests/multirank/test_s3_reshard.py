@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt.config import parse_config
 
 from .spawn import run_ranks
+
+pytestmark = pytest.mark.timeout(300)  # real processes (gloo, torchrun): slower than unit tests
 
 
 def s3_only(index: Path, endpoint: str, bucket: str):

@@ -14,6 +14,8 @@ import tiered_ckpt as tc
 from .common import config
 from .spawn import run_ranks
 
+pytestmark = pytest.mark.timeout(300)  # real processes (gloo, torchrun): slower than unit tests
+
 
 def replicated_state(seed: float) -> dict[str, torch.Tensor]:
     """Mixed sizes, identical on every rank (a DP replica's view of the model)."""
@@ -125,11 +127,11 @@ def test_a_killed_rank_times_out_with_a_clear_error_and_commits_nothing(tmp_path
     assert results[0]["statuses"][2] == [] and results[0]["statuses"][1] == ["disk", "host"]
 
 
-async def _train_while_saving(rank: int, world: int, root: str) -> list[float]:
+async def _train_while_saving(rank: int, world: int, root: str) -> dict[int, bool]:
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
     async with tc.Engine(config(root)) as engine:
-        handles = []
+        handles, expected = [], {}
         for step in range(1, 13):
             for p in model.parameters():  # the training loop's own collectives, on the default group
                 grad = torch.ones_like(p) * (rank + 1)
@@ -137,13 +139,19 @@ async def _train_while_saving(rank: int, world: int, root: str) -> list[float]:
                 with torch.no_grad():
                     p.sub_(grad * 1e-3)
             if step % 2 == 0:
+                expected[step] = [p.detach().clone() for p in model.parameters()]
                 handles.append(await engine.save(step, {"model": model}, lazy=True))
                 await handles[-1].staged()
         for h in handles:
             await h.wait()
-        return [float(p.sum()) for p in model.parameters()]
+        exact = {}
+        for step, params in expected.items():  # every checkpoint holds the parameters of its own step
+            fresh = torch.nn.Linear(256, 256)
+            await engine.load({"model": fresh}, step=step)
+            exact[step] = all(torch.equal(a, b) for a, b in zip(fresh.parameters(), params))
+        return exact
 
 
 def test_training_collectives_while_saves_persist_do_not_deadlock(tmp_path):
     results = run_ranks(_train_while_saving, 2, str(tmp_path), timeout=120)
-    assert results[0] == results[1]
+    assert results == [{step: True for step in range(2, 13, 2)}] * 2

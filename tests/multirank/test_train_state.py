@@ -1,12 +1,15 @@
 """Model and AdamW state of an FSDP2-sharded model: saved at 4 ranks, loaded bit-exactly at 2 and 3."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import tiered_ckpt as tc
 
 from .common import config
 from .spawn import run_ranks
+
+pytestmark = pytest.mark.timeout(300)  # real processes (gloo, torchrun): slower than unit tests
 
 
 def build(world: int):

@@ -7,7 +7,6 @@ from tiered_ckpt.testing import TierConformance, payload
 from tiered_ckpt.tiers.redis_peer import RedisOptions, RedisPeerTier
 
 
-
 async def connect(urls, **kw):
     tier = RedisPeerTier("peer", RedisOptions(urls=tuple(urls), **kw))
     await tier.open()

@@ -5,6 +5,7 @@ from tiered_ckpt.errors import ConfigError, TierNotFound, TierUnavailable
 from tiered_ckpt.testing import TierConformance, payload
 from tiered_ckpt.tiers.s3 import S3Options, S3Tier
 
+
 async def connect(endpoint, bucket, **kw):
     tier = S3Tier("s3", S3Options(bucket=bucket, endpoint_url=endpoint, prefix="runs", **kw))
     await tier.open()
@@ -46,3 +47,17 @@ async def test_failed_multipart_upload_is_aborted(s3_bucket, monkeypatch):
 def test_multipart_size_below_s3_minimum_is_a_config_error():
     with pytest.raises(ConfigError, match="5MiB"):
         S3Tier("s3", S3Options(bucket="b", multipart_size=2**20))
+
+
+async def test_a_large_read_is_concurrent_ranged_gets_into_the_buffers(s3_bucket):
+    tier = await connect(*s3_bucket, multipart_size=5 * 2**20)
+    data = payload(11 * 2**20)
+    await tier.write("job/big", memoryview(data))
+    ranges = []
+    tier._client.meta.events.register(  # the requests botocore really sends
+        "before-call.s3.GetObject", lambda params, **_: ranges.append(params["headers"].get("Range")))
+    a, b = bytearray(7 * 2**20), bytearray(4 * 2**20)
+    assert await tier.read_into("job/big", [memoryview(a), memoryview(b)]) == len(data)
+    assert bytes(a + b) == data
+    assert sorted(ranges) == ["bytes=0-5242879", "bytes=10485760-11534335", "bytes=5242880-10485759"]
+    await tier.close()

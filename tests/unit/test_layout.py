@@ -1,6 +1,14 @@
 """Storage keys are built and parsed in one module; what it builds, it parses back."""
-from tiered_ckpt.layout import (PartKey, ParsedKey, manifest_key, parse_key, parse_step_dir, part_range, rank_meta_key,
-                                step_dir)
+from tiered_ckpt.layout import (
+    ParsedKey,
+    PartKey,
+    manifest_key,
+    parse_key,
+    parse_step_dir,
+    part_range,
+    rank_meta_key,
+    step_dir,
+)
 
 
 def test_keys_parse_back_to_what_built_them():

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from tiered_ckpt import loading
 from tiered_ckpt.errors import StateError
 from tiered_ckpt.layout import part_count
-from tiered_ckpt import loading
 from tiered_ckpt.loading import plan_reads
 from tiered_ckpt.manifest import Manifest, RankMeta
 from tiered_ckpt.plan import ALIGN, build_plan

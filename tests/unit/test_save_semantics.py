@@ -1,7 +1,6 @@
 """What a training loop relies on: mutation after save, lazy staging, backpressure, no memory growth,
 plan cache without stale data, retention, visibility of incomplete checkpoints, failures that lose nothing."""
 import asyncio
-import os
 
 import pytest
 import torch

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..config import parse_config
 from .. import Engine
+from ..config import parse_config
 from ..sizes import format_size
 from .measure import drop_cache, mixed_state, state_nbytes
 

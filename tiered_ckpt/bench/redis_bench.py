@@ -14,17 +14,17 @@ import redis.asyncio as aioredis
 
 from ..pipeline import TierPipeline
 from ..tiers.redis_peer import RedisOptions, RedisPeerTier
-from .measure import free_port, start_local_server
+from .measure import start_local_server
 
 
 class LocalRedis:
     """A throwaway redis-server on a free port (no persistence)."""
 
     def __enter__(self) -> str:
-        port = free_port()
         self.dir = tempfile.mkdtemp(prefix="tiered_ckpt-redis-")
-        self.proc = start_local_server(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                        "--appendonly", "no", "--dir", self.dir], port)
+        self.proc, port = start_local_server(lambda port: [
+            "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", self.dir])
         return f"redis://127.0.0.1:{port}/0"
 
     def __exit__(self, *exc: object) -> None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import platform
 import shutil
@@ -16,8 +15,8 @@ from typing import Any
 import torch
 import uvloop
 
-from ..config import parse_config
 from .. import Engine
+from ..config import parse_config
 from ..plan import Planner
 from ..sizes import format_size, parse_size
 from . import baselines
@@ -122,10 +121,10 @@ async def measure_tiered(state: dict[str, torch.Tensor], disk: Path, shm: Path, 
     planner = Planner(part_size)
     paths, tensors = list(state), list(state.values())
     t = time.perf_counter()
-    planner.plan(paths, tensors)
+    await planner.plan(paths, tensors)
     out["plan_miss"] = time.perf_counter() - t
     t = time.perf_counter()
-    planner.plan(paths, tensors)
+    await planner.plan(paths, tensors)
     out["plan_hit"] = time.perf_counter() - t
 
     step = 0

@@ -12,18 +12,17 @@ from typing import Any
 
 from ..pipeline import TierPipeline
 from ..tiers.s3 import S3Options, S3Tier
-from .measure import free_port, start_local_server
+from .measure import start_local_server
 
 
 class LocalS3:
     """A throwaway moto_server on a free port, with test credentials in the environment."""
 
     def __enter__(self) -> str:
-        port = free_port()
         for name, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
                             ("AWS_DEFAULT_REGION", "us-east-1")):
             os.environ.setdefault(name, value)
-        self.proc = start_local_server(["moto_server", "-H", "127.0.0.1", "-p", str(port)], port)
+        self.proc, port = start_local_server(lambda port: ["moto_server", "-H", "127.0.0.1", "-p", str(port)])
         return f"http://127.0.0.1:{port}"
 
     def __exit__(self, *exc: object) -> None:

@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Mutation check of the promises the tests guard: each mutant breaks one promise in a copy of the
+tree; the tests named for it must then fail. Prints each mutant as killed or SURVIVED; exits 1 if any
+survived.
+
+    python scripts/mutants.py              # all mutants
+    python scripts/mutants.py lazy ties    # some of them
+    python scripts/mutants.py --baseline   # the same tests on the unmutated copy: all must pass
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name: (file, code as it is, the mutant, the tests that must catch it)
+MUTANTS = {
+    "lazy": ("tiered_ckpt/engine.py", "        if not lazy:\n            await handle.staged()",
+             "        if True:\n            await handle.staged()",
+             ["tests/unit/test_save_semantics.py", "-k", "lazy"]),
+    "load-protects-from-retention": (
+        "tiered_ckpt/engine.py", "with self.retention.busy.loading(status.step):",
+        "with self.retention.busy.loading(-1):",
+        ["tests/unit/test_save_semantics.py", "-k", "retention_spares"]),
+    "max-inflight": ("tiered_ckpt/staging.py", "self.max_inflight = max_inflight", "self.max_inflight = 10**9",
+                     ["tests/unit/test_save_semantics.py", "-k", "backpressure"]),
+    "pipeline-workers": ("tiered_ckpt/pipeline.py", "self._workers = asyncio.Semaphore(workers)",
+                         "self._workers = asyncio.Semaphore(10**6)", ["tests/unit/test_pipeline.py"]),
+    "commit-before-records": (
+        "tiered_ckpt/saving.py", "            for key, data in blobs:\n",
+        "            await self.commit.mark_durable(self.step, tier)\n            for key, data in blobs:\n",
+        ["tests/integration/test_crash.py", "-k", "manifest"]),
+    "unverified-bytes-reach-the-state": (
+        "tiered_ckpt/tier_io.py", "            if part.targets:", "            if False:",
+        ["tests/integration/test_corruption.py", "-k", "unverified"]),
+    "s3-single-get": ("tiered_ckpt/tiers/s3.py", "if expected <= size:", "if True:",
+                      ["tests/tiers/test_s3_tier.py", "-k", "ranged"]),
+    "gpu-copy-without-wait": (
+        "tiered_ckpt/staging.py",
+        '        steps.append(("wait_event", d, events[d]) if d in events else ("wait_stream", d))\n', "",
+        ["tests/unit/test_staging_streams.py"]),
+    "collectives-out-of-step": (
+        "tiered_ckpt/distributed/broadcast.py", "    if not all(ok for ok, _ in everyone):", "    if False:",
+        ["tests/multirank/test_rank_state.py", "-k", "per_rank_entry"]),
+    "rank-0-skeleton-everywhere": (
+        "tiered_ckpt/engine.py", "source = self.rank if self.rank < manifest.world_size else 0", "source = 0",
+        ["tests/multirank/test_rank_state.py", "-k", "same_world_size"]),
+    "no-dtype-cast": ("tiered_ckpt/loading.py", " and local.dtype == meta.torch_dtype", "",
+                      ["tests/unit/test_state_rules.py", "-k", "cast"]),
+    "ties-written-twice": ("tiered_ckpt/state.py", "                if key in seen:\n", "                if False:\n",
+                           ["tests/unit/test_state_rules.py", "-k", "tied"]),
+    "module-keys-unchecked": ("tiered_ckpt/state.py", "    if unexpected:\n        raise StateError",
+                              "    if False:\n        raise StateError",
+                              ["tests/integration/test_corruption.py", "-k", "module_missing"]),
+}
+
+
+def copy_tree(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for name in files:
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def run(name: str, mutate: bool = True) -> bool:
+    """True when the mutant is killed (its tests fail); with mutate=False, when the tests fail unmutated."""
+    path, original, mutant, tests = MUTANTS[name]
+    mutant = mutant if mutate else original
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
+        root = Path(tmp)
+        copy_tree(root)
+        source = (root / path).read_text()
+        if source.count(original) != 1:
+            raise SystemExit(f"mutant {name}: the code to mutate is not found once in {path}; update scripts/mutants.py")
+        (root / path).write_text(source.replace(original, mutant))
+        env = dict(os.environ, PYTHONPATH=str(root))  # subprocesses (ranks, crash helpers) import the mutant too
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                              cwd=root, env=env, capture_output=True, text=True)
+        return proc.returncode != 0
+
+
+def main(names: list[str]) -> int:
+    if names[:1] == ["--baseline"]:
+        failing = [name for name in names[1:] or list(MUTANTS) if run(name, mutate=False)]
+        print(f"baseline: {'tests fail unmutated for ' + ', '.join(failing) if failing else 'every selection passes'}")
+        return 1 if failing else 0
+    survivors = []
+    for name in names or list(MUTANTS):
+        killed = run(name)
+        print(f"{'killed  ' if killed else 'SURVIVED'}  {name}", flush=True)
+        if not killed:
+            survivors.append(name)
+    if survivors:
+        print(f"{len(survivors)} mutant(s) survived: {', '.join(survivors)}")
+        return 1
+    print(f"all {len(names or MUTANTS)} mutants killed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
