@@ -83,7 +83,7 @@ def test_bench_runs_and_reports_every_ratio(tmp_path, shm_dir):
     for label in ("save blocking / memcpy", "DCP async_save", "load from disk / DCP load", "peak extra RSS"):
         assert label in proc.stdout
     f = json.loads(out.read_text())
-    assert 8 << 20 <= f["bytes"] < 9 << 20 and f["tensors"] > 3
+    assert 0.99 * (8 << 20) <= f["bytes"] <= 8 << 20 and f["tensors"] > 3  # the state asked for
     rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in proc.stdout.splitlines()
             if line.startswith("| ") and line.count("|") == 5}
     # the printed ratios are the measured figures' ratios, and "met" agrees with the target
