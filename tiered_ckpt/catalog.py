@@ -20,10 +20,11 @@ log = logging.getLogger(__name__)
 
 
 class Catalog:
-    def __init__(self, job: str, index: Index, tiers: TierIO):
+    def __init__(self, job: str, index: Index, tiers: TierIO, *, adopt: bool = False):
         self.job = job
         self.index = index
         self.tiers = tiers
+        self.adopt = adopt  # manifests committed to another index may be loaded
 
     async def statuses(self) -> list[CheckpointStatus]:
         """Every checkpoint of the job, oldest first: from the index, or from the tiers' manifests."""
@@ -35,6 +36,7 @@ class Catalog:
 
     async def statuses_from_tiers(self) -> list[CheckpointStatus]:
         found: dict[int, dict[str, bool]] = {}
+        origin: dict[int, str | None] = {}
         for name in self.tiers:
             tier = self.tiers[name]
             try:
@@ -52,17 +54,23 @@ class Catalog:
                     continue
                 whole = all(rank_meta_key(self.job, parsed.step, r.rank) in keys for r in manifest.ranks)
                 found.setdefault(parsed.step, {})[name] = whole
+                if manifest.index != self.index.identity:
+                    origin[parsed.step] = manifest.index or "an index of format 1 (unknown)"
         return [CheckpointStatus(step, tuple(self.tiers.order(tiers)),
-                                 frozenset(t for t, whole in tiers.items() if whole))
+                                 frozenset(t for t, whole in tiers.items() if whole), foreign=origin.get(step))
                 for step, tiers in sorted(found.items())]
 
     async def pick(self, step: int | None, allowed: Sequence[str]) -> CheckpointStatus:
         """The newest checkpoint (or `step`) complete on one of `allowed`; IncompleteCheckpoint says why not."""
         statuses = await self.statuses()
-        usable = [s for s in statuses if s.complete & set(allowed)]
+        usable = [s for s in statuses if s.complete & set(allowed) and (s.foreign is None or self.adopt)]
         if not usable or (step is not None and all(s.step != step for s in usable)):
             # A fresh machine (an empty index) or a lost index: the tiers' manifests still know
-            from_tiers = [s for s in await self.statuses_from_tiers() if s.complete & set(allowed)]
+            on_tiers = [s for s in await self.statuses_from_tiers() if s.complete & set(allowed)]
+            from_tiers = [s for s in on_tiers if s.foreign is None or self.adopt]
+            if on_tiers and not from_tiers:
+                log.warning("job %r: the tiers hold %d complete checkpoint(s) committed to another index (%s); "
+                            "set adopt = true in [engine] to load them", self.job, len(on_tiers), on_tiers[-1].foreign)
             if from_tiers if step is None else any(s.step == step for s in from_tiers):
                 log.warning("job %r: the index has no usable checkpoint%s; using the manifests on the tiers",
                             self.job, "" if step is None else f" {step}")

@@ -88,7 +88,9 @@ async def cmd_ls(engine: Engine, args: argparse.Namespace) -> int:
     print(f"{'step':>10}  {'created':<19}  {'state':<10}  tiers (* = complete, ! = failed)")
     for c in rows:
         marks = " ".join(f"{t}{'*' if t in c.complete else '!' if t in c.failed else ''}" for t in c.tiers)
-        print(f"{c.step:>10}  {_when(c.created):<19}  {'complete' if c.is_complete else 'incomplete':<10}  {marks}")
+        foreign = f"  (foreign: committed to {c.foreign})" if c.foreign else ""
+        print(f"{c.step:>10}  {_when(c.created):<19}  {'complete' if c.is_complete else 'incomplete':<10}  {marks}"
+              f"{foreign}")
     return 0
 
 

@@ -26,6 +26,7 @@ class EngineConfig:
     part_size: int = field(default=64 * 2**20, metadata=SIZE)
     max_inflight: int = 1
     allow_pickle: bool = False
+    adopt: bool = False  # load checkpoints whose manifests name another index (a moved or rebuilt index)
     io_threads: int = 4
     collective_timeout: float = 600.0
     commit_timeout: float = 600.0

@@ -46,7 +46,7 @@ class Engine:
         self.tiers = self.io.drivers  # name → driver, fastest first
         self.pipelines = self.io.pipelines
         self.index: Index = open_index(config.engine.index)
-        self.catalog = Catalog(self.job, self.index, self.io)
+        self.catalog = Catalog(self.job, self.index, self.io, adopt=config.engine.adopt)
         self.pool = StagingPool(config.engine.max_inflight)
         self.planner = Planner(config.engine.part_size, self.coordinator)
         self.retention = self._retention()

@@ -8,11 +8,24 @@ from typing import Any
 import msgpack
 import torch
 
+from .checksum import seal, unseal
 from .errors import IntegrityError
 from .layout import part_count, part_range
 
-FORMAT_VERSION = 2  # 2: each rank's record carries that rank's skeleton
+FORMAT_VERSION = 2  # 2: sealed records (checksummed); each rank's record carries its skeleton; the index id
 READABLE_VERSIONS = (1, 2)
+_DECODE_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, msgpack.UnpackException)
+
+
+def _body(data: bytes, source: str) -> bytes:
+    """A record's msgpack body: checked against its seal, or (format 1) as written, unsealed."""
+    body = unseal(data, source)
+    return data if body is None else body
+
+
+def _check_sealed(data: bytes, version: object, source: str) -> None:
+    if version != 1 and unseal(data, source) is None:
+        raise IntegrityError(f"{source}: a format {version!r} record must be sealed (its seal is damaged)")
 
 
 @dataclass(frozen=True)
@@ -49,17 +62,22 @@ class RankMeta:
     skeleton: bytes = b""  # this rank's state structure and plain values (empty in format 1)
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb({"version": FORMAT_VERSION, **dataclasses.asdict(self)})
+        return seal(msgpack.packb({"version": FORMAT_VERSION, **dataclasses.asdict(self)}))
 
     @classmethod
     def from_bytes(cls, data: bytes, *, source: str) -> "RankMeta":
         try:
-            raw = msgpack.unpackb(data)
-            if raw.pop("version", None) not in READABLE_VERSIONS:
-                raise ValueError("unknown format version")
-            return cls(raw["rank"], raw["nbytes"], tuple(raw["checksums"]), bytes(raw.get("skeleton", b"")))
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
-            raise IntegrityError(f"{source} is not a valid rank record: {e}") from e
+            raw = msgpack.unpackb(_body(data, source))
+            version = raw.pop("version", None)
+            if version not in READABLE_VERSIONS:
+                raise ValueError(f"unknown format version {version!r}")
+            _check_sealed(data, version, source)
+            return cls(int(raw["rank"]), int(raw["nbytes"]), tuple(map(int, raw["checksums"])),
+                       bytes(raw.get("skeleton", b"")))
+        except IntegrityError:
+            raise
+        except _DECODE_ERRORS as e:
+            raise IntegrityError(f"{source} is not a valid rank record: {type(e).__name__}: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -75,6 +93,7 @@ class Manifest:
     created: float
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     version: int = FORMAT_VERSION
+    index: str = ""  # the index this checkpoint was committed to (its identity; "" in format 1)
 
     @property
     def nbytes(self) -> int:
@@ -98,15 +117,16 @@ class Manifest:
         return end - start
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb(dataclasses.asdict(self))
+        return seal(msgpack.packb(dataclasses.asdict(self)))
 
     @classmethod
     def from_bytes(cls, data: bytes, *, source: str = "manifest") -> "Manifest":
         try:
-            raw = msgpack.unpackb(data, strict_map_key=False)
+            raw = msgpack.unpackb(_body(data, source), strict_map_key=False)
             if raw.get("version") not in READABLE_VERSIONS:
                 raise IntegrityError(f"{source}: format version {raw.get('version')!r}, this library reads "
                                      f"{', '.join(map(str, READABLE_VERSIONS))}")
+            _check_sealed(data, raw["version"], source)
             raw["tensors"] = tuple(
                 TensorMeta(t["path"], t["dtype"], tuple(t["shape"]),
                            tuple(ChunkMeta(tuple(c["offsets"]), tuple(c["sizes"]), c["rank"], c["byte_offset"],
@@ -115,8 +135,10 @@ class Manifest:
             raw["ranks"] = tuple(RankMeta(r["rank"], r["nbytes"], tuple(r["checksums"]), bytes(r.get("skeleton", b"")))
                                  for r in raw["ranks"])
             return cls(**raw)
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
-            raise IntegrityError(f"{source} is not a valid manifest: {e}") from e
+        except IntegrityError:
+            raise
+        except _DECODE_ERRORS as e:
+            raise IntegrityError(f"{source} is not a valid manifest: {type(e).__name__}: {e}") from e
 
 
 def dtype_from_str(name: str) -> torch.dtype:

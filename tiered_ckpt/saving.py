@@ -188,7 +188,7 @@ class SaveJob:
             job=self.job, step=self.step, world_size=plan.world_size, part_size=plan.part_size,
             checksum=ALGORITHM, tensors=plan.tensors,
             ranks=tuple(RankMeta(r, n) for r, n in enumerate(plan.rank_nbytes)),
-            skeleton=self._skeleton(), created=time.time(), metadata=self.metadata)
+            skeleton=self._skeleton(), created=time.time(), metadata=self.metadata, index=self.commit.index.identity)
         data = manifest.to_bytes()
         await self.commit.put_manifest(self.step, data)
         return data

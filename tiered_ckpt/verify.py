@@ -1,14 +1,15 @@
-"""Re-read every part of a checkpoint on every tier that holds it and check length and checksum."""
+"""Re-read every part of a checkpoint on every tier that holds it and check length and checksum, and check
+the sealed metadata copies (the manifest and every rank's record) on each tier."""
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import IntegrityError
+from .errors import IntegrityError, TierError
 from .index import CheckpointStatus
-from .layout import PartKey
-from .manifest import Manifest
+from .layout import PartKey, manifest_key, rank_meta_key
+from .manifest import Manifest, RankMeta
 from .tier_io import PartRead, ReadLog, TierIO
 
 
@@ -46,5 +47,20 @@ async def verify(io: TierIO, status: CheckpointStatus, manifest: Manifest,
         checks = [check(r.rank, p, c) for r in manifest.ranks for p, c in enumerate(r.checksums)]
         report.parts = len(checks)
         await asyncio.gather(*checks)
+        report.bad.extend(await _check_records(io, tier, manifest))
         reports.append(report)
     return reports
+
+
+async def _check_records(io: TierIO, tier: str, manifest: Manifest) -> list[str]:
+    """The tier's copies of the manifest and the rank records: present and intact."""
+    bad = []
+    records = [(manifest_key(manifest.job, manifest.step), lambda data, src: Manifest.from_bytes(data, source=src))]
+    records += [(rank_meta_key(manifest.job, manifest.step, r.rank),
+                 lambda data, src: RankMeta.from_bytes(data, source=src)) for r in manifest.ranks]
+    for key, parse in records:
+        try:
+            parse(await io[tier].read(key), key)
+        except TierError as e:  # IntegrityError (corrupt) or TierNotFound
+            bad.append(f"{key}: {type(e).__name__}: {e}")
+    return bad

@@ -92,3 +92,52 @@ async def test_a_module_missing_an_entry_is_refused_before_anything_is_written(e
     with pytest.raises(tc.StateError, match=r"'train/model'.*lacks.*\['bias'\]"):
         await engine.load({"train": tc.TrainState(without)})
     assert torch.equal(without.weight, before)
+
+
+async def test_bit_flips_in_metadata_never_load_wrong_data(engine, tmp_path):
+    """Single-bit flips anywhere in the index's manifest or rank record: each load either uses another copy
+    (a tier's) and returns the saved state exactly, or fails with a TieredCkptError; never wrong data."""
+    import random
+
+    state = await saved(engine)
+    rng = random.Random(0)
+    for record in ("manifest", "ranks/0"):
+        path = next(p for p in (tmp_path / "index").rglob("*") if p.as_posix().endswith(f"step-000000000001/{record}"))
+        original = path.read_bytes()
+        for _ in range(60):
+            data = bytearray(original)
+            bit = rng.randrange(len(data) * 8)
+            data[bit // 8] ^= 1 << (bit % 8)
+            path.write_bytes(bytes(data))
+            out = {k: torch.zeros_like(v) for k, v in state.items()}
+            try:
+                await engine.load(out)
+            except tc.TieredCkptError:
+                continue
+            assert all(torch.equal(out[k], state[k]) for k in state), (record, bit)
+        path.write_bytes(original)
+
+
+async def test_no_intact_manifest_anywhere_is_an_error_naming_every_copy(engine, tmp_path):
+    state = await saved(engine)
+    copies = [next((tmp_path / "index").rglob("manifest"))] + [
+        Path(engine.tiers[t].root) / "test/step-000000000001/manifest.msgpack" for t in ("host", "disk")]
+    for path in copies:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+    with pytest.raises(tc.IncompleteCheckpoint, match=r"index manifest.*corrupt.*tier 'host'.*corrupt.*tier 'disk'"):
+        await engine.load({k: torch.zeros_like(v) for k, v in state.items()})
+
+
+async def test_verify_reports_a_corrupt_manifest_copy(engine):
+    from tiered_ckpt.verify import verify
+
+    await saved(engine)
+    path = Path(engine.tiers["disk"].root) / "test/step-000000000001/manifest.msgpack"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    reports = {r.tier: r for r in await verify(engine.io, await engine.status(1), await engine.read_manifest(1))}
+    assert reports["host"].ok and not reports["disk"].ok
+    assert len(reports["disk"].bad) == 1 and "manifest.msgpack" in reports["disk"].bad[0] and "corrupt" in reports["disk"].bad[0]

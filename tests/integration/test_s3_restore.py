@@ -1,18 +1,19 @@
 """S3 alone restores: a fresh machine (new process, empty index, no local tiers) finds the newest complete
 checkpoint from the manifests on S3, and reshards it into another world size."""
+import pytest
 import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt.config import parse_config
 
 
-def stack(tmp_path, index_dir, endpoint, bucket, *, local: bool, every: int = 1):
+def stack(tmp_path, index_dir, endpoint, bucket, *, local: bool, every: int = 1, adopt: bool = False):
     tiers = [{"name": "s3", "kind": "s3", "bucket": bucket, "prefix": "runs", "endpoint_url": endpoint,
               "every": every, "keep_last": 2}]
     if local:
         tiers.insert(0, {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")})
-    return parse_config({"engine": {"job": "gpt", "index": f"file://{index_dir}", "part_size": "64KiB"},
-                         "tiers": tiers})
+    return parse_config({"engine": {"job": "gpt", "index": f"file://{index_dir}", "part_size": "64KiB",
+                                    "adopt": adopt}, "tiers": tiers})
 
 
 def state(value: float) -> dict:
@@ -24,7 +25,11 @@ async def test_fresh_machine_restores_from_s3_only(tmp_path, s3_bucket):
         for step in range(1, 8):
             await (await engine.save(step, state(float(step)))).wait()
         assert [c.step for c in [c async for c in engine.list()] if "s3" in c.complete] == [4, 6]  # every=2, keep 2
-    fresh = stack(tmp_path, tmp_path / "fresh-index", *s3_bucket, local=False)
+    async with tc.Engine(stack(tmp_path, tmp_path / "fresh-index", *s3_bucket, local=False)) as engine:
+        with pytest.raises(tc.IncompleteCheckpoint):  # another index's checkpoints are not taken silently
+            await engine.load(state(0.0))
+        assert {c.step: c.foreign for c in [c async for c in engine.list()]} == {}  # the new index is empty
+    fresh = stack(tmp_path, tmp_path / "fresh-index", *s3_bucket, local=False, adopt=True)
     async with tc.Engine(fresh) as engine:
         out = state(0.0)
         info = await engine.load(out)
@@ -39,6 +44,6 @@ async def test_a_half_written_checkpoint_on_s3_is_not_complete(tmp_path, s3_buck
         await (await engine.save(2, state(2.0))).wait()
         s3 = engine.tiers["s3"]
         await s3.delete("gpt/step-000000000002/rank-00000/checksums.msgpack")  # as if the writer died before it
-    async with tc.Engine(stack(tmp_path, tmp_path / "fresh-index", *s3_bucket, local=False)) as engine:
+    async with tc.Engine(stack(tmp_path, tmp_path / "fresh-index", *s3_bucket, local=False, adopt=True)) as engine:
         out = state(0.0)
         assert (await engine.load(out)).step == 1 and torch.all(out["w"] == 1.0)

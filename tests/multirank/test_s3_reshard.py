@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(300)  # real processes (gloo, torchrun): slower
 
 
 def s3_only(index: Path, endpoint: str, bucket: str):
-    return parse_config({"engine": {"job": "s3dist", "index": f"file://{index}", "part_size": "64KiB"},
+    return parse_config({"engine": {"job": "s3dist", "index": f"file://{index}", "part_size": "64KiB", "adopt": True},
                          "tiers": [{"name": "s3", "kind": "s3", "bucket": bucket, "endpoint_url": endpoint}]})
 
 

@@ -22,6 +22,7 @@ class CheckpointStatus:
     complete: frozenset[str] = frozenset()
     failed: dict[str, str] = field(default_factory=dict)
     created: float = 0.0
+    foreign: str | None = None  # found on the tiers, committed to another index (its identity)
 
     @property
     def is_complete(self) -> bool:
@@ -42,6 +43,9 @@ class TierState:
 
 
 class Index(Protocol):
+    identity: str  # which index this is (no credentials): manifests record it, tier fallback checks it
+    epoch: int
+
     async def open(self) -> None: ...
     async def close(self) -> None: ...
     async def fence(self, job: str) -> int: ...

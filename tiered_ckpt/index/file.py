@@ -31,6 +31,7 @@ class FileIndex:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.epoch = 0
+        self.identity = f"file://{os.path.realpath(self.root)}"  # written into each manifest
 
     async def open(self) -> None:
         await asyncio.to_thread(self.root.mkdir, parents=True, exist_ok=True)

@@ -68,6 +68,7 @@ class RedisIndex:
     def __init__(self, url: str):
         self.url = url
         self.epoch = 0
+        self.identity = _identity(url)  # written into each manifest
         self._client: aioredis.Redis | None = None
         self._scripts: dict[str, Any] = {}
 
@@ -196,3 +197,13 @@ def _tier_state(fields: dict[str, bytes], tier: str, session: str) -> TierState:
         if f.startswith(f"failed:{tier}:") and f.endswith(f":{session}"):
             return TierState("failed", f"rank {f.split(':')[-2]}: {value.decode(errors='replace')}", done)
     return TierState("pending", "", done)
+
+
+def _identity(url: str) -> str:
+    """The URL without credentials or options: which server and database, never a secret."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"unix://{parts.path}"
+    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
