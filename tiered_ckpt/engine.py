@@ -53,6 +53,7 @@ class Engine:
         self._jobs: list[SaveJob] = []
         self._unobserved: list[SaveHandle] = []
         self._services: SaveServices | None = None
+        self._writer = False  # a reader until its first save: readers never fence and never delete
         self._state = "new"
 
     @classmethod
@@ -73,14 +74,6 @@ class Engine:
         node, num_nodes = await self.coordinator.node()
         await self.io.open(rank=self.rank, world_size=self.world_size, node=node, num_nodes=num_nodes)
         await self.index.open()
-        # a new incarnation of the job: writers of earlier ones (zombie ranks) are fenced off
-        epoch: int | None = None
-        if self.rank == 0:
-            try:
-                epoch = await self.index.fence(self.job)
-            except IndexUnavailable as e:
-                log.warning("%s; saves will fail until it is back, loads read the manifests on the tiers", e)
-        self.index.epoch = await self.coordinator.broadcast_object(epoch) or 0
         self.retention = self._retention()
         self.retention.complete = {s.step for s in await self.catalog.statuses() if s.is_complete}
         commit = Committer(self.index, self.job, rank=self.rank, world_size=self.world_size,
@@ -153,6 +146,8 @@ class Engine:
         if any(j.step == step for j in self._jobs):
             raise CheckpointExists(f"job {self.job!r}: a save of step {step} is already in flight")
         targets = [t.name for t in self.config.tiers if step % t.every == 0]
+        if not self._writer:  # before anything that can fail on one rank only: every rank runs its collective
+            await self._become_writer()
         try:
             metadata = _checked_metadata(metadata)
             flat = flatten(state, allow_pickle=self.config.engine.allow_pickle, rank=self.rank)
@@ -179,6 +174,26 @@ class Engine:
         if not lazy:
             await handle.staged()
         return handle
+
+    async def _become_writer(self) -> None:
+        """At the first save (every rank: saves are SPMD): rank 0 fences earlier incarnations of the job
+        (their commits and deletes are refused from now on) and removes what a crashed run left (incomplete
+        checkpoints newer than the newest complete one); every rank takes the new epoch. Until then this
+        engine is a reader: listing, loading, verifying change nothing in the index, so an evaluator or the
+        CLI beside a running trainer cannot fence it or delete its saves in flight."""
+        epoch: int | None = None
+        if self.rank == 0:
+            try:
+                epoch = self.index.epoch = await self.index.fence(self.job)
+            except IndexUnavailable as e:
+                log.warning("%s; saves will fail until it is back, loads read the manifests on the tiers", e)
+            try:
+                complete = [s.step for s in await self.index.list(self.job) if s.is_complete]
+                await self.retention.drop_incomplete_after(max(complete, default=-1))
+            except Exception as e:  # cleaning up must never fail a save
+                log.warning("leftovers of an earlier run were not removed: %s: %s", type(e).__name__, e)
+        self.index.epoch = await self.coordinator.broadcast_object(epoch) or 0
+        self._writer = True
 
     async def _failed_before_plan(self, step: int, targets: list[str], error: BaseException) -> BaseException:
         """This rank cannot save its state: make the save fail on every rank, in bounded time. On a first
@@ -257,16 +272,16 @@ class Engine:
                      allow_pickle=self.config.engine.allow_pickle, rank=self.rank, saved_world=manifest.world_size)
 
     async def _agree_on_step(self, step: int | None, allowed: list[str]) -> CheckpointStatus:
-        """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error). When
-        resuming, rank 0 first deletes incomplete checkpoints newer than the pick: leftovers of the crashed
-        run that the resumed run would otherwise save over."""
+        """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error). A writer
+        resuming (step=None) has rank 0 first delete incomplete checkpoints newer than the pick: leftovers of
+        a failed or crashed save that it would otherwise save over. A reader deletes nothing."""
         if not self.coordinator.distributed:
             return await self.catalog.pick(step, allowed)
         choice: tuple[Any, ...]
         if self.rank == 0:
             try:
                 status = await self.catalog.pick(step, allowed)
-                if step is None:
+                if step is None and self._writer:
                     await self.retention.drop_incomplete_after(status.step)
                 choice = ("ok", status)
             except IncompleteCheckpoint as e:

@@ -1,5 +1,6 @@
 """The Redis index against real redis-server processes: commit, listing, retention, fencing of zombie
 writers, and loading from the tiers' manifests while the index is down."""
+import asyncio
 import logging
 
 import pytest
@@ -43,16 +44,17 @@ async def test_a_zombie_from_an_earlier_incarnation_cannot_commit_or_delete(tmp_
     url = redis_server().url
     zombie = await tc.Engine(stack(tmp_path, shm_dir, url)).open()
     await (await zombie.save(1, state(1.0))).wait()
-    async with tc.Engine(stack(tmp_path, shm_dir, url)) as restarted:  # the job restarts: a new epoch
+    async with tc.Engine(stack(tmp_path, shm_dir, url)) as restarted:  # the job restarts
+        out = state(0.0)
+        assert (await restarted.load(out)).step == 1  # resuming reads: it fences no one yet
+        await (await restarted.save(2, state(2.0))).wait()  # the first save starts a new epoch
         assert restarted.index.epoch == zombie.index.epoch + 1
-        handle = await zombie.save(2, state(2.0))
+        handle = await zombie.save(3, state(3.0))
         with pytest.raises(tc.SaveError, match="earlier incarnation"):
             await handle.wait()
         with pytest.raises(tc.TieredCkptError, match="earlier incarnation"):
             await zombie.delete(1)
-        assert [(c.step, c.is_complete) async for c in restarted.list()] == [(1, True)]
-        await (await restarted.save(2, state(2.0))).wait()
-        out = state(0.0)
+        assert [(c.step, c.is_complete) async for c in restarted.list()] == [(1, True), (2, True)]  # 3 never began
         assert (await restarted.load(out)).step == 2
     await zombie.close(raise_errors=False)
 
@@ -103,3 +105,41 @@ path = "{tmp_path / 'disk'}"
                         text=True, timeout=60)
     assert ls.returncode == 0 and "complete    host* disk*" in ls.stdout, ls.stderr
     assert [line.split()[0] for line in ls.stdout.splitlines() if line.split() and line.split()[0].isdigit()] == ["7"]
+
+
+async def test_readers_beside_a_trainer_fence_nothing_and_delete_nothing(tmp_path, shm_dir, redis_server, monkeypatch):
+    """An evaluator (an engine that only lists and loads) and the CLI open the index while the trainer runs:
+    the trainer's later commits still succeed, and a save the trainer has in flight is not removed."""
+    import subprocess
+    import sys
+
+    url = redis_server().url
+    async with tc.Engine(stack(tmp_path, shm_dir, url)) as trainer:
+        await (await trainer.save(1, state(1.0))).wait()
+        disk = trainer.tiers["disk"]
+        real_write, release = disk.write, asyncio.Event()
+
+        async def held(key, data):
+            if "step-000000000002" in key:
+                await release.wait()
+            return await real_write(key, data)
+
+        monkeypatch.setattr(disk, "write", held)
+        in_flight = await trainer.save(2, state(2.0))  # complete on host soon; disk held
+        await in_flight.wait("host")
+        async with tc.Engine(stack(tmp_path, shm_dir, url)) as evaluator:
+            out = state(0.0)
+            assert (await evaluator.load(out)).step == 2 and torch.all(out["w"] == 2.0)  # host is complete
+            assert [c.step async for c in evaluator.list()] == [1, 2]
+        config = tmp_path / "cli.toml"
+        config.write_text(f'[engine]\njob = "gpt"\nindex = "{url}"\n[[tiers]]\nname = "host"\nkind = "memory"\n'
+                          f'path = "{shm_dir / "host"}"\n[[tiers]]\nname = "disk"\nkind = "local"\n'
+                          f'path = "{tmp_path / "disk"}"\n')
+        ls = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "ls", "-c", str(config)], capture_output=True,
+                            text=True, timeout=60)
+        assert ls.returncode == 0, ls.stderr
+        release.set()
+        await in_flight.wait()  # the trainer commits step 2 on disk: nobody fenced it
+        await (await trainer.save(3, state(3.0))).wait()
+        assert [(c.step, sorted(c.complete)) async for c in trainer.list()][-2:] == [
+            (2, ["disk", "host"]), (3, ["disk", "host"])]
