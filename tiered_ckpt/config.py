@@ -16,7 +16,7 @@ from .sizes import parse_size
 from .tiers.registry import driver_class
 
 SIZE = {"size": True}  # field metadata: accept "64MiB"-style strings
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline slips through
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Config:
 
 def validate_name(value: str, what: str) -> str:
     """Job and tier names become path components and key prefixes: no '/', no '..'."""
-    if not isinstance(value, str) or not NAME.match(value) or ".." in value:
+    if not isinstance(value, str) or not NAME.fullmatch(value) or ".." in value:
         raise ConfigError(f"{what} {value!r} must be 1-128 of [A-Za-z0-9._-], not starting with '.' or '-'")
     return value
 
@@ -106,6 +106,16 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> Config:
     return Config(engine=engine, tiers=tiers, source=source)
 
 
+def check_config(config: Config) -> None:
+    """The checks parse_config makes, for a Config built in code (dataclasses.replace, EngineConfig(...))."""
+    _check_engine(config.engine, config.source)
+    for tier in config.tiers:
+        try:
+            validate_name(tier.name, "tier name")
+        except ConfigError as e:
+            raise ConfigError(str(e), key=f"tiers.{tier.name}.name", file=config.source) from None
+
+
 def _check_engine(engine: EngineConfig, source: str | None) -> None:
     try:
         validate_name(engine.job, "job")
@@ -118,6 +128,9 @@ def _check_engine(engine: EngineConfig, source: str | None) -> None:
     for key in ("max_inflight", "io_threads"):
         if getattr(engine, key) < 1:
             raise ConfigError("must be >= 1", key=f"engine.{key}", file=source)
+    for key in ("collective_timeout", "commit_timeout"):
+        if not getattr(engine, key) > 0:
+            raise ConfigError("must be a positive number of seconds", key=f"engine.{key}", file=source)
 
 
 def _parse_tier(table: Any, i: int, source: str | None) -> TierConfig:
@@ -138,9 +151,11 @@ def _parse_tier(table: Any, i: int, source: str | None) -> TierConfig:
     tier = build(TierConfig, {k: v for k, v in table.items() if k in common}, where, source)
     if tier.keep_last is not None and tier.keep_last < 1:
         raise ConfigError("must be >= 1 (omit it to keep every checkpoint)", key=f"{where}.keep_last", file=source)
-    for key in ("every", "workers", "retries"):
-        if getattr(tier, key) < (0 if key == "retries" else 1):
-            raise ConfigError("is out of range", key=f"{where}.{key}", file=source)
+    for key, low in (("every", 1), ("workers", 1), ("retries", 0), ("inflight", 1)):
+        if getattr(tier, key) < low:
+            raise ConfigError(f"must be >= {low}", key=f"{where}.{key}", file=source)
+    if not tier.timeout > 0:
+        raise ConfigError("must be a positive number of seconds", key=f"{where}.timeout", file=source)
     return dataclasses.replace(tier, options=options)
 
 

@@ -15,13 +15,14 @@ import asyncio
 import logging
 import os
 import time
+import warnings
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 import msgpack
 
 from .catalog import Catalog
 from .commit import Committer
-from .config import Config, load_config
+from .config import Config, check_config, load_config
 from .distributed.coordinator import Coordinator
 from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, IntegrityError, RankFailed, StateError
 from .index import CheckpointStatus, Index, open_index
@@ -35,10 +36,12 @@ from .state import LoadTarget, SavedTensor, decode_skeleton, flatten, match
 from .tier_io import TierIO
 
 log = logging.getLogger(__name__)
+MAX_STEP = 2**53
 
 
 class Engine:
     def __init__(self, config: Config):
+        check_config(config)  # a Config built in code gets the checks a TOML file gets
         self.config = config
         self.job = config.engine.job
         self.coordinator = Coordinator()  # replaced at open() when a process group exists
@@ -139,8 +142,9 @@ class Engine:
         recorded here, on the calling thread's current streams."""
         self._check_open()
         assert self._services is not None
-        if type(step) is not int or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if type(step) is not int or not 0 <= step < MAX_STEP:
+            raise ValueError(f"step must be an int from 0 to 2**53 - 1 (the Redis index orders steps as doubles), "
+                             f"got {step!r}")
         if step in self.retention.complete:
             raise CheckpointExists(f"job {self.job!r} step {step} already exists; delete it to save it again")
         if any(j.step == step for j in self._jobs):
@@ -209,6 +213,11 @@ class Engine:
 
     def _finished(self, job: SaveJob) -> None:
         self._jobs.remove(job)
+        if job.task is not None and job.task.cancelled() and self._state == "open":
+            message = (f"the save of step {job.step} (job {self.job!r}) was cancelled before it finished: was the "
+                       f"event loop shut down without `await engine.close()`? Use `async with Engine(...)`")
+            log.error(message)
+            warnings.warn(message, ResourceWarning, stacklevel=2)
         self.retention.busy.saved(job.step)
         if not job.handle.observed and job.handle.errors:
             self._unobserved.append(job.handle)

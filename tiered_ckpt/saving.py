@@ -84,6 +84,10 @@ class SaveHandle:
     def set_done(self, tier: str, error: BaseException | None = None) -> None:
         _resolve(self._done[tier], error)
 
+    def cancel(self) -> None:
+        for fut in (self._staged, *self._done.values()):
+            fut.cancel()
+
     def __repr__(self) -> str:
         state = "done" if self.done() else "staged" if self._staged.done() else "staging"
         return f"<SaveHandle step={self.step} tiers={list(self.tiers)} {state}>"
@@ -154,6 +158,8 @@ class SaveJob:
         try:
             try:
                 await staging
+            except asyncio.CancelledError:
+                raise
             except BaseException as e:
                 for tier in self.tiers:
                     self.handle.set_done(tier, await self.commit.fail_tier(self.step, tier, e))
@@ -162,11 +168,14 @@ class SaveJob:
             try:
                 await self.retention.clear_crashed_attempt(self.step)
                 await self.commit.begin(self.step, self.tiers)
-            except BaseException as e:
+            except Exception as e:
                 for tier in self.tiers:
                     self.handle.set_done(tier, e)
                 return
             await asyncio.gather(*(self._persist_tier(t) for t in self.tiers))
+        except asyncio.CancelledError:
+            self.handle.cancel()  # nobody waits forever on a save that will never finish
+            raise
         finally:
             await self._release_buffer()
 

@@ -91,6 +91,11 @@ def check_dtype(t: torch.Tensor, where: str) -> None:
         raise StateError(f"tensor {where!r} has dtype {t.dtype}, which tiered_ckpt cannot store as raw bytes")
     if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and type(t).__name__ != "DTensor":
         raise StateError(f"tensor {where!r} is a {type(t).__name__}; plain tensors and DTensors are supported")
+    if t.layout != torch.strided or t.is_nested:
+        raise StateError(f"tensor {where!r} has layout {t.layout}{' (nested)' if t.is_nested else ''}; only dense "
+                         f"(strided) tensors are stored: convert it, e.g. with .to_dense()")
+    if t.device.type == "meta":
+        raise StateError(f"tensor {where!r} is on the meta device: it has no data to save")
 
 
 def _unsupported_dtypes() -> frozenset[torch.dtype]:

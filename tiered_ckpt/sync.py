@@ -74,6 +74,9 @@ class Checkpointer:
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         if threading.current_thread() is self._thread:
             raise RuntimeError("Checkpointer methods cannot be called from its own event loop thread")
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("this Checkpointer is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def save(self, step: int, state: Any, *, lazy: bool = False, metadata: dict[str, Any] | None = None) -> SyncSaveHandle:

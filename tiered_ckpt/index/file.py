@@ -18,13 +18,15 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import msgpack
 
-from ..errors import IncompleteCheckpoint
+from ..errors import IncompleteCheckpoint, TieredCkptError
 from ..layout import parse_step_dir, step_dir
 from .base import CheckpointStatus, TierState
+
+T = TypeVar("T")
 
 
 class FileIndex:
@@ -34,10 +36,19 @@ class FileIndex:
         self.identity = f"file://{os.path.realpath(self.root)}"  # written into each manifest
 
     async def open(self) -> None:
-        await asyncio.to_thread(self.root.mkdir, parents=True, exist_ok=True)
+        await self._io(lambda: self.root.mkdir(parents=True, exist_ok=True))
 
     async def close(self) -> None:
         pass
+
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        """File work in a thread; an OS error other than a missing file names the index directory."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise TieredCkptError(f"index {self.root}: {type(e).__name__}: {e}") from e
 
     async def fence(self, job: str) -> int:
         """The file index has no fencing: its writers are the processes of one job on a shared directory."""
@@ -48,23 +59,23 @@ class FileIndex:
 
     async def begin(self, job: str, step: int, tiers: Sequence[str]) -> None:
         record = msgpack.packb({"tiers": list(tiers), "created": time.time()})
-        await asyncio.to_thread(_atomic_write, self._dir(job, step) / "begun", record)
+        await self._io(_atomic_write, self._dir(job, step) / "begun", record)
 
     async def put_manifest(self, job: str, step: int, data: bytes) -> None:
-        await asyncio.to_thread(_atomic_write, self._dir(job, step) / "manifest", data)
+        await self._io(_atomic_write, self._dir(job, step) / "manifest", data)
 
     async def get_manifest(self, job: str, step: int) -> bytes:
         try:
-            return await asyncio.to_thread((self._dir(job, step) / "manifest").read_bytes)
+            return await self._io((self._dir(job, step) / "manifest").read_bytes)
         except FileNotFoundError:
             raise IncompleteCheckpoint(f"job {job!r} step {step}: no manifest in the index at {self.root}") from None
 
     async def put_rank_meta(self, job: str, step: int, rank: int, data: bytes) -> None:
-        await asyncio.to_thread(_atomic_write, self._dir(job, step) / "ranks" / str(rank), data)
+        await self._io(_atomic_write, self._dir(job, step) / "ranks" / str(rank), data)
 
     async def get_rank_meta(self, job: str, step: int, rank: int) -> bytes:
         try:
-            return await asyncio.to_thread((self._dir(job, step) / "ranks" / str(rank)).read_bytes)
+            return await self._io((self._dir(job, step) / "ranks" / str(rank)).read_bytes)
         except FileNotFoundError:
             raise IncompleteCheckpoint(f"job {job!r} step {step}: no checksums of rank {rank} in the index") from None
 
@@ -75,11 +86,11 @@ class FileIndex:
             if len(_ranks(d / "durable", tier, session)) < world_size:
                 return False
             return _atomic_create(d / "complete" / tier)  # several last ranks may race here: one wins
-        return await asyncio.to_thread(mark)
+        return await self._io(mark)
 
     async def mark_failed(self, job: str, step: int, tier: str, rank: int, session: str, reason: str) -> None:
         path = self._dir(job, step) / "failed" / f"{tier}.{rank}.{session}"
-        await asyncio.to_thread(_atomic_write, path, reason.encode())
+        await self._io(_atomic_write, path, reason.encode())
 
     async def tier_state(self, job: str, step: int, tier: str, session: str) -> TierState:
         def state() -> TierState:
@@ -92,7 +103,7 @@ class FileIndex:
                 if name == tier and sess == session:
                     return TierState("failed", f"rank {rank}: {p.read_text(errors='replace')}", done)
             return TierState("pending", "", done)
-        return await asyncio.to_thread(state)
+        return await self._io(state)
 
     async def unmark(self, job: str, step: int, tier: str) -> None:
         def unmark() -> None:
@@ -106,10 +117,10 @@ class FileIndex:
                 _atomic_write(begun, msgpack.packb(record))
             for p in [*(d / "durable").glob(f"{tier}.*"), *(d / "failed").glob(f"{tier}.*")]:
                 p.unlink(missing_ok=True)
-        await asyncio.to_thread(unmark)
+        await self._io(unmark)
 
     async def list(self, job: str) -> list[CheckpointStatus]:
-        return await asyncio.to_thread(self._list_sync, job)
+        return await self._io(self._list_sync, job)
 
     def _list_sync(self, job: str) -> list[CheckpointStatus]:
         out = []
@@ -149,7 +160,7 @@ class FileIndex:
             for path in sorted(trash.rglob("*"), key=lambda p: -len(p.parts)):
                 path.rmdir() if path.is_dir() else path.unlink()
             trash.rmdir()
-        await asyncio.to_thread(delete)
+        await self._io(delete)
 
 
 def _ranks(d: Path, tier: str, session: str) -> set[int]:

@@ -87,13 +87,19 @@ class RedisIndex:
     async def _call(self, what: str, coro: Any) -> Any:
         try:
             return await coro
+        except (rexc.AuthenticationError, rexc.AuthorizationError) as e:  # not retryable: not "unreachable"
+            raise TieredCkptError(f"index {self.identity}: {what}: the server refused the credentials "
+                                  f"({type(e).__name__}: {e})") from None
         except rexc.ResponseError as e:
             if "FENCED" in str(e):
-                raise TieredCkptError(f"index {self.url}: {what} refused: this process belongs to an earlier "
+                raise TieredCkptError(f"index {self.identity}: {what} refused: this process belongs to an earlier "
                                       f"incarnation of the job ({e}); it must not commit or delete") from None
-            raise TieredCkptError(f"index {self.url}: {what}: {e}") from e
+            raise TieredCkptError(f"index {self.identity}: {what}: {e}") from e
         except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
-            raise IndexUnavailable(f"index {self.url} unreachable during {what}: {e}") from e
+            raise IndexUnavailable(f"index {self.identity} unreachable during {what}: {e}") from e
+        except rexc.RedisError as e:  # e.g. a server that does not speak Redis at that address
+            raise TieredCkptError(f"index {self.identity}: {what}: {type(e).__name__}: {e} (is this a Redis "
+                                  f"server?)") from None
 
     async def fence(self, job: str) -> int:
         """Start a new incarnation of `job`: writers holding an older epoch are refused from now on."""
@@ -122,7 +128,7 @@ class RedisIndex:
         assert self._client is not None
         value = await self._call(f"read of step {step}", self._client.hget(self._k(job, "step", step), field))
         if value is None:
-            raise IncompleteCheckpoint(f"job {job!r} step {step}: no {what} in the index at {self.url}")
+            raise IncompleteCheckpoint(f"job {job!r} step {step}: no {what} in the index at {self.identity}")
         return value
 
     async def get_manifest(self, job: str, step: int) -> bytes:

@@ -102,3 +102,13 @@ def scatter(pieces: Iterable[bytes | memoryview], out: Sequence[memoryview], sta
             n = min(len(buf) - lo, len(src) - taken)
             buf[lo : lo + n] = src[taken : taken + n]
             pos, taken = pos + n, taken + n
+
+
+def redact(url: str) -> str:
+    """`url` without its password, for messages and logs: redis://user:secret@host → redis://user:***@host."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest.split("/", 1)[0]:
+        return url
+    userinfo, _, hostpart = rest.partition("@")
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user + ':' if user else ':'}***@{hostpart}"

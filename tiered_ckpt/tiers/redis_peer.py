@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
 from ..errors import ConfigError, TierError, TierFull, TierNotFound, TierUnavailable
-from .base import Tier, scatter
+from .base import Tier, redact, scatter
 
 SIZE = {"size": True}
 MAX_BULK = 512 * 2**20
@@ -72,7 +72,9 @@ class RedisPeerTier(Tier):
         return [(self.node + 1 + i) % n for i in range(n)]
 
     def _fail(self, server: int, e: Exception, what: str) -> TierError:
-        url = self.options.urls[server]
+        url = redact(self.options.urls[server])
+        if isinstance(e, (rexc.AuthenticationError, rexc.AuthorizationError)):  # a ConnectionError, but final
+            return TierError(f"redis {url} refused the credentials {what}: {e}", tier=self.name)
         if isinstance(e, rexc.OutOfMemoryError) or "OOM" in str(e):
             return TierFull(f"redis {url} is out of memory (maxmemory) {what}", tier=self.name)
         if isinstance(e, (rexc.ConnectionError, rexc.TimeoutError, OSError)):
@@ -108,7 +110,7 @@ class RedisPeerTier(Tier):
             if header is not None:
                 version, count, length = header.decode().split(":")
                 return server, version, int(count), int(length)
-        raise TierNotFound(f"{key} is on none of {list(self.options.urls)}", tier=self.name)
+        raise TierNotFound(f"{key} is on none of {[redact(u) for u in self.options.urls]}", tier=self.name)
 
     async def _chunks(self, key: str) -> tuple[int, list[bytes]]:
         server, version, count, length = await self._locate(key)

@@ -34,7 +34,7 @@ class S3Options:
     profile: str | None = None
     multipart_size: int = field(default=16 * 2**20, metadata=SIZE)
     concurrency: int = 8
-    timeout: float = 120.0
+    read_timeout: float = 120.0  # seconds a socket read may stall (the tier's `timeout` bounds a whole operation)
 
 
 class S3Tier(Tier):
@@ -54,7 +54,7 @@ class S3Tier(Tier):
 
         session = AioSession(profile=self.options.profile)
         config = AioConfig(retries={"total_max_attempts": 1, "mode": "standard"}, max_pool_connections=2 * self.options.concurrency,
-                           connect_timeout=10, read_timeout=self.options.timeout)
+                           connect_timeout=10, read_timeout=self.options.read_timeout)
         self._context = session.create_client("s3", endpoint_url=self.options.endpoint_url,
                                               region_name=self.options.region, config=config)
         self._client = await self._context.__aenter__()
@@ -69,6 +69,9 @@ class S3Tier(Tier):
 
     def _fail(self, e: Exception, key: str, what: str) -> TierError:
         where = f"s3://{self.options.bucket}/{self._key(key)}"
+        if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+            return TierError(f"{what} {where}: no usable AWS credentials ({e}); set them in the environment, a "
+                             f"profile or an instance role", tier=self.name)  # not retryable: retrying cannot help
         response = getattr(e, "response", None) or {}  # ClientError has one; connection errors may carry None
         code = str(response.get("Error", {}).get("Code", ""))
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)

@@ -1,0 +1,84 @@
+"""Bad input gets a clear error naming what is at fault, before anything is written."""
+import dataclasses
+import os
+import warnings
+
+import pytest
+import torch
+
+import tiered_ckpt as tc
+from tiered_ckpt.tiers.base import redact
+
+
+@pytest.mark.parametrize("job", ["../../x", "ok\n", "a/b", ""])
+def test_a_job_name_set_in_code_is_checked_too(make_config, job):
+    config = make_config()
+    bad = dataclasses.replace(config, engine=dataclasses.replace(config.engine, job=job))
+    with pytest.raises(tc.ConfigError, match="engine.job"):
+        tc.Engine(bad)
+
+
+@pytest.mark.parametrize("tier, key", [({"timeout": 0}, "timeout"), ({"timeout": -1.5}, "timeout"),
+                                       ({"inflight": 0}, "inflight"), ({"retries": -1}, "retries")])
+def test_tier_numbers_out_of_range_name_the_key(make_config, tier, key):
+    with pytest.raises(tc.ConfigError, match=rf"tiers\.host\.{key}"):
+        make_config(tiers=[tier])
+
+
+async def test_a_step_beyond_what_the_index_can_order_is_refused(engine):
+    with pytest.raises(ValueError, match="2\\*\\*53"):
+        await engine.save(2**63, {"w": torch.ones(2)})
+
+
+@pytest.mark.parametrize("make, what", [(lambda: torch.ones(3).to_sparse(), "layout"),
+                                        (lambda: torch.empty(3, device="meta"), "meta device"),
+                                        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested")])
+async def test_tensors_that_cannot_be_stored_name_their_key(engine, make, what):
+    with pytest.raises(tc.StateError, match=rf"'model/w'.*{what}"):
+        await engine.save(1, {"model": {"w": make()}})
+    assert [c async for c in engine.list()] == []
+    await engine.close()  # nothing in flight: closing raises nothing
+
+
+def test_a_closed_checkpointer_says_so(make_config):
+    ckpt = tc.Checkpointer(make_config())
+    ckpt.close()
+    with pytest.raises(RuntimeError, match="Checkpointer is closed"):
+        ckpt.list()
+
+
+def test_passwords_are_redacted_from_urls():
+    assert redact("redis://user:s3cret@host:6379/0") == "redis://user:***@host:6379/0"
+    assert redact("rediss://:s3cret@host:6380") == "rediss://:***@host:6380"
+    assert redact("redis://host:6379/0") == "redis://host:6379/0"
+
+
+def test_an_engine_dropped_with_saves_in_flight_warns(make_config):
+    import asyncio
+
+    async def forget_to_close():
+        engine = await tc.Engine(make_config()).open()
+        await engine.save(1, {"w": torch.ones(10_000)}, lazy=True)
+        return engine
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = asyncio.run(forget_to_close())
+        del engine
+        import gc
+
+        gc.collect()
+    assert any(issubclass(w.category, ResourceWarning) and "step 1" in str(w.message)
+               and "engine.close()" in str(w.message) for w in caught)
+
+
+async def test_an_unwritable_index_names_its_directory(make_config, tmp_path):
+    if os.geteuid() == 0:
+        index = tmp_path / "index-file"
+        index.write_text("not a directory")  # root ignores permissions: a file where the folder should be
+    else:
+        index = tmp_path / "ro"
+        index.mkdir(mode=0o500)
+    with pytest.raises(tc.TieredCkptError, match=f"index {index}/sub: NotADirectoryError|PermissionError"):
+        async with tc.Engine(make_config(index=f"file://{index}/sub")):
+            pass
