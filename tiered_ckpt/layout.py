@@ -32,7 +32,7 @@ class PartKey:
 
     @property
     def path(self) -> str:
-        return f"{step_prefix(self.job, self.step)}rank-{self.rank:05d}/part-{self.index:06d}"
+        return f"{rank_prefix(self.job, self.step, self.rank)}part-{self.index:06d}"
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,17 @@ def job_prefix(job: str) -> str:
     return f"{job}/"
 
 
+def rank_prefix(job: str, step: int, rank: int) -> str:
+    """Every key one rank writes for a checkpoint (its parts and checksum record)."""
+    return f"{step_prefix(job, step)}rank-{rank:05d}/"
+
+
 def manifest_key(job: str, step: int) -> str:
     return f"{step_prefix(job, step)}{MANIFEST}"
 
 
 def rank_meta_key(job: str, step: int, rank: int) -> str:
-    return f"{step_prefix(job, step)}rank-{rank:05d}/{CHECKSUMS}"
+    return f"{rank_prefix(job, step, rank)}{CHECKSUMS}"
 
 
 def parse_key(key: str) -> ParsedKey | None:

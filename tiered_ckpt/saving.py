@@ -10,6 +10,7 @@ the disk keeps streaming, and a save never waits for the slowest tier unless not
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any, AsyncIterator, Mapping
 from .checksum import ALGORITHM, checksum
 from .commit import Committer
 from .errors import IntegrityError, SaveError, TierNotFound
-from .layout import PartKey, manifest_key, rank_meta_key
+from .layout import PartKey, manifest_key, rank_meta_key, rank_prefix
 from .manifest import Manifest, RankMeta
 from .plan import Plan
 from .retention import Retention
@@ -30,6 +31,9 @@ from .tier_io import PartRead, ReadLog, TierIO
 def _quiet(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()  # mark retrieved; the handle or the engine reports it
+
+
+log = logging.getLogger(__name__)
 
 
 def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
@@ -136,6 +140,7 @@ class SaveJob:
         self._manifest: asyncio.Task[bytes] | None = None
         self._rank_meta: asyncio.Task[bytes] | None = None
         self._encoded_skeleton: bytes | None = None
+        self._failed: dict[str, BaseException] = {}  # tier → this save's error there
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -173,6 +178,7 @@ class SaveJob:
                     self.handle.set_done(tier, e)
                 return
             await asyncio.gather(*(self._persist_tier(t) for t in self.tiers))
+            await self._remove_from_failed_tiers()
         except asyncio.CancelledError:
             self.handle.cancel()  # nobody waits forever on a save that will never finish
             raise
@@ -251,7 +257,25 @@ class SaveJob:
         handle.durable_at[tier] = time.perf_counter() - handle.started
         if error is None:
             await self.retention.apply(tier, finishing=self.step)
-        handle.set_done(tier, error)
+            handle.set_done(tier)
+        else:
+            self._failed[tier] = error  # reported once its parts are removed (_remove_from_failed_tiers)
+
+    async def _remove_from_failed_tiers(self) -> None:
+        """A tier where this save failed gets back the room its parts took (a full disk, a capacity, a Redis
+        at maxmemory), so the next save can succeed there. Only once every tier is done: until then another
+        tier may still read a part back from it."""
+        for tier, error in self._failed.items():
+            keys = [rank_prefix(self.job, self.step, self.plan.rank)]
+            if self.plan.rank == 0:
+                keys.append(manifest_key(self.job, self.step))
+            try:
+                for key in keys:
+                    await self.io.pipelines[tier].attempt(lambda k=key: self.io[tier].delete(k), f"delete {key}")
+            except Exception as e:  # the save failed already; say why the space was not given back
+                log.warning("step %d failed on tier %s (%s) and its parts could not be removed: %s", self.step,
+                            tier, type(error).__name__, e)
+            self.handle.set_done(tier, error)
 
     def _part_key(self, p: int) -> str:
         return PartKey(self.job, self.step, self.plan.rank, p).path

@@ -261,3 +261,15 @@ async def test_max_inflight_backpressure_holds_the_next_save_until_a_buffer_free
         for step in (1, 2):
             _, out = await load_values(engine, step=step)
             assert torch.all(out["w"] == step)
+
+
+async def test_a_save_that_fails_on_a_full_tier_gives_its_room_back(make_config, shm_dir):
+    """The memory tier fills up part-way through save 1 (capacity): the parts it did write are removed, so
+    save 2, which fits, succeeds there; without that, every later save to the tier would fail too."""
+    async with tc.Engine(make_config(tiers=[{"capacity": "300KiB"}])) as engine:
+        big = {"w": torch.ones(100_000)}  # 400 KB: does not fit
+        with pytest.raises(tc.SaveError, match=r"host.*TierFull"):
+            await (await engine.save(1, big)).wait()
+        assert sum(f.stat().st_size for f in (shm_dir / "host").rglob("*") if f.is_file()) == 0
+        await (await engine.save(2, {"w": torch.ones(50_000)})).wait()  # 200 KB
+        assert (await engine.status(2)).complete == {"host", "disk"}
