@@ -143,3 +143,22 @@ async def test_readers_beside_a_trainer_fence_nothing_and_delete_nothing(tmp_pat
         await (await trainer.save(3, state(3.0))).wait()
         assert [(c.step, sorted(c.complete)) async for c in trainer.list()][-2:] == [
             (2, ["disk", "host"]), (3, ["disk", "host"])]
+
+
+async def test_an_index_on_a_redis_that_may_evict_it_is_refused_at_open(tmp_path, shm_dir, redis_server):
+    url = redis_server("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru").url
+    with pytest.raises(tc.ConfigError, match="allkeys-lru.*noeviction"):
+        async with tc.Engine(stack(tmp_path, shm_dir, url)):
+            pass
+    volatile = redis_server("--maxmemory", "64mb", "--maxmemory-policy", "volatile-lru").url
+    async with tc.Engine(stack(tmp_path, shm_dir, volatile)) as engine:  # evicts only keys with a TTL: fine
+        await (await engine.save(1, state(1.0))).wait()
+
+
+async def test_a_wrong_password_is_a_clear_error_without_the_password(tmp_path, shm_dir, redis_server):
+    server = redis_server("--requirepass", "right-one")
+    url = server.url.replace("redis://", "redis://:wrong-one@")
+    with pytest.raises(tc.TieredCkptError) as err:  # at open, at once: not retried as "unreachable"
+        async with tc.Engine(stack(tmp_path, shm_dir, url)):
+            pass
+    assert "refused the credentials" in str(err.value) and "wrong-one" not in str(err.value)

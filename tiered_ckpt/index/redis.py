@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
-from ..errors import IncompleteCheckpoint, IndexUnavailable, TieredCkptError
+from ..errors import ConfigError, IncompleteCheckpoint, IndexUnavailable, TieredCkptError
 from .base import CheckpointStatus, TierState
 
 _CHECK = """
@@ -76,6 +76,21 @@ class RedisIndex:
         self._client = aioredis.Redis.from_url(self.url, socket_timeout=30, socket_connect_timeout=10)
         for name, source in (("hset", _HSET), ("commit", _COMMIT), ("unmark", _UNMARK), ("delete", _DELETE)):
             self._scripts[name] = self._client.register_script(source)
+        await self._refuse_an_evicting_server()
+
+    async def _refuse_an_evicting_server(self) -> None:
+        """The index's keys (epoch, steps, records) carry no TTL: a policy that may evict any key would drop
+        them under memory pressure (the fencing epoch too, fencing the writer out). Refused at open."""
+        assert self._client is not None
+        try:
+            info = await self._client.info("memory")
+        except rexc.RedisError:
+            return  # unreachable now: saves will say so; loads fall back to the tiers
+        policy = str(info.get("maxmemory_policy", "noeviction"))
+        if policy.startswith("allkeys-"):
+            raise ConfigError(f"index {self.identity}: maxmemory-policy is {policy}, which may evict the index's "
+                              f"records; use a Redis with noeviction (or a volatile-* policy) for the index, "
+                              f"and a separate one for the peer-cache tier", key="engine.index")
 
     async def close(self) -> None:
         if self._client is not None:
