@@ -14,6 +14,7 @@ unique chunks are assigned largest first to the least-loaded rank that holds the
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +22,14 @@ from typing import Any
 import torch
 
 from .distributed.coordinator import Coordinator
-from .distributed.dtensor import layout_key, local_box
+from .checksum import checksum
+from .distributed.dtensor import is_dtensor, layout_key, local_box
 from .errors import RankFailed, StateError
 from .layout import part_count, part_range
 from .manifest import ChunkMeta, TensorMeta
+from .staging import tensor_bytes
 
+log = logging.getLogger(__name__)
 ALIGN = 64  # every chunk starts 64-byte aligned, so byte views can be re-viewed as any dtype
 
 
@@ -94,10 +98,14 @@ class Planner:
             for path, t in zip(paths, tensors):
                 global_shape, offsets, sizes = local_box(t)
                 descriptors.append((path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
+            fingerprints = _fingerprints(paths, tensors) if self.coordinator.distributed else {}
         except Exception as e:
-            error, descriptors = e, _Failed(f"{type(e).__name__}: {e}")
-        everyone = await self.coordinator.all_gather_object(descriptors)
+            error, descriptors, fingerprints = e, _Failed(f"{type(e).__name__}: {e}"), {}
+        gathered = await self.coordinator.all_gather_object((descriptors, fingerprints))
+        everyone = [d for d, _ in gathered]
         _raise_first_failure(everyone, self.rank, error)
+        if self.rank == 0:
+            _warn_if_replicas_differ([f for _, f in gathered])
         plan = build_plan(key, everyone, self.rank, self.part_size)
         self._cache[key] = plan
         if len(self._cache) > self.cache_size:
@@ -112,8 +120,34 @@ class Planner:
         so return and let the caller record the failure where their commit wait sees it."""
         if self._cache or not self.coordinator.distributed:
             return
-        everyone = await self.coordinator.all_gather_object(_Failed(f"{type(error).__name__}: {error}"))
-        _raise_first_failure(everyone, self.rank, error)
+        gathered = await self.coordinator.all_gather_object((_Failed(f"{type(error).__name__}: {error}"), {}))
+        _raise_first_failure([d for d, _ in gathered], self.rank, error)
+
+
+FINGERPRINTED = 64 << 10  # plain CPU tensors up to this size are compared across ranks at the plan gather
+MAX_FINGERPRINTS = 4096
+
+
+def _fingerprints(paths: list[str], tensors: list[torch.Tensor]) -> dict[str, int]:
+    """crc32c of small plain CPU tensors (RNG states, counters): cheap, and enough to tell when a tensor that
+    is taken to be replicated (same name on several ranks) differs between them."""
+    out: dict[str, int] = {}
+    for path, t in zip(paths, tensors):
+        if len(out) >= MAX_FINGERPRINTS:
+            break
+        if not is_dtensor(t) and t.device.type == "cpu" and t.numel() * t.element_size() <= FINGERPRINTED:
+            out[path] = checksum([tensor_bytes(t.detach().contiguous())])
+    return out
+
+
+def _warn_if_replicas_differ(fingerprints: list[dict[str, int]]) -> None:
+    differ = sorted({p for f in fingerprints for p, crc in f.items()
+                     if any(other.get(p, crc) != crc for other in fingerprints)})
+    if differ:
+        log.warning("tensor(s) %s have the same name on several ranks but different values: a plain tensor with "
+                    "one name is taken to be replicated and saved once, from one rank. If each rank's own value "
+                    "matters (an RNG state, a data-loader position), wrap it in tc.PerRank(...)",
+                    differ[:10])
 
 
 @dataclass(frozen=True)

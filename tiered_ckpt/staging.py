@@ -8,12 +8,14 @@ At most `max_inflight` buffers exist; a save that needs one waits for a release,
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
 from .distributed.dtensor import local_tensor
-from .plan import Plan
+
+if TYPE_CHECKING:  # plan.py uses tensor_bytes from here
+    from .plan import Plan
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

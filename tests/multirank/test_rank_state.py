@@ -142,3 +142,22 @@ def test_a_failing_state_dict_on_one_rank_fails_the_save_on_every_rank(tmp_path,
         assert r["error"] is not None and "RankFailed" in r["error"], r
         assert "rank 1" in r["error"] and "state_dict exploded" in r["error"], r
         assert r["seconds"] < 30
+
+
+async def _save_a_plain_tensor_that_differs(rank: int, world: int, root: str) -> list[str]:
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("tiered_ckpt.plan").addHandler(handler)
+    async with tc.Engine(config(root)) as engine:
+        state = {"rng": torch.full((8,), float(rank)), "same": torch.ones(100), "own": tc.PerRank(torch.ones(3) * rank)}
+        await (await engine.save(1, state)).wait()
+    return [r.getMessage() for r in records]
+
+
+def test_a_tensor_taken_to_be_replicated_that_differs_between_ranks_is_reported(tmp_path):
+    messages = run_ranks(_save_a_plain_tensor_that_differs, 2, str(tmp_path))
+    assert len(messages[0]) == 1 and "['rng']" in messages[0][0] and "tc.PerRank" in messages[0][0]
+    assert messages[1] == []  # rank 0 reports it once
