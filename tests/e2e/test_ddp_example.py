@@ -29,7 +29,7 @@ def test_ddp_example_resumes_at_other_world_sizes(tmp_path, shm_dir):
     cfg = toml(tmp_path / "b", shm_dir / "b")
     log = tmp_path / "resumed.jsonl"
     crashed = torchrun(2, "--config", str(cfg), "--steps", "16", "--stop-after", "10", "--losses", str(log))
-    assert crashed.returncode != 0 and "simulated crash after step 10" in crashed.stdout
+    assert crashed.returncode != 0 and "simulated crash after step 10" in crashed.stdout, crashed.stderr[-3000:]
     at3 = torchrun(3, "--config", str(cfg), "--steps", "12", "--losses", str(log))
     assert at3.returncode == 0, at3.stderr[-3000:]
     # the lazy save of step 8 may still have been in flight when the crash hit: then step 4 is the newest
