@@ -12,6 +12,7 @@ The engine builds them and passes each job only the ones it uses.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ from .catalog import Catalog
 from .commit import Committer
 from .config import Config, check_config, load_config
 from .distributed.coordinator import Coordinator
-from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, IntegrityError, RankFailed, StateError
+from .errors import CheckpointExists, IncompleteCheckpoint, RankFailed, StateError
 from .index import CheckpointStatus, Index, open_index
 from .loading import LoadInfo, Reads, plan_reads, read_parts
 from .manifest import Manifest
@@ -150,6 +151,11 @@ class Engine:
         if any(j.step == step for j in self._jobs):
             raise CheckpointExists(f"job {self.job!r}: a save of step {step} is already in flight")
         targets = [t.name for t in self.config.tiers if step % t.every == 0]
+        if not targets:  # nothing to write (every tier skips this step): no collective, no index change
+            flatten(state, allow_pickle=self.config.engine.allow_pickle, rank=self.rank)  # bad input still raises
+            handle = SaveHandle(step, targets)
+            handle.set_staged()
+            return handle
         if not self._writer:  # before anything that can fail on one rank only: every rank runs its collective
             await self._become_writer()
         try:
@@ -161,9 +167,6 @@ class Engine:
             raise await self._failed_before_plan(step, targets, e) from e
         events = producer_events(flat.tensors) if ready_events is None else ready_events
         handle = SaveHandle(step, targets)
-        if not targets:
-            handle.set_staged()
-            return handle
         plan = await self.planner.plan(flat.paths, flat.tensors)
         if self.pool.exhausted:
             for job in self._jobs:
@@ -189,15 +192,14 @@ class Engine:
         if self.rank == 0:
             try:
                 epoch = self.index.epoch = await self.index.fence(self.job)
-            except IndexUnavailable as e:
-                log.warning("%s; saves will fail until it is back, loads read the manifests on the tiers", e)
-            try:
                 complete = [s.step for s in await self.index.list(self.job) if s.is_complete]
                 await self.retention.drop_incomplete_after(max(complete, default=-1))
-            except Exception as e:  # cleaning up must never fail a save
-                log.warning("leftovers of an earlier run were not removed: %s: %s", type(e).__name__, e)
-        self.index.epoch = await self.coordinator.broadcast_object(epoch) or 0
-        self._writer = True
+            except Exception as e:  # every rank must reach the broadcast below; the save reports the index
+                log.warning("could not become the job's writer yet (%s: %s); this save will fail, the next one "
+                            "tries again", type(e).__name__, e)
+        epoch = await self.coordinator.broadcast_object(epoch)
+        self.index.epoch = epoch or 0
+        self._writer = epoch is not None  # every rank agrees: not yet a writer means the next save retries
 
     async def _failed_before_plan(self, step: int, targets: list[str], error: BaseException) -> BaseException:
         """This rank cannot save its state: make the save fail on every rank, in bounded time. On a first
@@ -249,20 +251,18 @@ class Engine:
             except Exception as e:
                 error = e
             try:  # every rank enters the same collectives, whatever happened above
-                read = await read_parts(self.io, self.coordinator, manifest if error is None else None, order,
-                                        reads, info)
-                if read and reads is not None and error is None:  # unread scratch must never be copied over
-                    await self.io.run_blocking(reads.finish)
-                    await self.io.run_blocking(target.copy_ties)
+                await read_parts(self.io, self.coordinator, manifest if error is None else None, order, reads, info)
             except Exception as e:
                 error = error or e
             finally:
                 self.io.bounce.clear()  # loads are rare: do not hold part-sized buffers between them
-        if error is not None and info.overwritten:
-            error = _partly_overwritten(error, info.overwritten)
-        await self.coordinator.agree(error)  # every rank succeeds, or every rank raises
-        if error is not None:
-            raise error
+            try:
+                await self.coordinator.agree(error)  # every rank succeeds, or every rank raises
+            except Exception as e:
+                raise _partly_overwritten(e, info.overwritten) if info.overwritten else e
+            assert reads is not None
+            await self.io.run_blocking(reads.finish)  # scratch → targets, only once every rank read everything
+            await self.io.run_blocking(target.copy_ties)
         target.apply()
         info.tier = max(info.bytes_by_tier, key=info.bytes_by_tier.__getitem__, default=order[0] if order else None)
         info.seconds = time.perf_counter() - started
@@ -329,6 +329,8 @@ class Engine:
     async def delete(self, step: int) -> None:
         """Delete checkpoint `step` from every tier and the index (commit records first)."""
         self._check_open()
+        if not self._writer:  # deleting is a writer's act (with several ranks, every rank calls delete)
+            await self._become_writer()
         await self.retention.delete(step)
 
 
@@ -342,10 +344,12 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _partly_overwritten(error: BaseException, keys: set[str]) -> BaseException:
-    """A load that failed after some verified parts reached the given state: say which entries changed."""
+    """A load that failed after some verified parts reached the given state: the same error, saying which
+    entries changed."""
     shown = sorted(keys)
     more = f" and {len(shown) - 10} more" if len(shown) > 10 else ""
-    wrapped = IntegrityError(f"{error} (entries of the given state already overwritten with checkpoint data: "
-                             f"{shown[:10]}{more}; the others are untouched)")
+    wrapped = copy.copy(error)
+    wrapped.args = (f"{error} (entries of the given state already overwritten with checkpoint data: "
+                    f"{shown[:10]}{more}; the others are untouched)",)
     wrapped.__cause__ = error
     return wrapped

@@ -79,8 +79,13 @@ class SaveHandle:
 
     @property
     def errors(self) -> dict[str, BaseException]:
-        return {t: f.exception() for t, f in self._done.items()
-                if f.done() and not f.cancelled() and f.exception() is not None}
+        out: dict[str, BaseException] = {}
+        for tier, f in self._done.items():
+            if f.cancelled():
+                out[tier] = asyncio.CancelledError("the save was cancelled before it finished on this tier")
+            elif f.done() and f.exception() is not None:
+                out[tier] = f.exception()  # type: ignore[assignment]
+        return out
 
     def set_staged(self, error: BaseException | None = None) -> None:
         _resolve(self._staged, error)
@@ -141,6 +146,7 @@ class SaveJob:
         self._rank_meta: asyncio.Task[bytes] | None = None
         self._encoded_skeleton: bytes | None = None
         self._failed: dict[str, BaseException] = {}  # tier → this save's error there
+        self._marked: set[str] = set()  # tiers on which this rank marked its parts durable
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -250,8 +256,9 @@ class SaveJob:
                 raise TierNotFound(f"step {self.step}: {len(gone)} value(s) vanished before the commit, "
                                    f"first {gone[0]}", tier=tier)
             await self.commit.mark_durable(self.step, tier)
-            self.retention.complete.add(self.step)  # saving this step again is refused from now on
+            self._marked.add(tier)  # from here another rank's marker may still complete the tier: keep the parts
             await self.commit.wait_complete(self.step, tier)
+            self.retention.complete.add(self.step)  # saving this step again is refused from now on
         except Exception as e:
             error = await self.commit.fail_tier(self.step, tier, e)
         handle.durable_at[tier] = time.perf_counter() - handle.started
@@ -266,6 +273,9 @@ class SaveJob:
         at maxmemory), so the next save can succeed there. Only once every tier is done: until then another
         tier may still read a part back from it."""
         for tier, error in self._failed.items():
+            if tier in self._marked:  # this rank committed its share: a slow rank may still complete the tier
+                self.handle.set_done(tier, error)
+                continue
             keys = [rank_prefix(self.job, self.step, self.plan.rank)]
             if self.plan.rank == 0:
                 keys.append(manifest_key(self.job, self.step))

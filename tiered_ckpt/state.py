@@ -113,12 +113,17 @@ def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0) -> FlatSta
     """Walk `state`; tensors go to FlatState.tensors, the rest into the skeleton. Errors name the key."""
     flat = FlatState(skeleton=None)
     seen: dict[tuple[Any, ...], str] = {}  # view → saved name, to save tied entries once
+    names: set[str] = set()
 
     def walk(value: Any, path: tuple[Any, ...], per_rank: bool) -> Any:
         if isinstance(value, torch.Tensor):
             where = path_str(path)
             check_dtype(value, where)
             name = per_rank_name(where, rank) if per_rank else where
+            if name in names:  # e.g. {"a/b": t, "a": {"b": u}} or {0: t, "0": u}: one path for two entries
+                raise StateError(f"two entries of the state have the path {where!r}; rename one (paths join keys "
+                                 f"with '/', and int and str keys print alike)")
+            names.add(name)
             if value.device.type != "meta" and value.numel():
                 key = _view_key(value)
                 if key in seen:
@@ -254,6 +259,7 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
     StateError naming the key on any mismatch, before anything is read."""
     target = LoadTarget()
     decoded: list[Any] = []
+    matched = [0]  # keys of the given state found in the checkpoint (an equal value loads as "no change")
 
     def other_skeletons() -> list[Any]:
         if len(decoded) < len(others):
@@ -364,11 +370,13 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
             if not isinstance(saved_value, dict):
                 raise StateError(f"{where!r} is a dict in the given state but a {type(saved_value).__name__} "
                                  f"in the checkpoint")
+            matched[0] += sum(1 for k in value if k in saved_value)
             for k in value:
                 if k not in saved_value:
                     elsewhere = find_elsewhere(path + (k,))
                     if elsewhere is _MISSING:
                         raise StateError(_missing_key_message(path, k, value, saved_value))
+                    matched[0] += 1
                     set_later(value, k, value[k], walk(value[k], elsewhere, path + (k,), extra, per_rank))
             if extra == "error":
                 _refuse_unexpected(path, value, saved_value)
@@ -392,7 +400,7 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
         return materialize(saved_value, path, per_rank)
 
     walk(state, saved, (), "skip", False)
-    if target.empty and isinstance(saved, dict) and saved:
+    if not matched[0] and target.empty and isinstance(saved, dict) and saved:
         raise StateError(f"the given state has no key in common with the checkpoint, whose top-level keys are "
                          f"{sorted(map(str, saved))}")
     return target

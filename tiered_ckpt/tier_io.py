@@ -39,14 +39,15 @@ class Fallback:
 @dataclass
 class PartRead:
     """One part to read: its key, the buffers its bytes fill in order, its length and expected checksum, and
-    the caller's entries (`targets`) whose own memory some of those buffers are. A part with targets is
-    read into a bounce buffer and verified before a byte reaches them."""
+    the caller's entries (`targets`) whose own memory some of those buffers are. A `bounce` part (every
+    part a load reads) is read into a bounce buffer and verified before a byte reaches `views`."""
 
     key: str
     views: list[memoryview]
     length: int
     checksum: int
     targets: tuple[str, ...] = ()
+    bounce: bool = False
 
 
 @dataclass
@@ -59,27 +60,25 @@ class ReadLog:
 
 
 class BouncePool:
-    """A few reusable part-sized buffers (touched once, not per load), so reads into a caller's memory are
-    verified first without a second copy of the whole state. At most `count` exist; a read waits for one."""
+    """A few reusable part-sized buffers (touched once, not per load), so a part is verified before a byte of
+    it reaches its destination, without a second copy of the whole state. `slot()` bounds how many part
+    reads hold buffers at once. A buffer that an abandoned attempt (a timeout, a cancellation) may still be
+    writing from a thread is dropped, never reused."""
 
     def __init__(self, count: int):
         self._free: list[torch.Tensor] = []
-        self._slots = asyncio.Semaphore(count)
+        self.slot = asyncio.Semaphore(count)
 
-    @asynccontextmanager
-    async def buffer(self, nbytes: int) -> AsyncIterator[memoryview]:
-        async with self._slots:
-            fits = next((i for i, b in enumerate(self._free) if b.numel() >= nbytes), None)  # by position:
-            if fits is not None:  # `in` and remove() would compare tensors elementwise
-                buf = self._free.pop(fits)
-            else:
-                if self._free:
-                    self._free.pop()  # too small: replace it
-                buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-            try:
-                yield tensor_bytes(buf)[:nbytes]
-            finally:
-                self._free.append(buf)
+    def take(self, nbytes: int) -> torch.Tensor:
+        fits = next((i for i, b in enumerate(self._free) if b.numel() >= nbytes), None)  # by position: `in`
+        if fits is not None:  # and remove() would compare tensors elementwise
+            return self._free.pop(fits)
+        if self._free:
+            self._free.pop()  # too small: replace it
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.append(buf)
 
     def clear(self) -> None:
         self._free.clear()
@@ -136,19 +135,18 @@ class TierIO:
 
     async def read_verified(self, part: PartRead, tiers: Sequence[str], log: ReadLog, *, budgeted: bool = True) -> str:
         """Fill `part.views` from the first of `tiers` (in that order) that returns the part whole and with
-        the expected checksum; return that tier's name. A part with `targets` goes through a bounce buffer:
-        the caller's memory receives only verified bytes, and its targets are added to `log.overwritten`.
+        the expected checksum; return that tier's name. A `bounce` part goes through a bounce buffer: its
+        views receive only verified bytes, and its targets are added to `log.overwritten`.
         Each failed try is added to `log.fallbacks`; when none succeeds, raise IntegrityError naming every
         reason. Every try has the tier's timeout and retries; `budgeted` also holds the tier's byte budget
         and a worker slot while it runs."""
         reasons = []
         for name in tiers:
-            if part.targets:
-                async with self.bounce.buffer(part.length) as buf:
-                    reason = await self._try_read(name, part.key, [buf], part, budgeted)
-                    if reason is None:
-                        await self.run_blocking(scatter, [buf], part.views)
-                        log.overwritten.update(part.targets)
+            if part.bounce:
+                async with self.bounce.slot:
+                    reason = await self._try_bounced_read(name, part, budgeted)
+                if reason is None:
+                    log.overwritten.update(part.targets)
             else:
                 reason = await self._try_read(name, part.key, part.views, part, budgeted)
             if reason is None:
@@ -159,6 +157,33 @@ class TierIO:
         raise IntegrityError(f"part {part.key}: no tier returned it intact "
                              f"({'; '.join(reasons) or 'no tier holds this checkpoint'})")
 
+    async def _try_bounced_read(self, name: str, part: PartRead, budgeted: bool) -> str | None:
+        """Read `part` into a bounce buffer (a fresh one for every attempt, retries included), verify it, then
+        copy it to `part.views`; None when that succeeded, else why not."""
+        current: list[torch.Tensor] = []
+
+        async def attempt() -> int:
+            buf = self.bounce.take(part.length)
+            current[:] = [buf]
+            try:
+                return await self.drivers[name].read_into(part.key, [tensor_bytes(buf)[:part.length]])
+            except BaseException:
+                current.clear()  # a thread may still be writing it (timeout, cancellation): never reuse it
+                raise
+
+        pipeline, what = self.pipelines[name], f"read {part.key}"
+        try:
+            n = await (pipeline.submit(part.length, attempt, what) if budgeted else pipeline.attempt(attempt, what))
+        except TierError as e:
+            return f"{type(e).__name__}: {e}"
+        buf = current[0]
+        view = tensor_bytes(buf)[:part.length]
+        reason = await self._verify(view, n, part)
+        if reason is None:
+            await self.run_blocking(scatter, [view], part.views)
+        self.bounce.give(buf)
+        return reason
+
     async def _try_read(self, name: str, key: str, views: list[memoryview], part: PartRead,
                         budgeted: bool) -> str | None:
         """None when `part` was read intact from tier `name` into `views`, else why not."""
@@ -168,9 +193,12 @@ class TierIO:
             n = await (pipeline.submit(part.length, op, what) if budgeted else pipeline.attempt(op, what))
         except TierError as e:
             return f"{type(e).__name__}: {e}"
+        return await self._verify(views, n, part)
+
+    async def _verify(self, views: Any, n: int, part: PartRead) -> str | None:
         if n != part.length:
             return f"length {n}, expected {part.length}"
-        actual = await self.run_blocking(checksum, views)
+        actual = await self.run_blocking(checksum, views if isinstance(views, list) else [views])
         if actual != part.checksum:
             return f"{ALGORITHM} {actual:#010x}, expected {part.checksum:#010x}"
         return None

@@ -117,3 +117,17 @@ async def test_train_state_of_a_bf16_run_loads_into_an_fp32_model(engine):
         assert b.dtype == torch.float32 and torch.equal(a.float(), b.detach())
     saved_avg, loaded_avg = optim.state_dict()["state"][0]["exp_avg"], optim32.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(saved_avg.float(), loaded_avg)  # torch's Optimizer casts its state to the params' dtype
+
+
+async def test_a_value_equal_to_the_saved_one_is_a_match_not_an_empty_load(engine):
+    await (await engine.save(1, {"w": torch.ones(2), "step": 5, "done": False})).wait()
+    state = {"step": 5}
+    await engine.load(state)  # the same small int object: nothing to assign, but the key matched
+    assert state == {"step": 5}
+
+
+async def test_two_entries_with_one_path_are_refused(engine):
+    with pytest.raises(tc.StateError, match=r"two entries.*'a/b'"):
+        await engine.save(1, {"a/b": torch.ones(3), "a": {"b": torch.ones(2)}})
+    with pytest.raises(tc.StateError, match=r"two entries.*'0'"):
+        await engine.save(1, {0: torch.ones(3), "0": torch.ones(2)})

@@ -73,7 +73,7 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
         if reader == me:
             buffers[key] = torch.empty(lengths[key], dtype=torch.uint8)
             p = parts[key]
-            prefetch[key] = read(PartRead(p.key, [tensor_bytes(buffers[key])], p.length, p.checksum))
+            prefetch[key] = read(PartRead(p.key, [tensor_bytes(buffers[key])], p.length, p.checksum, bounce=True))
     errors: list[BaseException] = []
     try:
         for key, members, reader in plan:

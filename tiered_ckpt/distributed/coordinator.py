@@ -2,7 +2,8 @@
 
 Lifecycle: every rank constructs its Engine and opens it at the same point of the program (SPMD); `open`
 creates the side group and agrees on a session id. After that the engine issues collectives only from
-`save()` on a plan-cache miss (one all_gather) and from `load()` (step agreement, broadcasts), always in
+`save()` (the first one: the fencing epoch; a plan-cache miss: one all_gather) and from `load()` (step
+agreement, need-set gather, broadcasts, final agreement), always in
 program order and never from background tasks, so they cannot interleave with, or deadlock against, the
 training loop's own collectives on its own groups (KempnerForge#104). Commit and failure reporting go
 through the index, not through collectives. Every collective runs in a thread, so the event loop keeps
@@ -89,10 +90,10 @@ class Coordinator:
     async def agree(self, error: BaseException | None) -> None:
         """Collective: raise on every rank if any rank passes an error, naming the first failing rank."""
         reports = await self.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error  # a failing rank raises its own error; the others name the first that failed
         for rank, report in enumerate(reports):
             if report is not None:
-                if error is not None and rank == self.rank:
-                    raise error
                 raise RankFailed(f"rank {rank} failed: {report}")
 
     async def destroy(self) -> None:
