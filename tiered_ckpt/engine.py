@@ -25,7 +25,7 @@ from .catalog import Catalog
 from .commit import Committer
 from .config import Config, check_config, load_config
 from .distributed.coordinator import Coordinator
-from .errors import CheckpointExists, IncompleteCheckpoint, RankFailed, StateError
+from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, RankFailed, StateError
 from .index import CheckpointStatus, Index, open_index
 from .loading import LoadInfo, Reads, plan_reads, read_parts
 from .manifest import Manifest
@@ -188,18 +188,28 @@ class Engine:
         checkpoints newer than the newest complete one); every rank takes the new epoch. Until then this
         engine is a reader: listing, loading, verifying change nothing in the index, so an evaluator or the
         CLI beside a running trainer cannot fence it or delete its saves in flight."""
-        epoch: int | None = None
-        if self.rank == 0:
+        outcome: tuple[str, Any] = ("", None)
+        refused: BaseException | None = None
+        if self.rank == 0:  # every rank must reach the broadcast below, whatever happens here
             try:
-                epoch = self.index.epoch = await self.index.fence(self.job)
-                complete = [s.step for s in await self.index.list(self.job) if s.is_complete]
-                await self.retention.drop_incomplete_after(max(complete, default=-1))
-            except Exception as e:  # every rank must reach the broadcast below; the save reports the index
-                log.warning("could not become the job's writer yet (%s: %s); this save will fail, the next one "
-                            "tries again", type(e).__name__, e)
-        epoch = await self.coordinator.broadcast_object(epoch)
-        self.index.epoch = epoch or 0
-        self._writer = epoch is not None  # every rank agrees: not yet a writer means the next save retries
+                outcome = ("ok", await self.index.fence(self.job))
+            except IndexUnavailable as e:  # the save goes on and fails at its commit, naming the index
+                log.warning("%s: not the job's writer yet; the next save tries again", e)
+                outcome = ("unavailable", str(e))
+            except Exception as e:  # e.g. another writer holds the file index's lease
+                refused, outcome = e, ("refused", f"{type(e).__name__}: {e}")
+            if outcome[0] == "ok":
+                self.index.epoch = outcome[1]
+                try:
+                    complete = [s.step for s in await self.index.list(self.job) if s.is_complete]
+                    await self.retention.drop_incomplete_after(max(complete, default=-1))
+                except Exception as e:  # cleaning up must never fail a save
+                    log.warning("leftovers of an earlier run were not removed: %s: %s", type(e).__name__, e)
+        outcome = await self.coordinator.broadcast_object(outcome)
+        if outcome[0] == "refused":
+            raise refused if refused is not None else RankFailed(f"rank 0 could not become the writer: {outcome[1]}")
+        if outcome[0] == "ok":
+            self.index.epoch, self._writer = outcome[1], True
 
     async def _failed_before_plan(self, step: int, targets: list[str], error: BaseException) -> BaseException:
         """This rank cannot save its state: make the save fail on every rank, in bounded time. On a first

@@ -82,3 +82,16 @@ async def test_an_unwritable_index_names_its_directory(make_config, tmp_path):
     with pytest.raises(tc.TieredCkptError, match=f"index {index}/sub: NotADirectoryError|PermissionError"):
         async with tc.Engine(make_config(index=f"file://{index}/sub")):
             pass
+
+
+async def test_a_second_writer_on_the_file_index_is_refused_naming_the_holder(make_config):
+    async with tc.Engine(make_config()) as first:
+        await (await first.save(1, {"w": torch.ones(4)})).wait()
+        async with tc.Engine(make_config()) as second:
+            out = {"w": torch.zeros(4)}
+            assert (await second.load(out)).step == 1  # a reader: fine beside the writer
+            with pytest.raises(tc.TieredCkptError, match=rf"already has a writer.*pid {os.getpid()}"):
+                await second.save(2, {"w": torch.ones(4)})
+        await (await first.save(2, {"w": torch.ones(4)})).wait()  # the writer goes on
+    async with tc.Engine(make_config()) as third:  # the lease ended with the first engine
+        await (await third.save(3, {"w": torch.ones(4)})).wait()

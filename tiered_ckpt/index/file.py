@@ -14,7 +14,9 @@ must see the same directory (a shared file system for several nodes).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -34,12 +36,15 @@ class FileIndex:
         self.root = Path(root)
         self.epoch = 0
         self.identity = f"file://{os.path.realpath(self.root)}"  # written into each manifest
+        self._leases: dict[str, int] = {}  # job → the open, locked writer.lock
 
     async def open(self) -> None:
         await self._io(lambda: self.root.mkdir(parents=True, exist_ok=True))
 
     async def close(self) -> None:
-        pass
+        for fd in self._leases.values():
+            os.close(fd)  # releases the writer lease
+        self._leases.clear()
 
     async def _io(self, fn: Callable[..., T], *args: Any) -> T:
         """File work in a thread; an OS error other than a missing file names the index directory."""
@@ -51,7 +56,29 @@ class FileIndex:
             raise TieredCkptError(f"index {self.root}: {type(e).__name__}: {e}") from e
 
     async def fence(self, job: str) -> int:
-        """The file index has no fencing: its writers are the processes of one job on a shared directory."""
+        """Take the job's writer lease: an exclusive lock on <root>/<job>/writer.lock, held while this index is
+        open and released by the OS when the process dies (a crash leaves no stale lease). A second writer
+        of the job gets an error naming the holder. The file index has no epochs: this returns 0."""
+        if job in self._leases:
+            return 0
+        path = self.root / job / "writer.lock"
+
+        def take() -> int:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise TieredCkptError(f"job {job!r} already has a writer on index {self.root}: {holder}; run one "
+                                      f"writer per job (readers may list and load at any time)") from None
+            record = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %z')}"
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record.encode(), 0)
+            return fd
+
+        self._leases[job] = await self._io(take)
         return 0
 
     def _dir(self, job: str, step: int) -> Path:
