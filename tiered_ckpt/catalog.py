@@ -66,7 +66,8 @@ class Catalog:
         usable = [s for s in statuses if s.complete & set(allowed) and (s.foreign is None or self.adopt)]
         if not usable or (step is not None and all(s.step != step for s in usable)):
             # A fresh machine (an empty index) or a lost index: the tiers' manifests still know
-            on_tiers = [s for s in await self.statuses_from_tiers() if s.complete & set(allowed)]
+            buried = await self._buried()
+            on_tiers = [s for s in await self.statuses_from_tiers() if s.complete & set(allowed) and s.step not in buried]
             from_tiers = [s for s in on_tiers if s.foreign is None or self.adopt]
             if on_tiers and not from_tiers:
                 log.warning("job %r: the tiers hold %d complete checkpoint(s) committed to another index (%s); "
@@ -79,7 +80,9 @@ class Catalog:
             if not usable:
                 raise IncompleteCheckpoint(f"job {self.job!r} has no complete checkpoint on tiers {list(allowed)} "
                                            f"({len(statuses)} incomplete)")
-            return max(usable, key=lambda s: s.step)
+            newest = max(usable, key=lambda s: s.step)
+            await self._report_newer_on_tiers(newest.step, statuses)
+            return newest
         for s in usable:
             if s.step == step:
                 return s
@@ -88,6 +91,37 @@ class Catalog:
             f"is incomplete (targets {list(found.tiers)}, complete on {sorted(found.complete)}, "
             f"failed on {found.failed or 'none'})")
         raise IncompleteCheckpoint(f"job {self.job!r} step {step} {detail} on tiers {list(allowed)}")
+
+    async def _report_newer_on_tiers(self, picked: int, statuses: Sequence[CheckpointStatus]) -> None:
+        """A newer checkpoint of this index whose record the index lost (deleted or unreadable) would make a
+        load roll back without a word: look on the fastest tier (a cheap listing) and say so."""
+        complete_in_index = {s.step for s in statuses if s.is_complete}
+        first = next(iter(self.tiers), None)
+        if first is None:
+            return
+        try:
+            keys = await self.tiers[first].list(job_prefix(self.job))
+            buried = await self._buried()
+        except (TierError, IndexUnavailable):
+            return
+        newer = sorted({p.step for p in map(parse_key, keys) if p is not None and p.kind == "manifest"
+                        and p.step > picked and p.step not in complete_in_index and p.step not in buried})
+        for step in newer:
+            try:
+                manifest = Manifest.from_bytes(await self.tiers[first].read(manifest_key(self.job, step)))
+            except (TierError, IntegrityError):
+                continue
+            if manifest.index == self.index.identity:
+                log.warning("job %r: loading step %d, but tier %s holds a manifest of step %d committed to this "
+                            "index, which the index does not list as complete (its record was lost or cannot be "
+                            "read); load(step=%d) loads it if it is whole", self.job, picked, first, step, step)
+
+    async def _buried(self) -> set[int]:
+        """Checkpoints being removed: never to be taken from the tiers. Unknown while the index is down."""
+        try:
+            return await self.index.buried(self.job)
+        except IndexUnavailable:
+            return set()
 
     async def read_manifest(self, step: int, tiers: Sequence[str] = ()) -> Manifest:
         """The manifest with every rank's checksums: from the index, or else from the first of `tiers`

@@ -201,6 +201,7 @@ class Engine:
             if outcome[0] == "ok":
                 self.index.epoch = outcome[1]
                 try:
+                    await self.retention.finish_burials()
                     complete = [s.step for s in await self.index.list(self.job) if s.is_complete]
                     await self.retention.drop_incomplete_after(max(complete, default=-1))
                 except Exception as e:  # cleaning up must never fail a save

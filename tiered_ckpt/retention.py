@@ -123,21 +123,39 @@ class Retention:
                 await self.forget(s)
 
     async def forget(self, status: CheckpointStatus) -> None:
-        """Remove a checkpoint everywhere: the index record first, then the data on every tier."""
+        """Remove a checkpoint everywhere: a tombstone, then the index record, then the data on every tier,
+        then the tombstone. A crash at any point leaves the tombstone, so the checkpoint can neither come back
+        from the tiers' manifests nor keep its data: the next writer finishes the job (finish_burials)."""
+        await self.index.bury(self.job, status.step)
         await self.index.delete(self.job, status.step)
         self.complete.discard(status.step)
-        for name in status.tiers:
-            if name in self.tiers:
-                await self.tiers[name].delete(step_prefix(self.job, status.step))
+        await self._remove_data(status.step, [n for n in status.tiers if n in self.tiers])
+        await self.index.unbury(self.job, status.step)
+
+    async def finish_burials(self) -> None:
+        """A writer starting: remove the data of checkpoints whose removal a crash cut short."""
+        for step in sorted(await self.index.buried(self.job)):
+            log.info("finishing the removal of checkpoint %d, cut short earlier", step)
+            await self.index.delete(self.job, step)
+            await self._remove_data(step, list(self.tiers))
+            await self.index.unbury(self.job, step)
+
+    async def _remove_data(self, step: int, tiers: list[str]) -> None:
+        for name in tiers:
+            await self.tiers[name].delete(step_prefix(self.job, step))
 
     async def drop(self, status: CheckpointStatus, tier: str) -> None:
         """Remove `status.step` from one tier: the index record first (rank 0 keeps the books), then the
         data (every rank, so node-local tiers are cleaned on every node; on shared tiers it is idempotent)."""
+        last = not set(status.tiers) - {tier}  # the step's last tier: the checkpoint goes away entirely
         if self.rank == 0:
+            if last:
+                await self.index.bury(self.job, status.step)
             await self.index.unmark(self.job, status.step, tier)
         if tier in self.tiers:
             await self.tiers[tier].delete(step_prefix(self.job, status.step))
         if not status.complete - {tier}:
             self.complete.discard(status.step)
-        if self.rank == 0 and not set(status.tiers) - {tier}:
+        if self.rank == 0 and last:
             await self.index.delete(self.job, status.step)
+            await self.index.unbury(self.job, status.step)

@@ -273,3 +273,39 @@ async def test_a_save_that_fails_on_a_full_tier_gives_its_room_back(make_config,
         assert sum(f.stat().st_size for f in (shm_dir / "host").rglob("*") if f.is_file()) == 0
         await (await engine.save(2, {"w": torch.ones(50_000)})).wait()  # 200 KB
         assert (await engine.status(2)).complete == {"host", "disk"}
+
+
+async def test_a_deletion_cut_short_never_brings_the_checkpoint_back_and_is_finished(make_config, shm_dir):
+    """A crash inside delete(1): the tombstone and the index removal happened, the data did not. The tiers'
+    manifests must not resurrect step 1, and the next writer removes its data."""
+    config = make_config()
+    async with tc.Engine(config) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        await engine.index.bury(engine.job, 1)  # what delete() does first...
+        await engine.index.delete(engine.job, 1)  # ...and second; then the process dies
+    leftovers = lambda: sorted(p.name for p in (shm_dir / "host" / "test").iterdir())  # noqa: E731
+    assert leftovers() == ["step-000000000001"]
+    async with tc.Engine(config) as engine:
+        with pytest.raises(tc.IncompleteCheckpoint):
+            await load_values(engine)  # the manifests on the tiers are not taken: step 1 is buried
+        await (await engine.save(2, state_of(2.0))).wait()  # the writer finishes the removal
+        assert leftovers() == ["step-000000000002"] and await engine.index.buried(engine.job) == set()
+        assert [c.step async for c in engine.list()] == [2]
+
+
+async def test_a_lost_or_garbled_newest_record_is_reported_not_silently_rolled_back(engine, tmp_path, caplog):
+    import logging
+
+    for step in (1, 2, 3):
+        await (await engine.save(step, state_of(float(step)))).wait()
+    await engine.index.delete(engine.job, 3)  # the newest record lost
+    (tmp_path / "index" / "test" / "step-000000000002" / "begun").write_bytes(b"\x00garbage")  # one garbled
+    caplog.set_level(logging.WARNING)
+    info, out = await load_values(engine)
+    assert info.step == 1 and torch.all(out["w"] == 1.0)
+    assert "step 2" in caplog.text and "cannot be read" in caplog.text  # the garbled record, named
+    assert "manifest of step 2" in caplog.text and "manifest of step 3" in caplog.text  # both, still on the tiers
+    status = {c.step: c for c in [c async for c in engine.list()]}
+    assert "index" in status[2].failed and not status[2].is_complete
+    info, out = await load_values(engine, step=3)  # and either can still be loaded explicitly
+    assert info.step == 3 and torch.all(out["w"] == 3.0)

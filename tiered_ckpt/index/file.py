@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import os
 import socket
 import time
@@ -24,11 +25,14 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import msgpack
 
-from ..errors import IncompleteCheckpoint, TieredCkptError
+from ..checksum import seal, unseal
+from ..errors import IncompleteCheckpoint, IntegrityError, TieredCkptError
 from ..layout import parse_step_dir, step_dir
 from .base import CheckpointStatus, TierState
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+TOMBSTONES = "tombstones"  # <root>/<job>/tombstones/step-…: checkpoints being removed
 
 
 class FileIndex:
@@ -85,7 +89,7 @@ class FileIndex:
         return self.root / job / step_dir(step)
 
     async def begin(self, job: str, step: int, tiers: Sequence[str]) -> None:
-        record = msgpack.packb({"tiers": list(tiers), "created": time.time()})
+        record = seal(msgpack.packb({"tiers": list(tiers), "created": time.time()}))
         await self._io(_atomic_write, self._dir(job, step) / "begun", record)
 
     async def put_manifest(self, job: str, step: int, data: bytes) -> None:
@@ -139,9 +143,9 @@ class FileIndex:
             _fsync_dir(d / "complete")
             begun = d / "begun"
             if begun.exists():
-                record = msgpack.unpackb(begun.read_bytes())
+                record = _read_begun(begun)
                 record["tiers"] = [t for t in record["tiers"] if t != tier]
-                _atomic_write(begun, msgpack.packb(record))
+                _atomic_write(begun, seal(msgpack.packb(record)))
             for p in [*(d / "durable").glob(f"{tier}.*"), *(d / "failed").glob(f"{tier}.*")]:
                 p.unlink(missing_ok=True)
         await self._io(unmark)
@@ -159,21 +163,43 @@ class FileIndex:
             if step is None:
                 continue
             failures = [p.name.rsplit(".", 2) for p in _entries(d / "failed")]
+            unreadable = ""
             try:
-                record = msgpack.unpackb((d / "begun").read_bytes())
-            except (FileNotFoundError, ValueError, msgpack.UnpackException):
+                record = _read_begun(d / "begun")
+            except FileNotFoundError:
                 if not failures:
                     continue  # killed before `begin` landed: nothing was promised
                 record = {"tiers": sorted({name for name, _, _ in failures})}  # a rank failed before begin
+            except (IntegrityError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+                log.warning("index %s: the record of step %d cannot be read (%s); listed as incomplete", self.root,
+                            step, e)
+                record, unreadable = {"tiers": []}, f"the index record cannot be read: {e}"
             complete = frozenset(p.name for p in _entries(d / "complete") if p.name in record["tiers"])
             failed = {}
             for p in _entries(d / "failed"):
                 name, rank, _ = p.name.rsplit(".", 2)
                 if name not in complete:
                     failed.setdefault(name, f"rank {rank}: {p.read_text(errors='replace')}")
+            if unreadable:
+                failed["index"] = unreadable
             out.append(CheckpointStatus(step, tuple(record["tiers"]), complete, failed,
                                         record.get("created", 0.0)))
         return out
+
+    async def bury(self, job: str, step: int) -> None:
+        await self._io(_atomic_write, self.root / job / TOMBSTONES / step_dir(step), b"")
+
+    async def buried(self, job: str) -> set[int]:
+        def read() -> set[int]:
+            steps = (parse_step_dir(p.name) for p in _entries(self.root / job / TOMBSTONES))
+            return {s for s in steps if s is not None}
+        return await self._io(read)
+
+    async def unbury(self, job: str, step: int) -> None:
+        def remove() -> None:
+            (self.root / job / TOMBSTONES / step_dir(step)).unlink(missing_ok=True)
+            _fsync_dir(self.root / job / TOMBSTONES)
+        await self._io(remove)
 
     async def delete(self, job: str, step: int) -> None:
         def delete() -> None:
@@ -188,6 +214,15 @@ class FileIndex:
                 path.rmdir() if path.is_dir() else path.unlink()
             trash.rmdir()
         await self._io(delete)
+
+
+def _read_begun(path: Path) -> dict[str, Any]:
+    data = path.read_bytes()
+    body = unseal(data, f"index record {path}")
+    record = msgpack.unpackb(data if body is None else body)
+    if not isinstance(record, dict) or not isinstance(record.get("tiers"), list):
+        raise ValueError(f"unexpected content {record!r:.80}")
+    return record
 
 
 def _ranks(d: Path, tier: str, session: str) -> set[int]:

@@ -64,6 +64,13 @@ return 1
 """
 
 
+# KEYS: epoch, tombstones set. ARGV: epoch, step, 1 to add or 0 to remove
+_BURY = _CHECK + """
+if ARGV[3] == '1' then redis.call('SADD', KEYS[2], ARGV[2]) else redis.call('SREM', KEYS[2], ARGV[2]) end
+return 1
+"""
+
+
 class RedisIndex:
     def __init__(self, url: str):
         self.url = url
@@ -74,7 +81,8 @@ class RedisIndex:
 
     async def open(self) -> None:
         self._client = aioredis.Redis.from_url(self.url, socket_timeout=30, socket_connect_timeout=10)
-        for name, source in (("hset", _HSET), ("commit", _COMMIT), ("unmark", _UNMARK), ("delete", _DELETE)):
+        for name, source in (("hset", _HSET), ("commit", _COMMIT), ("unmark", _UNMARK), ("delete", _DELETE),
+                             ("bury", _BURY)):
             self._scripts[name] = self._client.register_script(source)
         await self._refuse_an_evicting_server()
 
@@ -204,6 +212,18 @@ class RedisIndex:
                 created = float(fields.get("created", b"0").decode() or 0)
                 out.append(CheckpointStatus(step, tiers or tuple(failed), complete, failed, created))
         return out
+
+    async def bury(self, job: str, step: int) -> None:
+        await self._call(f"tombstone of step {step}", self._scripts["bury"](
+            keys=[self._k(job, "epoch"), self._k(job, "tombstones")], args=[self.epoch, step, 1]))
+
+    async def buried(self, job: str) -> set[int]:
+        assert self._client is not None
+        return {int(s) for s in await self._call("reading tombstones", self._client.smembers(self._k(job, "tombstones")))}
+
+    async def unbury(self, job: str, step: int) -> None:
+        await self._call(f"tombstone of step {step}", self._scripts["bury"](
+            keys=[self._k(job, "epoch"), self._k(job, "tombstones")], args=[self.epoch, step, 0]))
 
     async def delete(self, job: str, step: int) -> None:
         await self._call(f"deletion of step {step}", self._scripts["delete"](

@@ -95,6 +95,16 @@ class IndexConformance:
         [status] = await index.list(JOB)
         assert "s3" in status.failed and "no space" in status.failed["s3"]
 
+    async def test_tombstones_are_set_listed_per_job_and_removed(self, index, opened):
+        assert await index.buried(JOB) == set()
+        await index.bury(JOB, 7)
+        await index.bury(JOB, 12)
+        await (await opened("other")).bury("other", 3)
+        assert await index.buried(JOB) == {7, 12}
+        await index.unbury(JOB, 7)
+        await index.unbury(JOB, 99)  # absent: not an error
+        assert await index.buried(JOB) == {12}
+
     async def test_unmark_drops_one_tier_and_delete_drops_the_checkpoint(self, index):
         await index.begin(JOB, 4, ["host", "disk"])
         await index.put_manifest(JOB, 4, b"m")
