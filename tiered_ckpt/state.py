@@ -78,12 +78,17 @@ def per_rank_name(where: str, rank: int) -> str:
     return f"{where}@rank{rank}"
 
 
+def _data_ptr(t: torch.Tensor) -> int:
+    return t.to_local().data_ptr() if type(t).__name__ == "DTensor" else t.data_ptr()
+
+
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """Identifies one view of one storage: two entries with the same key are the same (tied) tensor."""
-    local = t.to_local() if type(t).__name__ == "DTensor" else t
-    placements = tuple(t.placements) if local is not t else ()
-    return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
-            tuple(local.stride()), local.dtype, placements)
+    """Identifies one view of one memory: two entries with the same key are the same (tied) tensor. Cheap:
+    it runs for every tensor of every save."""
+    if type(t).__name__ == "DTensor":
+        local = t.to_local()
+        return (local.data_ptr(), local.get_device(), local.dtype, local.shape, local.stride(), tuple(t.placements))
+    return t.data_ptr(), t.get_device(), t.dtype, t.shape, t.stride()
 
 
 def check_dtype(t: torch.Tensor, where: str) -> None:
@@ -91,10 +96,10 @@ def check_dtype(t: torch.Tensor, where: str) -> None:
         raise StateError(f"tensor {where!r} has dtype {t.dtype}, which tiered_ckpt cannot store as raw bytes")
     if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and type(t).__name__ != "DTensor":
         raise StateError(f"tensor {where!r} is a {type(t).__name__}; plain tensors and DTensors are supported")
-    if t.layout != torch.strided or t.is_nested:
+    if t.layout is not torch.strided or t.is_nested:
         raise StateError(f"tensor {where!r} has layout {t.layout}{' (nested)' if t.is_nested else ''}; only dense "
                          f"(strided) tensors are stored: convert it, e.g. with .to_dense()")
-    if t.device.type == "meta":
+    if t.is_meta:
         raise StateError(f"tensor {where!r} is on the meta device: it has no data to save")
 
 
@@ -112,7 +117,7 @@ _UNSUPPORTED = _unsupported_dtypes()
 def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0) -> FlatState:
     """Walk `state`; tensors go to FlatState.tensors, the rest into the skeleton. Errors name the key."""
     flat = FlatState(skeleton=None)
-    seen: dict[tuple[Any, ...], str] = {}  # view → saved name, to save tied entries once
+    seen: dict[int, list[tuple[torch.Tensor, str]]] = {}  # address → (tensor, saved name): ties are saved once
     names: set[str] = set()
 
     def walk(value: Any, path: tuple[Any, ...], per_rank: bool) -> Any:
@@ -124,11 +129,12 @@ def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0) -> FlatSta
                 raise StateError(f"two entries of the state have the path {where!r}; rename one (paths join keys "
                                  f"with '/', and int and str keys print alike)")
             names.add(name)
-            if value.device.type != "meta" and value.numel():
-                key = _view_key(value)
-                if key in seen:
-                    return TensorAlias(seen[key])
-                seen[key] = name
+            if value.numel():  # (meta tensors were refused above) empty ones may share address 0
+                ptr = _data_ptr(value)  # one cheap call per tensor; the full view key only where addresses meet
+                for other, other_name in seen.get(ptr, ()):
+                    if _view_key(other) == _view_key(value):
+                        return TensorAlias(other_name)
+                seen.setdefault(ptr, []).append((value, name))
             flat.tensors.append(value)  # staging copies under no_grad: no detach needed
             flat.paths.append(name)
             return TensorRef(len(flat.tensors) - 1)
