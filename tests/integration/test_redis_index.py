@@ -162,3 +162,21 @@ async def test_a_wrong_password_is_a_clear_error_without_the_password(tmp_path, 
         async with tc.Engine(stack(tmp_path, shm_dir, url)):
             pass
     assert "refused the credentials" in str(err.value) and "wrong-one" not in str(err.value)
+
+
+async def test_a_server_that_is_not_redis_at_the_index_url_is_a_clear_error(tmp_path, shm_dir):
+    async def not_redis(reader, writer):
+        await reader.read(100)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(not_redis, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(tc.TieredCkptError, match=rf"index redis://127.0.0.1:{port}/0.*is this a Redis server"):
+            async with tc.Engine(stack(tmp_path, shm_dir, f"redis://127.0.0.1:{port}/0")):
+                pass
+    finally:
+        server.close()
+        await server.wait_closed()

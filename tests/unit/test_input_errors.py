@@ -53,7 +53,7 @@ def test_passwords_are_redacted_from_urls():
     assert redact("redis://host:6379/0") == "redis://host:6379/0"
 
 
-def test_an_engine_dropped_with_saves_in_flight_warns(make_config):
+def test_an_engine_dropped_with_saves_in_flight_warns(make_config, caplog):
     import asyncio
 
     async def forget_to_close():
@@ -70,6 +70,7 @@ def test_an_engine_dropped_with_saves_in_flight_warns(make_config):
         gc.collect()
     assert any(issubclass(w.category, ResourceWarning) and "step 1" in str(w.message)
                and "engine.close()" in str(w.message) for w in caught)
+    assert "save of step 1" in caplog.text and "cancelled" in caplog.text  # and in the log, where it is seen
 
 
 async def test_an_unwritable_index_names_its_directory(make_config, tmp_path):

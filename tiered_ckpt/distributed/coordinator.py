@@ -27,6 +27,7 @@ class Coordinator:
         self.world_size = world_size
         self.group = group
         self.collectives = 0  # how many collectives this coordinator issued (tests count them)
+        self.timeout = 600.0  # seconds, for the subgroups too
         self.session = uuid.uuid4().hex[:12]
         self._subgroups: dict[tuple[int, ...], Any] = {}
 
@@ -38,6 +39,7 @@ class Coordinator:
         group = await asyncio.to_thread(
             dist.new_group, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
         coordinator = cls(dist.get_rank(), dist.get_world_size(), group)
+        coordinator.timeout = timeout
         coordinator.session = await coordinator.broadcast_object(coordinator.session)
         return coordinator
 
@@ -80,7 +82,8 @@ class Coordinator:
             return self.group
         if members not in self._subgroups:
             self.collectives += 1
-            self._subgroups[members] = await asyncio.to_thread(dist.new_group, list(members), backend="gloo")
+            self._subgroups[members] = await asyncio.to_thread(
+                dist.new_group, list(members), backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         return self._subgroups[members]
 
     async def broadcast_tensor(self, tensor: Any, src: int, group: Any) -> None:
