@@ -18,12 +18,15 @@ DEFAULT_CONFIG = os.environ.get("TIERED_CKPT_CONFIG", "tiers/local.toml")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiered-ckpt", description=__doc__)
+    config_help = "tier stack TOML (default: $TIERED_CKPT_CONFIG or tiers/local.toml)"
+    parser.add_argument("-c", "--config", default=DEFAULT_CONFIG, help=config_help)
+    parser.add_argument("--job", default=None, help="override [engine] job")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("-c", "--config", default=DEFAULT_CONFIG,
-                       help="tier stack TOML (default: $TIERED_CKPT_CONFIG or tiers/local.toml)")
-        p.add_argument("--job", help="override [engine] job")
+        # accepted after the subcommand too (`tiered-ckpt ls -c x.toml`); there, a value wins over one before it
+        p.add_argument("-c", "--config", default=argparse.SUPPRESS, help=config_help)
+        p.add_argument("--job", default=argparse.SUPPRESS, help="override [engine] job")
         return p
 
     with_config(sub.add_parser("ls", help="list checkpoints and the tiers that hold them"))

@@ -96,3 +96,24 @@ async def test_a_second_writer_on_the_file_index_is_refused_naming_the_holder(ma
         await (await first.save(2, {"w": torch.ones(4)})).wait()  # the writer goes on
     async with tc.Engine(make_config()) as third:  # the lease ended with the first engine
         await (await third.save(3, {"w": torch.ones(4)})).wait()
+
+
+def test_the_cli_takes_config_and_job_before_or_after_the_subcommand(tmp_path, shm_dir, capsys):
+    import asyncio
+
+    from tiered_ckpt import cli
+
+    config = tmp_path / "c.toml"
+    config.write_text(f'[engine]\njob = "a"\nindex = "file://{tmp_path}/index"\n[[tiers]]\nname = "host"\n'
+                      f'kind = "memory"\npath = "{shm_dir}/host"\n')
+
+    async def save():
+        async with tc.Engine.from_toml(config, job="b") as engine:
+            await (await engine.save(4, {"w": torch.ones(3)})).wait()
+
+    asyncio.run(save())
+    for argv in (["-c", str(config), "--job", "b", "ls"], ["ls", "-c", str(config), "--job", "b"],
+                 ["-c", "/nonexistent.toml", "--job", "a", "ls", "-c", str(config), "--job", "b"]):
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].isdigit()] == ["4"]
