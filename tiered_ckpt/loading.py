@@ -144,18 +144,17 @@ def parts_to_read(manifest: Manifest, reads: Reads) -> dict[tuple[int, int], Par
 
 
 async def read_parts(io: TierIO, coordinator: Coordinator, manifest: Manifest | None, order: Sequence[str],
-                     reads: Reads | None, info: LoadInfo) -> bool:
-    """Read every part that holds a wanted chunk into its destinations, from the tiers in `order`; return
-    whether the reads ran. A rank that failed before (no manifest or reads) still takes part, so the ranks'
-    collectives stay in step; then no rank reads anything (and every rank returns False)."""
+                     reads: Reads | None, info: LoadInfo) -> None:
+    """Read every part that holds a wanted chunk into its destinations, from the tiers in `order`. A rank
+    that failed before (no manifest or reads) still takes part, so the ranks' collectives stay in step;
+    then no rank reads anything."""
     ready = manifest is not None and reads is not None
-    parts = parts_to_read(manifest, reads) if manifest is not None and reads is not None else {}
+    parts = parts_to_read(manifest, reads) if ready else {}  # type: ignore[arg-type]
     if coordinator.distributed:
-        return await read_with_broadcast(coordinator, io, order, parts, info, ready=ready)
-    if ready:
+        await read_with_broadcast(coordinator, io, order, parts, info, ready=ready)
+    elif ready:
         outcomes = await asyncio.gather(*(io.read_verified(p, order, info) for p in parts.values()),
                                         return_exceptions=True)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         if failed:
             raise failed[0]
-    return ready

@@ -177,7 +177,7 @@ class TierIO:
             return f"{type(e).__name__}: {e}"
         buf = current[0]
         view = tensor_bytes(buf)[:part.length]
-        reason = await self._verify(view, n, part)
+        reason = await self._verify([view], n, part)
         if reason is None:
             await self.run_blocking(scatter, [view], part.views)
         self.bounce.give(buf)
@@ -194,10 +194,10 @@ class TierIO:
             return f"{type(e).__name__}: {e}"
         return await self._verify(views, n, part)
 
-    async def _verify(self, views: Any, n: int, part: PartRead) -> str | None:
+    async def _verify(self, views: list[memoryview], n: int, part: PartRead) -> str | None:
         if n != part.length:
             return f"length {n}, expected {part.length}"
-        actual = await self.run_blocking(checksum, views if isinstance(views, list) else [views])
+        actual = await self.run_blocking(checksum, views)
         if actual != part.checksum:
             return f"{ALGORITHM} {actual:#010x}, expected {part.checksum:#010x}"
         return None

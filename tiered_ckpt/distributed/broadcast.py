@@ -48,14 +48,14 @@ def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]]) -> tuple[lis
 
 
 async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Sequence[str],
-                              parts: dict[PartId, PartRead], info: "LoadInfo", *, ready: bool = True) -> bool:
+                              parts: dict[PartId, PartRead], info: "LoadInfo", *, ready: bool = True) -> None:
     """Collective: every rank calls it once per load, with the parts it needs (none if it is not `ready`).
-    Returns False, having read nothing, when any rank was not ready. Every rank walks the whole broadcast
+    Reads nothing on any rank when one rank was not ready. Every rank walks the whole broadcast
     plan, failure or not, so no rank leaves a collective early; the first error is raised at the end."""
     wanted = sorted((k, p.length) for k, p in parts.items())
     everyone = await coordinator.all_gather_object((ready, wanted))
     if not all(ok for ok, _ in everyone):
-        return False  # a rank failed before reading: no one reads; the load's agreement reports it
+        return  # a rank failed before reading: no one reads; the load's agreement reports it
     plan, lengths = plan_broadcasts([w for _, w in everyone])
     shared = {key for key, _, _ in plan}
     groups = {}
@@ -109,4 +109,3 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
                 task.cancel()
     if errors:
         raise errors[0]
-    return True
