@@ -11,7 +11,7 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 
 from .errors import IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
 from .index import CheckpointStatus, Index
-from .layout import job_prefix, manifest_key, parse_key, rank_meta_key
+from .layout import index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
 from .manifest import Manifest, RankMeta
 from .tier_io import TierIO
 
@@ -35,8 +35,11 @@ class Catalog:
         return await self.statuses_from_tiers()
 
     async def statuses_from_tiers(self) -> list[CheckpointStatus]:
-        found: dict[int, dict[str, bool]] = {}
-        origin: dict[int, str | None] = {}
+        """A step is listed from the incarnation folder that holds it best: one of this index over a foreign
+        one, a whole one over a partial one, the newest session over older ones (a zombie's or a crashed
+        attempt's leftovers)."""
+        found: dict[int, dict[str, dict[str, bool]]] = {}  # step -> incarnation -> tier -> whole
+        origin: dict[tuple[int, str], str | None] = {}
         for name in self.tiers:
             tier = self.tiers[name]
             try:
@@ -49,16 +52,25 @@ class Catalog:
                 if parsed is None or parsed.kind != "manifest" or parsed.job != self.job:
                     continue
                 try:
-                    manifest = Manifest.from_bytes(await tier.read(key), source=f"manifest on tier {name!r}")
-                except (TierError, IntegrityError):
+                    manifest = Manifest.from_bytes(await tier.read(key), source=f"manifest {key} on tier {name!r}")
+                except (TierError, IntegrityError) as e:
+                    log.warning("%s", e)
                     continue
-                whole = all(rank_meta_key(self.job, parsed.step, r.rank) in keys for r in manifest.ranks)
-                found.setdefault(parsed.step, {})[name] = whole
+                step, incarnation = parsed.step, parsed.incarnation
+                whole = manifest.incarnation == incarnation and all(
+                    rank_meta_key(self.job, step, r.rank, incarnation) in keys for r in manifest.ranks)
+                found.setdefault(step, {}).setdefault(incarnation, {})[name] = whole
                 if manifest.index != self.index.identity:
-                    origin[parsed.step] = manifest.index or "an index of format 1 (unknown)"
-        return [CheckpointStatus(step, tuple(self.tiers.order(tiers)),
-                                 frozenset(t for t, whole in tiers.items() if whole), foreign=origin.get(step))
-                for step, tiers in sorted(found.items())]
+                    origin[step, incarnation] = manifest.index or "an index of format 1 (unknown)"
+        statuses = []
+        for step, by_incarnation in sorted(found.items()):
+            best = max(by_incarnation, key=lambda inc: ((step, inc) not in origin, any(by_incarnation[inc].values()),
+                                                        inc))
+            tiers = by_incarnation[best]
+            statuses.append(CheckpointStatus(step, tuple(self.tiers.order(tiers)),
+                                             frozenset(t for t, whole in tiers.items() if whole),
+                                             foreign=origin.get((step, best)), incarnation=best))
+        return statuses
 
     async def pick(self, step: int | None, allowed: Sequence[str]) -> CheckpointStatus:
         """The newest checkpoint (or `step`) complete on one of `allowed`; IncompleteCheckpoint says why not."""
@@ -104,11 +116,12 @@ class Catalog:
             buried = await self._buried()
         except (TierError, IndexUnavailable):
             return
-        newer = sorted({p.step for p in map(parse_key, keys) if p is not None and p.kind == "manifest"
-                        and p.step > picked and p.step not in complete_in_index and p.step not in buried})
-        for step in newer:
+        parsed = ((parse_key(k), k) for k in keys)
+        newer = sorted((p.step, k) for p, k in parsed if p is not None and p.kind == "manifest"
+                       and p.step > picked and p.step not in complete_in_index and p.step not in buried)
+        for step, key in newer:
             try:
-                manifest = Manifest.from_bytes(await self.tiers[first].read(manifest_key(self.job, step)))
+                manifest = Manifest.from_bytes(await self.tiers[first].read(key))
             except (TierError, IntegrityError):
                 continue
             if manifest.index == self.index.identity:
@@ -123,31 +136,58 @@ class Catalog:
         except IndexUnavailable:
             return set()
 
-    async def read_manifest(self, step: int, tiers: Sequence[str] = ()) -> Manifest:
-        """The manifest with every rank's checksums: from the index, or else from the first of `tiers`
-        with a valid copy (so a tier alone can restore)."""
+    async def read_manifest(self, step: int, tiers: Sequence[str] = (), incarnation: str | None = None) -> Manifest:
+        """The manifest with every rank's checksums: from the index, or else from the first of `tiers` with a
+        valid copy (so a tier alone can restore). `incarnation` says which folder to read on the tiers; when
+        not known, the tiers' folders of this index are tried, newest first."""
         errors: list[str] = []
-        manifest = await self._first_valid(
-            lambda: self.index.get_manifest(self.job, step), tiers, manifest_key(self.job, step),
-            lambda data, src: Manifest.from_bytes(data, source=src), "manifest", errors)
+        parse_manifest: Callable[[bytes, str], Manifest] = lambda data, src: Manifest.from_bytes(data, source=src)
+        manifest = await self._first_valid(lambda: self.index.get_manifest(self.job, step), [], "", parse_manifest,
+                                           "manifest", errors, final=False)
+        if manifest is None:
+            folders = [incarnation] if incarnation is not None else await self._incarnations(step, tiers)
+            for folder in folders:
+                manifest = await self._first_valid(None, tiers, manifest_key(self.job, step, folder), parse_manifest,
+                                                   "manifest", errors, final=False)
+                if manifest is not None:
+                    break
+        if manifest is None:
+            raise IncompleteCheckpoint(f"job {self.job!r} step {step}: no readable manifest ({'; '.join(errors)})")
         records = {}
         for r in manifest.ranks:
             records[r.rank] = await self._first_valid(
                 lambda r=r: self.index.get_rank_meta(self.job, step, r.rank), tiers,
-                rank_meta_key(self.job, step, r.rank), lambda data, src: RankMeta.from_bytes(data, source=src),
-                f"checksums of rank {r.rank}", errors)
+                rank_meta_key(self.job, step, r.rank, manifest.incarnation),
+                lambda data, src: RankMeta.from_bytes(data, source=src), f"checksums of rank {r.rank}", errors)
         return manifest.with_checksums(records)
 
-    async def _first_valid(self, from_index: Callable[[], Awaitable[bytes]], tiers: Sequence[str], key: str,
-                           parse: Callable[[bytes, str], T], what: str, errors: list[str]) -> T:
-        try:
-            return parse(await from_index(), f"index {what}")
-        except (IncompleteCheckpoint, IntegrityError, IndexUnavailable) as e:
-            errors.append(str(e))
+    async def _incarnations(self, step: int, tiers: Sequence[str]) -> list[str]:
+        """The folders holding a manifest of `step` on `tiers`: this index's first, newest session first."""
+        folders: set[str] = set()
+        for name in tiers:
+            try:
+                keys = await self.tiers[name].list(step_prefix(self.job, step))
+            except TierError:
+                continue
+            folders.update(p.incarnation for p in map(parse_key, keys) if p is not None and p.kind == "manifest")
+        mine = index_dir(self.index.identity)
+        return sorted(folders, key=lambda f: (f.startswith(mine + "/"), f), reverse=True)
+
+    async def _first_valid(self, from_index: Callable[[], Awaitable[bytes]] | None, tiers: Sequence[str], key: str,
+                           parse: Callable[[bytes, str], T], what: str, errors: list[str], *,
+                           final: bool = True) -> T:
+        """The first intact copy: the index's, then each tier's. Every copy that failed is named in `errors`;
+        with final=False None stands for "none", so the caller can try elsewhere first."""
+        if from_index is not None:
+            try:
+                return parse(await from_index(), f"index {what}")
+            except (IncompleteCheckpoint, IntegrityError, IndexUnavailable) as e:
+                errors.append(str(e))
         for name in tiers:
             try:
                 return parse(await self.tiers[name].read(key), f"{what} on tier {name!r}")
             except TierError as e:
                 errors.append(str(e))
+        if not final:
+            return None  # type: ignore[return-value]
         raise IncompleteCheckpoint(f"job {self.job!r}: no readable {what} ({'; '.join(errors)})")
-

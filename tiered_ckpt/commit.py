@@ -17,6 +17,7 @@ from typing import Sequence
 
 from .errors import RankFailed, TierTimeout
 from .index import Index
+from .layout import incarnation_dir
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,8 @@ class Committer:
         self.world_size = world_size
         self.session = session
         self.timeout = timeout
+        # this session's folder on the tiers: no other opening of the job (a zombie included) writes there
+        self.incarnation = incarnation_dir(index.identity, session)
 
     async def begin(self, step: int, tiers: Sequence[str]) -> None:
         await self.index.begin(self.job, step, tiers)

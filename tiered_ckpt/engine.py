@@ -130,6 +130,11 @@ class Engine:
     def session(self) -> str:
         return self.coordinator.session
 
+    @property
+    def incarnation(self) -> str:
+        """The folder (inside each step's) that this engine's saves write under: no other opening shares it."""
+        return self._services.commit.incarnation
+
     # -- save ------------------------------------------------------------------------------------
     async def save(self, step: int, state: Any, *, lazy: bool = False, metadata: dict[str, Any] | None = None,
                    ready_events: Mapping[Any, Any] | None = None) -> SaveHandle:
@@ -256,7 +261,7 @@ class Engine:
         reads: Reads | None = None
         with self.retention.busy.loading(status.step):
             try:  # local work: a failure here must not make this rank skip the collectives below
-                manifest = await self.catalog.read_manifest(status.step, order)
+                manifest = await self.catalog.read_manifest(status.step, order, status.incarnation)
                 target = self._match(state, manifest)
                 reads = plan_reads(manifest, target.tensors)
             except Exception as e:

@@ -1,8 +1,14 @@
 """The storage layout: every key a checkpoint uses on a tier, how to parse one back, and the part arithmetic.
 
-    <job>/step-<12 digits>/manifest.msgpack                     the manifest (rank 0)
-    <job>/step-<12 digits>/rank-<5 digits>/checksums.msgpack     one rank's part checksums
-    <job>/step-<12 digits>/rank-<5 digits>/part-<6 digits>       one part of one rank's packed stream
+    <job>/step-<12 digits>/<incarnation>/manifest.msgpack                     the manifest (rank 0)
+    <job>/step-<12 digits>/<incarnation>/rank-<5 digits>/checksums.msgpack     one rank's part checksums
+    <job>/step-<12 digits>/<incarnation>/rank-<5 digits>/part-<6 digits>       one part of one rank's stream
+
+The incarnation is `ix-<8 hex digits of the index's identity>/<session>`: every opening of a job's engines
+writes under its own folder, so a zombie of an earlier incarnation (or an unrelated run that shares the
+tier's path and job name but has its own index) can never overwrite bytes another one committed; the
+manifest names the folder it describes. Checkpoints of format 1 and 2 have no incarnation folder: their
+keys sit right under the step folder, and an empty incarnation stands for that layout.
 
 A rank's stream of `nbytes` bytes is cut into parts of `part_size` bytes (the last one shorter). The plan,
 the manifest, the file index and the tiers' listings all go through this module, so a key is formatted
@@ -10,13 +16,17 @@ and parsed in one place only.
 """
 from __future__ import annotations
 
+import hashlib
 import re
+import secrets
+import time
 from dataclasses import dataclass
 
 STEP_DIR = "step-"
 MANIFEST = "manifest.msgpack"
 CHECKSUMS = "checksums.msgpack"
-_KEY = re.compile(r"^(?P<job>[^/]+)/step-(?P<step>\d{12,})/"
+INDEX_DIR = "ix-"
+_KEY = re.compile(r"^(?P<job>[^/]+)/step-(?P<step>\d{12,})/(?:(?P<incarnation>ix-[0-9a-f]{8}/[0-9a-f]{6,})/)?"
                   r"(?:(?P<manifest>manifest\.msgpack)|rank-(?P<rank>\d{5,})/(?:(?P<checksums>checksums\.msgpack)"
                   r"|part-(?P<part>\d{6,})))$")
 
@@ -29,10 +39,11 @@ class PartKey:
     step: int
     rank: int
     index: int
+    incarnation: str = ""
 
     @property
     def path(self) -> str:
-        return f"{rank_prefix(self.job, self.step, self.rank)}part-{self.index:06d}"
+        return f"{rank_prefix(self.job, self.step, self.rank, self.incarnation)}part-{self.index:06d}"
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,7 @@ class ParsedKey:
     kind: str
     rank: int | None = None
     index: int | None = None
+    incarnation: str = ""
 
 
 def step_dir(step: int) -> str:
@@ -57,6 +69,20 @@ def parse_step_dir(name: str) -> int | None:
     return int(digits) if name.startswith(STEP_DIR) and digits.isdigit() else None
 
 
+def index_dir(identity: str) -> str:
+    """The folder, inside each step folder, of every incarnation that commits to the index `identity`."""
+    return f"{INDEX_DIR}{hashlib.sha256(identity.encode()).hexdigest()[:8]}"
+
+
+def new_session() -> str:
+    """A fresh session id: time-ordered (hex milliseconds first), so the newest of several is the largest."""
+    return f"{time.time_ns() // 1_000_000:011x}{secrets.token_hex(3)}"
+
+
+def incarnation_dir(identity: str, session: str) -> str:
+    return f"{index_dir(identity)}/{session}"
+
+
 def step_prefix(job: str, step: int) -> str:
     return f"{job}/{step_dir(step)}/"
 
@@ -65,17 +91,22 @@ def job_prefix(job: str) -> str:
     return f"{job}/"
 
 
-def rank_prefix(job: str, step: int, rank: int) -> str:
+def checkpoint_prefix(job: str, step: int, incarnation: str = "") -> str:
+    """Every key one incarnation wrote for a checkpoint ("" : the step folder of formats 1 and 2)."""
+    return f"{step_prefix(job, step)}{incarnation}/" if incarnation else step_prefix(job, step)
+
+
+def rank_prefix(job: str, step: int, rank: int, incarnation: str = "") -> str:
     """Every key one rank writes for a checkpoint (its parts and checksum record)."""
-    return f"{step_prefix(job, step)}rank-{rank:05d}/"
+    return f"{checkpoint_prefix(job, step, incarnation)}rank-{rank:05d}/"
 
 
-def manifest_key(job: str, step: int) -> str:
-    return f"{step_prefix(job, step)}{MANIFEST}"
+def manifest_key(job: str, step: int, incarnation: str = "") -> str:
+    return f"{checkpoint_prefix(job, step, incarnation)}{MANIFEST}"
 
 
-def rank_meta_key(job: str, step: int, rank: int) -> str:
-    return f"{rank_prefix(job, step, rank)}{CHECKSUMS}"
+def rank_meta_key(job: str, step: int, rank: int, incarnation: str = "") -> str:
+    return f"{rank_prefix(job, step, rank, incarnation)}{CHECKSUMS}"
 
 
 def parse_key(key: str) -> ParsedKey | None:
@@ -83,12 +114,12 @@ def parse_key(key: str) -> ParsedKey | None:
     m = _KEY.match(key)
     if m is None:
         return None
-    job, step = m["job"], int(m["step"])
+    job, step, incarnation = m["job"], int(m["step"]), m["incarnation"] or ""
     if m["manifest"]:
-        return ParsedKey(job, step, "manifest")
+        return ParsedKey(job, step, "manifest", incarnation=incarnation)
     if m["checksums"]:
-        return ParsedKey(job, step, "checksums", int(m["rank"]))
-    return ParsedKey(job, step, "part", int(m["rank"]), int(m["part"]))
+        return ParsedKey(job, step, "checksums", int(m["rank"]), incarnation=incarnation)
+    return ParsedKey(job, step, "part", int(m["rank"]), int(m["part"]), incarnation)
 
 
 def part_count(nbytes: int, part_size: int) -> int:

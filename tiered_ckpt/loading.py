@@ -137,7 +137,7 @@ def parts_to_read(manifest: Manifest, reads: Reads) -> dict[tuple[int, int], Par
         for p, expected in enumerate(rank_meta.checksums):
             found = part_views(manifest, rank_meta.rank, p, spans, reads)
             if found is not None:
-                key = PartKey(manifest.job, manifest.step, rank_meta.rank, p).path
+                key = PartKey(manifest.job, manifest.step, rank_meta.rank, p, manifest.incarnation).path
                 length = manifest.part_length(rank_meta.rank, p)
                 parts[(rank_meta.rank, p)] = PartRead(key, found[0], length, expected, found[1], bounce=True)
     return parts

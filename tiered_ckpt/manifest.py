@@ -12,8 +12,8 @@ from .checksum import seal, unseal
 from .errors import IntegrityError
 from .layout import part_count, part_range
 
-FORMAT_VERSION = 2  # 2: sealed records (checksummed); each rank's record carries its skeleton; the index id
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 2: sealed records (checksummed), per-rank skeletons, the index id; 3: incarnation folders
+READABLE_VERSIONS = (1, 2, 3)
 _DECODE_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, msgpack.UnpackException)
 
 
@@ -94,6 +94,7 @@ class Manifest:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     version: int = FORMAT_VERSION
     index: str = ""  # the index this checkpoint was committed to (its identity; "" in format 1)
+    incarnation: str = ""  # the folder its keys are under (layout.incarnation_dir; "" before format 3)
 
     @property
     def nbytes(self) -> int:

@@ -15,7 +15,7 @@ from typing import Iterator, Mapping, Protocol
 
 from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable
 from .index import CheckpointStatus, Index
-from .layout import step_prefix
+from .layout import index_dir, parse_key, step_prefix
 from .tier_io import TierIO
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,22 @@ class Retention:
 
     async def _remove_data(self, step: int, tiers: list[str]) -> None:
         for name in tiers:
-            await self.tiers[name].delete(step_prefix(self.job, step))
+            await self._remove_from_tier(name, step)
+
+    async def _remove_from_tier(self, tier: str, step: int) -> None:
+        """Every folder this index's incarnations wrote for `step` (and the folder-less keys of formats 1
+        and 2). Another index's folders stay: an unrelated run sharing the tier's path and job name."""
+        prefix = step_prefix(self.job, step)
+        keys = await self.tiers[tier].list(prefix)
+        mine = index_dir(self.index.identity)
+        parsed = [(key, parse_key(key)) for key in keys]
+        if all(p is None or not p.incarnation or p.incarnation.startswith(mine + "/") for _, p in parsed):
+            await self.tiers[tier].delete(prefix)  # the usual case: one call removes the step folder
+            return
+        await self.tiers[tier].delete(f"{prefix}{mine}/")
+        for key, p in parsed:
+            if p is not None and not p.incarnation:
+                await self.tiers[tier].delete(key)
 
     async def drop(self, status: CheckpointStatus, tier: str) -> None:
         """Remove `status.step` from one tier: the index record first (rank 0 keeps the books), then the
@@ -153,7 +168,7 @@ class Retention:
                 await self.index.bury(self.job, status.step)
             await self.index.unmark(self.job, status.step, tier)
         if tier in self.tiers:
-            await self.tiers[tier].delete(step_prefix(self.job, status.step))
+            await self._remove_from_tier(tier, status.step)
         if not status.complete - {tier}:
             self.complete.discard(status.step)
         if self.rank == 0 and last:

@@ -209,7 +209,8 @@ class SaveJob:
             job=self.job, step=self.step, world_size=plan.world_size, part_size=plan.part_size,
             checksum=ALGORITHM, tensors=plan.tensors,
             ranks=tuple(RankMeta(r, n) for r, n in enumerate(plan.rank_nbytes)),
-            skeleton=self._skeleton(), created=time.time(), metadata=self.metadata, index=self.commit.index.identity)
+            skeleton=self._skeleton(), created=time.time(), metadata=self.metadata, index=self.commit.index.identity,
+            incarnation=self.commit.incarnation)
         data = manifest.to_bytes()
         await self.commit.put_manifest(self.step, data)
         return data
@@ -245,9 +246,9 @@ class SaveJob:
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
                 raise failed[0]
-            blobs = [(rank_meta_key(self.job, self.step, rank), await self._rank_meta_bytes())]
+            blobs = [(rank_meta_key(self.job, self.step, rank, self.commit.incarnation), await self._rank_meta_bytes())]
             if rank == 0:
-                blobs.append((manifest_key(self.job, self.step), await self._manifest_bytes()))
+                blobs.append((manifest_key(self.job, self.step, self.commit.incarnation), await self._manifest_bytes()))
             for key, data in blobs:
                 await self.io.write(tier, key, memoryview(data))
             written = [self._part_key(p) for p in range(self.plan.num_parts)]
@@ -276,9 +277,9 @@ class SaveJob:
             if tier in self._marked:  # this rank committed its share: a slow rank may still complete the tier
                 self.handle.set_done(tier, error)
                 continue
-            keys = [rank_prefix(self.job, self.step, self.plan.rank)]
+            keys = [rank_prefix(self.job, self.step, self.plan.rank, self.commit.incarnation)]
             if self.plan.rank == 0:
-                keys.append(manifest_key(self.job, self.step))
+                keys.append(manifest_key(self.job, self.step, self.commit.incarnation))
             try:
                 for key in keys:
                     await self.io.pipelines[tier].attempt(lambda k=key: self.io[tier].delete(k), f"delete {key}")
@@ -288,7 +289,7 @@ class SaveJob:
             self.handle.set_done(tier, error)
 
     def _part_key(self, p: int) -> str:
-        return PartKey(self.job, self.step, self.plan.rank, p).path
+        return PartKey(self.job, self.step, self.plan.rank, p, self.commit.incarnation).path
 
     async def _write_part(self, tier: str, p: int) -> None:
         ok = False

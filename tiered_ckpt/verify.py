@@ -34,7 +34,7 @@ async def verify(io: TierIO, status: CheckpointStatus, manifest: Manifest,
 
         async def check(rank: int, p: int, expected: int) -> None:
             length = manifest.part_length(rank, p)
-            part = PartRead(PartKey(manifest.job, manifest.step, rank, p).path, [memoryview(bytearray(length))],
+            part = PartRead(PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path, [memoryview(bytearray(length))],
                             length, expected)
             log = ReadLog()
             try:
@@ -55,8 +55,8 @@ async def verify(io: TierIO, status: CheckpointStatus, manifest: Manifest,
 async def _check_records(io: TierIO, tier: str, manifest: Manifest) -> list[str]:
     """The tier's copies of the manifest and the rank records: present and intact."""
     bad = []
-    records = [(manifest_key(manifest.job, manifest.step), lambda data, src: Manifest.from_bytes(data, source=src))]
-    records += [(rank_meta_key(manifest.job, manifest.step, r.rank),
+    records = [(manifest_key(manifest.job, manifest.step, manifest.incarnation), lambda data, src: Manifest.from_bytes(data, source=src))]
+    records += [(rank_meta_key(manifest.job, manifest.step, r.rank, manifest.incarnation),
                  lambda data, src: RankMeta.from_bytes(data, source=src)) for r in manifest.ranks]
     for key, parse in records:
         try:

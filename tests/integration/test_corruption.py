@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.layout import PartKey
+from tiered_ckpt.layout import PartKey, manifest_key
 
 
 def part_file(engine, tier, index):
-    return Path(engine.tiers[tier].root) / PartKey("test", 1, 0, index).path
+    return Path(engine.tiers[tier].root) / PartKey("test", 1, 0, index, engine.incarnation).path
 
 
 async def saved(engine):
@@ -28,7 +28,7 @@ async def test_flipped_byte_falls_back_to_disk(engine):
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     info = await engine.load(out)
     assert all(torch.equal(out[k], state[k]) for k in state)
-    assert [(f.part, f.tier) for f in info.fallbacks] == [(PartKey("test", 1, 0, 2).path, "host")]
+    assert [(f.part, f.tier) for f in info.fallbacks] == [(PartKey("test", 1, 0, 2, engine.incarnation).path, "host")]
     assert "crc32c" in info.fallbacks[0].reason
     assert info.bytes_by_tier["disk"] == 64 * 1024 and info.tier == "host"
 
@@ -121,7 +121,7 @@ async def test_bit_flips_in_metadata_never_load_wrong_data(engine, tmp_path):
 async def test_no_intact_manifest_anywhere_is_an_error_naming_every_copy(engine, tmp_path):
     state = await saved(engine)
     copies = [next((tmp_path / "index").rglob("manifest"))] + [
-        Path(engine.tiers[t].root) / "test/step-000000000001/manifest.msgpack" for t in ("host", "disk")]
+        Path(engine.tiers[t].root) / manifest_key("test", 1, engine.incarnation) for t in ("host", "disk")]
     for path in copies:
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x10
@@ -134,7 +134,7 @@ async def test_verify_reports_a_corrupt_manifest_copy(engine):
     from tiered_ckpt.verify import verify
 
     await saved(engine)
-    path = Path(engine.tiers["disk"].root) / "test/step-000000000001/manifest.msgpack"
+    path = Path(engine.tiers["disk"].root) / manifest_key("test", 1, engine.incarnation)
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01
     path.write_bytes(bytes(data))

@@ -180,3 +180,30 @@ async def test_a_server_that_is_not_redis_at_the_index_url_is_a_clear_error(tmp_
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_zombie_writer_never_overwrites_what_the_new_incarnation_committed(tmp_path, shm_dir, redis_server,
+                                                                                   monkeypatch):
+    """An old incarnation's save of step 1 is stalled in its part writes while a new incarnation fences it and
+    commits its own step 1. When the zombie's writes go through, they land in its own folder: the committed
+    step 1 still loads exactly, and the zombie's commit is refused."""
+    url = redis_server().url
+    async with tc.Engine(stack(tmp_path, shm_dir, url)) as zombie:
+        release = asyncio.Event()
+        for tier in zombie.tiers.values():
+            async def held(key, data, real_write=tier.write):
+                await release.wait()
+                return await real_write(key, data)
+
+            monkeypatch.setattr(tier, "write", held)
+        stalled = await zombie.save(1, state(1.0))
+        async with tc.Engine(stack(tmp_path, shm_dir, url)) as successor:
+            await (await successor.save(1, state(2.0))).wait()
+            release.set()
+            with pytest.raises(tc.SaveError, match="FENCED|earlier incarnation"):
+                await stalled.wait()
+            assert zombie.incarnation != successor.incarnation
+            for tier in ("host", "disk"):
+                out = state(0.0)
+                info = await successor.load(out, tiers=[tier])
+                assert info.step == 1 and torch.all(out["w"] == 2.0) and not info.fallbacks, tier

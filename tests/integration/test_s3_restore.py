@@ -5,6 +5,7 @@ import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt.config import parse_config
+from tiered_ckpt.layout import rank_meta_key
 
 
 def stack(tmp_path, index_dir, endpoint, bucket, *, local: bool, every: int = 1, adopt: bool = False):
@@ -43,7 +44,7 @@ async def test_a_half_written_checkpoint_on_s3_is_not_complete(tmp_path, s3_buck
         await (await engine.save(1, state(1.0))).wait()
         await (await engine.save(2, state(2.0))).wait()
         s3 = engine.tiers["s3"]
-        await s3.delete("gpt/step-000000000002/rank-00000/checksums.msgpack")  # as if the writer died before it
+        await s3.delete(rank_meta_key("gpt", 2, 0, engine.incarnation))  # as if the writer died before it
     async with tc.Engine(stack(tmp_path, tmp_path / "fresh-index", *s3_bucket, local=False, adopt=True)) as engine:
         out = state(0.0)
         assert (await engine.load(out)).step == 1 and torch.all(out["w"] == 1.0)

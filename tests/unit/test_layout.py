@@ -1,8 +1,13 @@
 """Storage keys are built and parsed in one module; what it builds, it parses back."""
+import time
+
 from tiered_ckpt.layout import (
     ParsedKey,
     PartKey,
+    incarnation_dir,
+    index_dir,
     manifest_key,
+    new_session,
     parse_key,
     parse_step_dir,
     part_range,
@@ -16,6 +21,24 @@ def test_keys_parse_back_to_what_built_them():
     assert parse_key(manifest_key("gpt", 5)) == ParsedKey("gpt", 5, "manifest")
     assert parse_key(rank_meta_key("gpt", 5, 12)) == ParsedKey("gpt", 5, "checksums", 12)
     assert parse_step_dir(step_dir(2**40)) == 2**40
+    folder = incarnation_dir("file:///runs/a/index", new_session())
+    assert parse_key(PartKey("gpt", 7, 1, 2, folder).path) == ParsedKey("gpt", 7, "part", 1, 2, folder)
+    assert parse_key(manifest_key("gpt", 7, folder)) == ParsedKey("gpt", 7, "manifest", incarnation=folder)
+    assert parse_key(rank_meta_key("gpt", 7, 1, folder)) == ParsedKey("gpt", 7, "checksums", 1, incarnation=folder)
+
+
+def test_incarnations_never_share_a_key_and_sessions_sort_by_time():
+    """A zombie of an earlier opening writes under its own folder, never over a newer one's keys; the
+    tiers' listing takes the newest session of a step, so session ids must sort by creation time."""
+    first = new_session()
+    time.sleep(0.002)
+    second = new_session()
+    assert first < second
+    index = "redis://h:6379/0"
+    assert PartKey("gpt", 7, 0, 0, incarnation_dir(index, first)).path != \
+        PartKey("gpt", 7, 0, 0, incarnation_dir(index, second)).path
+    assert index_dir(index) != index_dir("file:///elsewhere")
+    assert incarnation_dir(index, first).startswith(index_dir(index) + "/")
 
 
 def test_foreign_and_temporary_names_are_not_keys():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.layout import PartKey
+from tiered_ckpt.layout import PartKey, parse_key
 
 
 def state_of(value: float, n: int = 50_000):
@@ -219,7 +219,7 @@ async def test_retention_spares_a_checkpoint_being_loaded(make_config, monkeypat
         real_read_into, reading, release = host.read_into, asyncio.Event(), asyncio.Event()
 
         async def held_read_into(key, out):
-            if key.endswith("step-000000000001/rank-00000/part-000000"):  # hold one read (one worker slot)
+            if "step-000000000001/" in key and key.endswith("rank-00000/part-000000"):  # hold one read (one worker slot)
                 reading.set()
                 await release.wait()
             return await real_read_into(key, out)
@@ -309,3 +309,33 @@ async def test_a_lost_or_garbled_newest_record_is_reported_not_silently_rolled_b
     assert "index" in status[2].failed and not status[2].is_complete
     info, out = await load_values(engine, step=3)  # and either can still be loaded explicitly
     assert info.step == 3 and torch.all(out["w"] == 3.0)
+
+
+async def test_unrelated_runs_sharing_a_memory_path_and_job_name_keep_their_own_bytes(tmp_path, make_config):
+    """Two runs in different directories (two file indexes) use the same /dev/shm path and job name. The
+    second one's saves and retention of the same step numbers neither overwrite nor delete the first's."""
+    first = make_config(tiers=[{"keep_last": 1}])
+    second = make_config(tiers=[{"keep_last": 1}, {"path": str(tmp_path / "disk2")}], index=f"file://{tmp_path}/index2")
+    async with tc.Engine(first) as a:
+        await (await a.save(1, state_of(1.0))).wait()
+        async with tc.Engine(second) as b:
+            for step in (1, 2):
+                await (await b.save(step, state_of(10.0 + step))).wait()  # retires b's step 1 on host
+        info, out = await load_values(a, tiers=["host"])
+        assert info.step == 1 and torch.all(out["w"] == 1.0) and not info.fallbacks
+
+
+async def test_with_the_index_lost_the_newest_whole_incarnation_of_a_step_is_loaded(tmp_path, make_config):
+    """Step 1 saved twice, by two openings, the index lost in between and after: the tiers hold two folders
+    of step 1, and a load from the tiers takes the newer one."""
+    import shutil
+
+    config = make_config()
+    for value in (1.0, 2.0):
+        async with tc.Engine(config) as engine:
+            await (await engine.save(1, state_of(value))).wait()
+        shutil.rmtree(tmp_path / "index")
+    async with tc.Engine(config) as engine:
+        assert len({p.incarnation for p in map(parse_key, await engine.tiers["disk"].list("test/")) if p}) == 2
+        info, out = await load_values(engine)
+        assert info.step == 1 and torch.all(out["w"] == 2.0)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import uuid
 from typing import Any
 
 import torch.distributed as dist
 
 from ..errors import RankFailed
+from ..layout import new_session
 
 
 class Coordinator:
@@ -28,7 +28,7 @@ class Coordinator:
         self.group = group
         self.collectives = 0  # how many collectives this coordinator issued (tests count them)
         self.timeout = 600.0  # seconds, for the subgroups too
-        self.session = uuid.uuid4().hex[:12]
+        self.session = new_session()  # names this opening's key folder on the tiers
         self._subgroups: dict[tuple[int, ...], Any] = {}
 
     @classmethod

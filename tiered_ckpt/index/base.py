@@ -26,6 +26,7 @@ class CheckpointStatus:
     failed: dict[str, str] = field(default_factory=dict)
     created: float = 0.0
     foreign: str | None = None  # found on the tiers, committed to another index (its identity)
+    incarnation: str | None = None  # found on the tiers: the folder holding it (None: the index knows)
 
     @property
     def is_complete(self) -> bool:

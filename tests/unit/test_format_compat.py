@@ -1,0 +1,57 @@
+"""Checkpoints written by an earlier release (format 2: no incarnation folders) still list, load, verify and
+delete. tests/data/format2 was saved by the release before format 3 (see the state below)."""
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiered_ckpt as tc
+from tiered_ckpt.config import parse_config
+from tiered_ckpt.verify import verify
+
+DATA = Path(__file__).parent.parent / "data" / "format2"
+
+
+def saved_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(40_000, generator=g), "b": torch.arange(10, dtype=torch.int64), "extra": {"lr": 0.5}}
+
+
+@pytest.fixture
+def old_checkpoint(tmp_path):
+    root = tmp_path / "format2"
+    shutil.copytree(DATA, root)
+    return root
+
+
+def config(root: Path, **engine) -> tc.Config:
+    return parse_config({"engine": {"job": "old", "index": f"file://{root}/index", "part_size": "64KiB", **engine},
+                         "tiers": [{"name": "disk", "kind": "local", "path": str(root / "disk")}]})
+
+
+def zeros() -> dict:
+    return {"w": torch.zeros(40_000), "b": torch.zeros(10, dtype=torch.int64), "extra": {"lr": None}}
+
+
+async def test_a_format_2_checkpoint_loads_verifies_and_deletes(old_checkpoint):
+    async with tc.Engine(config(old_checkpoint)) as engine:
+        out = zeros()
+        info = await engine.load(out)
+        expected = saved_state()
+        assert info.step == 3 and torch.equal(out["w"], expected["w"]) and torch.equal(out["b"], expected["b"])
+        assert out["extra"] == {"lr": 0.5}
+        manifest = await engine.read_manifest(3)
+        assert manifest.version == 2 and manifest.incarnation == ""
+        assert all(r.ok for r in await verify(engine.io, await engine.status(3), manifest))
+        await (await engine.save(4, saved_state())).wait()  # new saves beside it use the new layout
+        await engine.delete(3)
+        assert not [k for k in await engine.tiers["disk"].list("old/") if "step-000000000003" in k]
+        assert [c.step async for c in engine.list()] == [4]
+
+
+async def test_a_format_2_checkpoint_loads_from_the_tier_alone(old_checkpoint):
+    shutil.rmtree(old_checkpoint / "index")
+    async with tc.Engine(config(old_checkpoint, adopt=True)) as engine:  # format 2 named the old index's path
+        out = zeros()
+        assert (await engine.load(out)).step == 3 and torch.equal(out["w"], saved_state()["w"])
