@@ -17,9 +17,18 @@ from typing import Sequence
 
 from .errors import RankFailed, TierTimeout
 from .index import Index
+from .index.base import SKIPPED, superseded_by
 from .layout import incarnation_dir
 
 log = logging.getLogger(__name__)
+
+
+class Superseded(Exception):
+    """A tier skipped this save for a newer one (this rank decided, or another rank did)."""
+
+    def __init__(self, newer: int):
+        super().__init__(f"{SKIPPED}{newer}")
+        self.newer = newer
 
 
 class Committer:
@@ -58,6 +67,9 @@ class Committer:
             if state.state == "complete":
                 return
             if state.state == "failed":
+                newer = superseded_by(state.reason)
+                if newer is not None:
+                    raise Superseded(newer)
                 raise RankFailed(f"step {step}: {state.reason}", tier=tier)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - state.ranks_done)
@@ -65,6 +77,22 @@ class Committer:
                                   f"ranks {missing} never reported their parts durable", tier=tier)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)
+
+    async def skip_tier(self, step: int, tier: str, newer: int) -> None:
+        """This rank skips `tier` for `step` (a newer save superseded it there): recorded where every rank's
+        wait sees it, so every rank skips the tier for this step too and none waits for a commit."""
+        log.info("checkpoint step %d skips tier %s: it cannot keep up, and step %d supersedes it", step, tier, newer)
+        try:
+            await self.index.mark_failed(self.job, step, tier, self.rank, self.session, f"{SKIPPED}{newer}")
+        except Exception as e:
+            log.warning("could not record that tier %s skipped step %d: %s", tier, step, e)
+
+    async def skipped(self, step: int, tier: str) -> int | None:
+        """The newer step for which another rank skipped `tier` for `step`; None if none did."""
+        if self.world_size == 1:
+            return None
+        state = await self.index.tier_state(self.job, step, tier, self.session)
+        return superseded_by(state.reason) if state.state == "failed" else None
 
     async def fail_tier(self, step: int, tier: str, error: BaseException) -> BaseException:
         """Record this rank's failure on `tier` where every rank sees it; return the error to raise here."""

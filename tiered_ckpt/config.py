@@ -42,6 +42,7 @@ class TierConfig:
     inflight: int = field(default=256 * 2**20, metadata=SIZE)
     retries: int = 3
     timeout: float = 300.0
+    skip_when_behind: bool = True  # a save still waiting for the tier when a newer one arrives is skipped there
     options: Any = None  # the driver's own frozen Options dataclass
 
 

@@ -55,6 +55,8 @@ class Engine:
         self.planner = Planner(config.engine.part_size, self.coordinator)
         self.retention = self._retention()
         self._jobs: list[SaveJob] = []
+        # saves in flight: those holding staging buffers, and per tier one writing and one waiting its turn
+        self._max_jobs = config.engine.max_inflight + 2 * len(config.tiers)
         self._unobserved: list[SaveHandle] = []
         self._services: SaveServices | None = None
         self._writer = False  # a reader until its first save: readers never fence and never delete
@@ -173,6 +175,8 @@ class Engine:
         events = producer_events(flat.tensors) if ready_events is None else ready_events
         handle = SaveHandle(step, targets)
         plan = await self.planner.plan(flat.paths, flat.tensors)
+        while len(self._jobs) >= self._max_jobs:  # bounded: a burst waits here, like a full staging pool
+            await asyncio.wait([j.task for j in self._jobs if j.task is not None], return_when=asyncio.FIRST_COMPLETED)
         if self.pool.exhausted:
             for job in self._jobs:
                 job.request_detach()

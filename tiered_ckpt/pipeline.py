@@ -2,13 +2,16 @@
 timeouts, and bounded retries with exponential backoff and jitter for retryable tier errors.
 
 Submitters wait while the pipeline is full (backpressure); an item larger than the whole budget runs only
-when nothing else is in flight, so it can never deadlock.
+when nothing else is in flight, so it can never deadlock. Saves take turns on a tier (`SaveTurns`): one
+writes, one waits, and a newer save supersedes the one waiting, so a tier that cannot keep up skips to
+the newest checkpoint instead of queueing every one.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
+from collections import deque
 from typing import Awaitable, Callable, TypeVar
 
 from .errors import TierError, TierTimeout
@@ -34,9 +37,50 @@ class ByteBudget:
             self._cond.notify_all()
 
 
+class SaveTurns:
+    """One save writes to the tier at a time, the others wait in order. With `skip` (the default), at most
+    one waits: when a newer save arrives, the waiting one is superseded (`take` returns the newer step), since
+    its checkpoint would be stale by the time the tier got to it, and queueing every save of a burst grows
+    memory and jobs in flight without bound."""
+
+    def __init__(self, skip: bool = True) -> None:
+        self.skip = skip
+        self._busy = False
+        self._waiting: deque[asyncio.Future[int | None]] = deque()
+
+    async def take(self, step: int) -> int | None:
+        """None once it is `step`'s turn (call `give` after); else the newer step that superseded it."""
+        if not self._busy:
+            self._busy = True
+            return None
+        if self.skip:
+            while self._waiting:
+                superseded = self._waiting.popleft()
+                if not superseded.done():
+                    superseded.set_result(step)
+        turn: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        try:
+            return await turn
+        except asyncio.CancelledError:
+            if turn in self._waiting:
+                self._waiting.remove(turn)
+            elif turn.done() and not turn.cancelled() and turn.result() is None:
+                self.give()  # the turn was handed over just as this waiter was cancelled: pass it on
+            raise
+
+    def give(self) -> None:
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():  # (a waiter being cancelled)
+                turn.set_result(None)  # the tier stays busy: it is this waiter's turn
+                return
+        self._busy = False
+
+
 class TierPipeline:
     def __init__(self, name: str, *, workers: int, inflight: int, retries: int, timeout: float,
-                 backoff: float = 0.2, max_backoff: float = 10.0):
+                 backoff: float = 0.2, max_backoff: float = 10.0, skip_when_behind: bool = True):
         self.name = name
         self.retries = retries
         self.timeout = timeout
@@ -44,6 +88,7 @@ class TierPipeline:
         self.max_backoff = max_backoff
         self._workers = asyncio.Semaphore(workers)
         self._budget = ByteBudget(inflight)
+        self.turns = SaveTurns(skip_when_behind)
         self.retried = 0  # ops that needed more than one attempt (for tests and stats)
 
     async def submit(self, nbytes: int, op: Callable[[], Awaitable[T]], what: str) -> T:

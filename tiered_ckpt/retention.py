@@ -48,10 +48,8 @@ class BusySteps:
             if not self._loads[step]:
                 del self._loads[step]
 
-    def steps(self, *, besides: int | None = None) -> set[int]:
-        busy = {s for s, h in self._saves.items() if not h.done()} | set(self._loads)
-        busy.discard(besides)  # type: ignore[arg-type]
-        return busy
+    def steps(self) -> set[int]:
+        return {s for s, h in self._saves.items() if not h.done()} | set(self._loads)
 
 
 class Retention:
@@ -66,6 +64,8 @@ class Retention:
         self.busy = BusySteps()
         self.complete: set[int] = set()  # steps complete on some tier, as far as this process knows
         self._lock = asyncio.Lock()
+        self._next_pass: dict[str, asyncio.Future[None]] = {}  # per tier: the pass that has not started yet
+        self._finishing: dict[str, set[int]] = {}  # per tier: saves waiting for that pass (not busy for it)
 
     async def clear_crashed_attempt(self, step: int) -> None:
         """Before saving `step` (single rank): remove what a crashed earlier attempt at it left. With several
@@ -80,18 +80,30 @@ class Retention:
 
     async def apply(self, tier: str, *, finishing: int | None = None) -> None:
         """Apply keep_last on `tier` as save `finishing` ends. Only complete checkpoints count, so a save in
-        flight never pushes out the last complete one; other busy steps are untouched."""
-        keep_last = self.keep_last.get(tier)
-        if keep_last is None:
+        flight never pushes out the last complete one; other busy steps are untouched. Saves that finish while
+        a pass runs share the next pass: in a burst, retention costs one pass per pass, not one per save."""
+        if self.keep_last.get(tier) is None:
             return
+        if finishing is not None:
+            self._finishing.setdefault(tier, set()).add(finishing)
+        next_pass = self._next_pass.get(tier)
+        if next_pass is None:
+            next_pass = self._next_pass[tier] = asyncio.ensure_future(self._pass(tier))
+        await asyncio.shield(next_pass)
+
+    async def _pass(self, tier: str) -> None:
         async with self._lock:
+            self._next_pass.pop(tier, None)  # from here, a save that finishes waits for the pass after this one
+            finishing = self._finishing.pop(tier, set())
+            keep_last = self.keep_last[tier]
+            assert keep_last is not None
             try:
                 statuses = await self.index.list(self.job)
                 complete = sorted(s.step for s in statuses if tier in s.complete)
                 if not complete:
                     return
                 oldest_kept = complete[-keep_last:][0]
-                busy = self.busy.steps(besides=finishing)
+                busy = self.busy.steps() - finishing
                 for s in statuses:
                     if tier in s.tiers and s.step < oldest_kept and s.step not in busy:
                         await self.drop(s, tier)

@@ -14,10 +14,10 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
 from .checksum import ALGORITHM, checksum
-from .commit import Committer
+from .commit import Committer, Superseded
 from .errors import IntegrityError, SaveError, TierNotFound
 from .layout import PartKey, manifest_key, rank_meta_key, rank_prefix
 from .manifest import Manifest, RankMeta
@@ -55,6 +55,7 @@ class SaveHandle:
         self.observed = False
         self.started = time.perf_counter()
         self.durable_at: dict[str, float] = {}  # seconds from save() to durable, per tier
+        self.skipped: dict[str, int] = {}  # tiers that could not keep up and skipped this save → the newer step
 
     async def staged(self) -> None:
         """Return once the tensors are copied to host buffers (raise if staging failed)."""
@@ -92,6 +93,11 @@ class SaveHandle:
 
     def set_done(self, tier: str, error: BaseException | None = None) -> None:
         _resolve(self._done[tier], error)
+
+    def set_skipped(self, tier: str, newer: int) -> None:
+        """Done on `tier` without writing it: a newer save superseded this one there (not an error)."""
+        self.skipped[tier] = newer
+        _resolve(self._done[tier], None)
 
     def cancel(self) -> None:
         for fut in (self._staged, *self._done.values()):
@@ -233,6 +239,42 @@ class SaveJob:
         return data
 
     async def _persist_tier(self, tier: str) -> None:
+        """Wait for this save's turn on the tier; a newer save may supersede it meanwhile (or another rank
+        may have skipped it), and then the tier skips it. Else write it; the turn passes on once this rank's
+        parts and records are written, so the next save writes while this one waits for its commit."""
+        turns = self.io.pipelines[tier].turns
+        newer = await turns.take(self.step)
+        if newer is not None:
+            await self.commit.skip_tier(self.step, tier, newer)
+            self._skip(tier, newer)
+            return
+        given = False
+
+        def give_turn() -> None:
+            nonlocal given
+            if not given:
+                given = True
+                turns.give()
+
+        try:
+            try:
+                newer = await self.commit.skipped(self.step, tier)
+            except Exception:  # the index is down: write, and let the commit name the problem
+                newer = None
+            if newer is not None:
+                self._skip(tier, newer)
+                return
+            await self._write_tier(tier, give_turn)
+        finally:
+            give_turn()
+
+    def _skip(self, tier: str, newer: int) -> None:
+        for p in range(self.plan.num_parts):
+            self._settled(p, ok=False)
+        self.handle.durable_at[tier] = time.perf_counter() - self.handle.started
+        self.handle.set_skipped(tier, newer)
+
+    async def _write_tier(self, tier: str, give_turn: Callable[[], None]) -> None:
         """Parts, then records (checksums; the manifest from rank 0), then a check that nothing vanished,
         then the commit; retention once the tier is complete."""
         handle, rank = self.handle, self.plan.rank
@@ -251,6 +293,7 @@ class SaveJob:
                 blobs.append((manifest_key(self.job, self.step, self.commit.incarnation), await self._manifest_bytes()))
             for key, data in blobs:
                 await self.io.write(tier, key, memoryview(data))
+            give_turn()
             written = [self._part_key(p) for p in range(self.plan.num_parts)]
             gone = await self.io[tier].missing(written + [key for key, _ in blobs])
             if gone:  # e.g. a cache that restarted empty mid-save: never commit what is no longer there
@@ -260,6 +303,10 @@ class SaveJob:
             self._marked.add(tier)  # from here another rank's marker may still complete the tier: keep the parts
             await self.commit.wait_complete(self.step, tier)
             self.retention.complete.add(self.step)  # saving this step again is refused from now on
+        except Superseded as e:  # another rank skipped the tier for this step while this rank wrote it
+            handle.durable_at[tier] = time.perf_counter() - handle.started
+            handle.set_skipped(tier, e.newer)
+            return
         except Exception as e:
             error = await self.commit.fail_tier(self.step, tier, e)
         handle.durable_at[tier] = time.perf_counter() - handle.started
@@ -299,11 +346,16 @@ class SaveJob:
             ok = True
             self._holders[p].append(tier)
         finally:
-            self._pending[p] -= 1
-            if (ok and len(self._holders[p]) == 1) or (not ok and self._pending[p] == 0 and not self._holders[p]):
-                self._unsafe -= 1
-                if self._unsafe == 0:
-                    self._safe.set()
+            self._settled(p, ok)
+
+    def _settled(self, p: int, ok: bool) -> None:
+        """One tier is done with part p (`ok`: it holds it now). The part is safe once a tier holds it, and
+        lost for good once every tier is done and none holds it: either way nobody waits on it any more."""
+        self._pending[p] -= 1
+        if (ok and len(self._holders[p]) == 1) or (not ok and self._pending[p] == 0 and not self._holders[p]):
+            self._unsafe -= 1
+            if self._unsafe == 0:
+                self._safe.set()
 
     @asynccontextmanager
     async def _part_bytes(self, p: int) -> AsyncIterator[memoryview]:

@@ -88,7 +88,8 @@ class TierIO:
         self.configs = {t.name: t for t in configs}
         self.drivers: dict[str, Tier] = {t.name: driver_class(t.kind)(t.name, t.options) for t in configs}
         self.pipelines = {t.name: TierPipeline(t.name, workers=t.workers, inflight=t.inflight, retries=t.retries,
-                                               timeout=t.timeout) for t in configs}
+                                               timeout=t.timeout, skip_when_behind=t.skip_when_behind)
+                          for t in configs}
         # CPU work (staging copies, checksums, scatters) on one pool; each tier's I/O on its own, sized to its
         # pipeline: a disk blocked in fsync must not starve the memory tier, whose speed is what lets the
         # next save reuse the staging buffer early.

@@ -155,3 +155,33 @@ async def _train_while_saving(rank: int, world: int, root: str) -> dict[int, boo
 def test_training_collectives_while_saves_persist_do_not_deadlock(tmp_path):
     results = run_ranks(_train_while_saving, 2, str(tmp_path), timeout=120)
     assert results == [{step: True for step in range(2, 13, 2)}] * 2
+
+
+async def _burst_with_one_slow_rank(rank: int, world: int, root: str) -> dict:
+    cfg = config(root, commit_timeout=60.0)
+    async with tc.Engine(cfg) as engine:
+        if rank == 1:  # only this rank's disk is slow: only it decides to skip
+            disk = engine.tiers["disk"]
+
+            async def slow_write(key, data, real_write=disk.write):
+                await asyncio.sleep(0.02)
+                return await real_write(key, data)
+
+            disk.write = slow_write
+        handles = [await engine.save(step, replicated_state(float(step))) for step in range(1, 13)]
+        for h in handles:
+            await h.wait()  # a skip on one rank is a skip on every rank, never a RankFailed or a timeout
+        complete = {c.step: sorted(c.complete) async for c in engine.list()}
+        out = {k: torch.zeros_like(v) for k, v in replicated_state(0.0).items()}
+        info = await engine.load(out, tiers=["disk"])
+        return {"skipped": {h.step: h.skipped.get("disk") for h in handles}, "complete": complete,
+                "loaded": (info.step, all(torch.equal(out[k], v) for k, v in replicated_state(12.0).items()))}
+
+
+def test_a_tier_skipping_saves_on_one_rank_skips_them_on_every_rank(tmp_path):
+    results = run_ranks(_burst_with_one_slow_rank, 2, str(tmp_path))
+    assert results[0]["skipped"] == results[1]["skipped"]
+    skipped = {step for step, newer in results[0]["skipped"].items() if newer is not None}
+    assert skipped, "the slow rank never fell behind: the test proves nothing"
+    assert all("disk" not in results[0]["complete"].get(step, []) for step in skipped)
+    assert results[0]["complete"][12] == ["disk", "host"] and results[0]["loaded"] == (12, True)

@@ -51,7 +51,8 @@ async def test_a_plain_save_returns_after_copying(engine):
 
 async def test_max_inflight_makes_the_next_save_wait_never_drop(make_config):
     # one buffer, a slow disk: save 2 must wait until save 1's parts are on the memory tier, then proceed
-    async with tc.Engine(make_config(max_inflight=1)) as engine:
+    # (with skip_when_behind = false every save reaches every tier, however far behind the disk is)
+    async with tc.Engine(make_config(max_inflight=1, tiers=[{}, {"skip_when_behind": False}])) as engine:
         handles = []
         for step in range(1, 6):
             handles.append(await engine.save(step, state_of(float(step))))
@@ -339,3 +340,36 @@ async def test_with_the_index_lost_the_newest_whole_incarnation_of_a_step_is_loa
         assert len({p.incarnation for p in map(parse_key, await engine.tiers["disk"].list("test/")) if p}) == 2
         info, out = await load_values(engine)
         assert info.step == 1 and torch.all(out["w"] == 2.0)
+
+
+async def test_a_tier_that_cannot_keep_up_skips_to_the_newest_and_retention_holds_during_a_burst(make_config,
+                                                                                              monkeypatch):
+    """30 saves in a row with keep_last = 2 and a disk far slower than the saves: the disk skips saves that
+    a newer one superseded while they waited (reported in the handle and in list()), jobs in flight stay
+    bounded, and the disk never holds more than keep_last complete checkpoints plus those committing."""
+    async with tc.Engine(make_config(tiers=[{"keep_last": 2}, {"keep_last": 2}])) as engine:
+        disk = engine.tiers["disk"]
+
+        async def slow_write(key, data, real_write=disk.write):
+            await asyncio.sleep(0.01)
+            return await real_write(key, data)
+
+        monkeypatch.setattr(disk, "write", slow_write)
+        handles, most_jobs, most_on_disk = [], 0, 0
+        for step in range(1, 31):
+            handles.append(await engine.save(step, state_of(float(step))))
+            most_jobs = max(most_jobs, len(engine._jobs))
+            most_on_disk = max(most_on_disk, sum("disk" in c.complete for c in await engine.statuses()))
+        for h in handles:
+            await h.wait()  # skipping is not an error
+        skipped = {h.step: h.skipped["disk"] for h in handles if "disk" in h.skipped}
+        assert skipped and all(newer > step for step, newer in skipped.items())
+        assert not any(h.skipped.get("host") for h in handles[-1:]) and handles[-1].skipped == {}
+        assert most_jobs <= engine.config.engine.max_inflight + 2 * 2, most_jobs
+        assert most_on_disk <= 2 + 2, most_on_disk  # keep_last, and the saves whose retention pass is next
+        listing = [c async for c in engine.list()]
+        assert [c.step for c in listing if "disk" in c.complete] == [29, 30] or \
+            [c.step for c in listing if "disk" in c.complete][-1] == 30
+        assert all(c.skipped["disk"] > c.step for c in listing if "disk" in c.tiers and "disk" not in c.complete)
+        _, out = await load_values(engine, tiers=["disk"])
+        assert torch.all(out["w"] == 30.0)

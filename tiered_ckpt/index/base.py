@@ -14,8 +14,18 @@ short (`buried`).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
+
+SKIPPED = "skipped: superseded by step "  # a tier's failure reason when it skipped a save for a newer one
+_SKIPPED = re.compile(re.escape(SKIPPED) + r"(\d+)")
+
+
+def superseded_by(reason: str) -> int | None:
+    """The newer step for which a tier skipped this one, if `reason` says so."""
+    m = _SKIPPED.search(reason)
+    return int(m[1]) if m else None
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,12 @@ class CheckpointStatus:
     @property
     def is_complete(self) -> bool:
         return bool(self.complete)
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Tiers that skipped this checkpoint because they could not keep up, and the step that superseded it."""
+        found = {t: superseded_by(r) for t, r in self.failed.items()}
+        return {t: s for t, s in found.items() if s is not None}
 
     @property
     def incomplete(self) -> tuple[str, ...]:
