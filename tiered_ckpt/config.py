@@ -30,6 +30,9 @@ class EngineConfig:
     io_threads: int = 4
     collective_timeout: float = 600.0
     commit_timeout: float = 600.0
+    # false: ignore torch.distributed's default process group and act as a world of one rank (rank 0 of 1),
+    # with no collectives: one process saves the full state (e.g. Lightning's global rank 0), others only load
+    distributed: bool = True
 
 
 @dataclass(frozen=True)

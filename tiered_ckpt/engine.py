@@ -75,7 +75,9 @@ class Engine:
     async def open(self) -> "Engine":
         if self._state != "new":
             raise RuntimeError(f"engine is {self._state}; open it once")
-        self.coordinator = await Coordinator.create(self.config.engine.collective_timeout)
+        if self.config.engine.distributed:  # one rank of the default process group's world, when there is one
+            self.coordinator = await Coordinator.create(self.config.engine.collective_timeout)
+        # else (distributed = false) the single-rank Coordinator from __init__: no process group, no collectives
         self.planner.coordinator = self.coordinator
         node, num_nodes = await self.coordinator.node()
         await self.io.open(rank=self.rank, world_size=self.world_size, node=node, num_nodes=num_nodes)

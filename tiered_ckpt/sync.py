@@ -17,6 +17,7 @@ from .config import Config, load_config
 from .engine import Engine
 from .index import CheckpointStatus
 from .loading import LoadInfo
+from .manifest import Manifest
 from .saving import SaveHandle
 from .staging import producer_events
 
@@ -92,6 +93,10 @@ class Checkpointer:
         async def collect() -> list[CheckpointStatus]:
             return [c async for c in self.engine.list()]
         return self._run(collect())
+
+    def read_manifest(self, step: int, tiers: Sequence[str] | None = None) -> Manifest:
+        """Checkpoint `step`'s manifest: its tensors, sizes and the `metadata` given to save()."""
+        return self._run(self.engine.read_manifest(step, tiers))
 
     def delete(self, step: int) -> None:
         self._run(self.engine.delete(step))

@@ -1,0 +1,268 @@
+"""tiered_ckpt.integrations.lightning with real Lightning Trainers on CPU: ModelCheckpoint top-k and save_last
+keep what they keep with torch.save, loads give the dicts torch.save would, resume from "last" is exact,
+removing or re-saving a path while its save is in flight works, hyper-parameter objects are refused or
+pickled as configured, and DDP with two processes saves and resumes (docs/integrations.md)."""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L  # the `test` extra installs it
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import tiered_ckpt as tc
+from tiered_ckpt.integrations.lightning import TieredCheckpointIO
+
+from .lightning_script import Record, TinyModule, loader, weights
+
+SCRIPT = Path(__file__).with_name("lightning_script.py")
+
+
+def write_toml(tmp_path: Path, shm_dir: Path, **engine: Any) -> Path:
+    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in engine.items())
+    path = tmp_path / "tiers.toml"
+    path.write_text(f"""
+[engine]
+job = "lit"
+index = "file://{tmp_path}/index"
+part_size = "64KiB"
+{lines}
+[[tiers]]
+name = "host"
+kind = "memory"
+path = "{shm_dir}/host"
+capacity = "256MiB"
+
+[[tiers]]
+name = "disk"
+kind = "local"
+path = "{tmp_path}/disk"
+""")
+    return path
+
+
+def fit(ckpt_dir: Path, io: TieredCheckpointIO | None, epochs: int, ckpt_path: str | None = None,
+        callbacks: tuple = (), save_last: bool | str = True) -> tuple[L.Trainer, TinyModule, ModelCheckpoint]:
+    torch.manual_seed(0)
+    module = TinyModule()
+    mc = ModelCheckpoint(dirpath=ckpt_dir, monitor="score", mode="min", save_top_k=2, save_last=save_last)
+    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, plugins=[io] if io else None,
+                        callbacks=[mc, *callbacks], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=1)
+    trainer.fit(module, loader(), loader(), ckpt_path=ckpt_path)
+    return trainer, module, mc
+
+
+def engine_paths(config: Path) -> list[str]:
+    """Read without the plugin: the path recorded with each checkpoint of the job (each must be complete on
+    every tier: ModelCheckpoint counts on each checkpoint it keeps, so no tier may skip one)."""
+    with tc.Checkpointer.from_toml(config) as ckpt:
+        statuses = ckpt.list()
+        assert all(s.complete == {"host", "disk"} for s in statuses), statuses
+        return sorted(ckpt.read_manifest(s.step).metadata["lightning"]["path"] for s in statuses)
+
+
+def assert_same(got: Any, expected: Any, got_dir: str, expected_dir: str, where: str = "") -> None:
+    """Equal, with the expected run's directory in strings read as the other run's."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype, where
+        assert torch.equal(got, expected), where
+    elif isinstance(expected, dict):
+        assert isinstance(got, dict), where
+        keys = [k.replace(expected_dir, got_dir) if isinstance(k, str) else k for k in expected]
+        assert list(got) == keys, where
+        for k, key in zip(expected, keys):
+            assert_same(got[key], expected[k], got_dir, expected_dir, f"{where}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert type(got) is type(expected) and len(got) == len(expected), where
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_same(g, e, got_dir, expected_dir, f"{where}/{i}")
+    elif isinstance(expected, str):
+        assert got == expected.replace(expected_dir, got_dir), where
+    else:
+        assert type(got) is type(expected) and got == expected, where
+
+
+def test_model_checkpoint_keeps_and_loads_what_it_does_with_torch_save(tmp_path, shm_dir):
+    config = write_toml(tmp_path, shm_dir)
+    stock_dir, tiered_dir = Path(os.path.realpath(tmp_path / "stock")), Path(os.path.realpath(tmp_path / "tiered"))
+    _, _, stock = fit(stock_dir, None, epochs=5)
+    io = TieredCheckpointIO(config)
+    removed: list[str] = []
+    remove = io.remove_checkpoint
+    io.remove_checkpoint = lambda path: (removed.append(os.path.basename(path)), remove(path))[1]  # type: ignore
+    trainer, _, tiered = fit(tiered_dir, io, epochs=5)
+
+    kept = sorted(os.path.basename(p) for p in [*tiered.best_k_models, tiered.last_model_path])
+    assert kept == sorted(os.path.basename(p) for p in [*stock.best_k_models, stock.last_model_path])
+    assert kept == ["epoch=2-step=18.ckpt", "epoch=4-step=30.ckpt", "last.ckpt"]
+    assert sorted(removed) == ["epoch=0-step=6.ckpt", "epoch=1-step=12.ckpt"]  # top-k pushed them out
+    assert sorted(os.listdir(tiered_dir)) == sorted(os.listdir(stock_dir)) == kept  # one pointer per kept path
+    # last.ckpt was saved 3 times and 2 paths were removed: the engine holds exactly the 3 kept checkpoints
+    assert engine_paths(config) == [str(tiered_dir / name) for name in kept]
+
+    for name in kept:  # the dict Lightning gets back is the one torch.save wrote, value for value
+        expected = torch.load(stock_dir / name, weights_only=False)
+        got = io.load_checkpoint(tiered_dir / name)
+        assert_same(got, expected, str(tiered_dir), str(stock_dir), name)
+    assert got["global_step"] == trainer.global_step == 30
+    io.teardown()
+
+
+def test_resume_from_last_is_exact(tmp_path, shm_dir):
+    config = write_toml(tmp_path, shm_dir)
+    ckpt_dir = Path(os.path.realpath(tmp_path / "ckpt"))
+    first, first_module, _ = fit(ckpt_dir, TieredCheckpointIO(config), epochs=5)  # epoch 4 saved last.ckpt
+
+    record = Record()
+    io = TieredCheckpointIO(config)  # as in a new process: nothing in memory
+    resumed, module, mc = fit(ckpt_dir, io, epochs=7, ckpt_path="last", callbacks=(record,))
+    assert record.at_start == {"global_step": 30, "epoch": 5, "weights": weights(first_module)}
+    assert first.global_step == 30 and resumed.global_step == 42
+
+    _, straight, _ = fit(tmp_path / "straight", None, epochs=7)  # optimizer momentum, lr schedule, data order
+    assert weights(module) == weights(straight)
+    # epoch 6 pushed out epoch 2, saved by the first run: removed through its pointer and manifest
+    assert sorted(os.path.basename(p) for p in mc.best_k_models) == ["epoch=4-step=30.ckpt", "epoch=6-step=42.ckpt"]
+    assert engine_paths(config) == sorted([*mc.best_k_models, mc.last_model_path])
+    resumed.validate(module, loader(), ckpt_path="best", verbose=False)  # epoch 4's score is the best
+    assert weights(module) == weights(first_module)
+
+
+def test_save_last_link_resumes_and_removing_the_link_keeps_its_target(tmp_path, shm_dir):
+    config = write_toml(tmp_path, shm_dir)
+    ckpt_dir = Path(os.path.realpath(tmp_path / "ckpt"))
+    _, first_module, mc = fit(ckpt_dir, TieredCheckpointIO(config), epochs=5, save_last="link")
+    last = ckpt_dir / "last.ckpt"
+    assert os.readlink(last) == "epoch=4-step=30.ckpt"  # a symlink to the newest top-k pointer, no save of its own
+    assert engine_paths(config) == sorted(mc.best_k_models)
+
+    record = Record()
+    fit(ckpt_dir, TieredCheckpointIO(config), epochs=6, ckpt_path="last", callbacks=(record,), save_last="link")
+    assert record.at_start == {"global_step": 30, "epoch": 5, "weights": weights(first_module)}
+
+    link = ckpt_dir / "link.ckpt"  # (the resumed run's on_train_end saved a real last.ckpt over the link)
+    os.symlink("epoch=4-step=30.ckpt", link)
+    io = TieredCheckpointIO(config)
+    assert io.load_checkpoint(link)["global_step"] == 30
+    io.remove_checkpoint(link)
+    assert not os.path.lexists(link) and (ckpt_dir / "epoch=4-step=30.ckpt").exists()
+    assert str(ckpt_dir / "epoch=4-step=30.ckpt") in engine_paths(config)
+    io.teardown()
+
+
+def test_remove_and_resave_while_saves_are_in_flight(tmp_path, shm_dir, monkeypatch):
+    config = write_toml(tmp_path, shm_dir)
+    ckpt_dir = Path(os.path.realpath(tmp_path / "ckpt"))
+    io = TieredCheckpointIO(config)
+    disk = io.checkpointer.engine.tiers["disk"]
+    write = disk.write
+
+    async def slow_write(key: str, data: Any) -> Any:
+        await asyncio.sleep(0.1)
+        return await write(key, data)
+
+    monkeypatch.setattr(disk, "write", slow_write)
+
+    def state(value: float, step: int) -> dict[str, Any]:
+        return {"state_dict": {"w": torch.full((64 * 1024,), value)}, "global_step": step, "epoch": 0}
+
+    gone = ckpt_dir / "gone.ckpt"
+    io.save_checkpoint(state(1.0, 3), gone)
+    assert not any(s.is_complete for s in io.checkpointer.list())  # still being written (slowly)
+    io.remove_checkpoint(gone)  # waits for the save, then deletes it (no CheckpointExists)
+    assert io.checkpointer.list() == [] and not gone.exists()
+
+    # save_last: one global step under two paths; then last.ckpt saved again, before the first save is done
+    best, other, last = ckpt_dir / "best.ckpt", ckpt_dir / "other.ckpt", ckpt_dir / "last.ckpt"
+    io.save_checkpoint(state(1.0, 3), best)
+    io.save_checkpoint(state(1.0, 3), other)  # waits for its turn on the slow disk: must not be skipped there
+    io.save_checkpoint(state(1.0, 3), last)
+    io.save_checkpoint(state(2.0, 6), last)
+    assert io.load_checkpoint(best)["global_step"] == 3
+    loaded = io.load_checkpoint(last)
+    assert loaded["global_step"] == 6 and torch.all(loaded["state_dict"]["w"] == 2.0)
+    io.teardown()
+    assert engine_paths(config) == [str(best), str(last), str(other)]  # the older last.ckpt was retired
+
+    os.remove(last)  # a lost pointer: the manifests still say which checkpoint was saved under that path
+    assert TieredCheckpointIO(config).load_checkpoint(last)["global_step"] == 6
+
+    io = TieredCheckpointIO(config)
+    assert io.load_checkpoint(best, map_location="meta")["state_dict"]["w"].device.type == "meta"
+    assert io.load_checkpoint(best, map_location=lambda s, loc: s)["state_dict"]["w"].device.type == "cpu"
+    plain = tmp_path / "plain.ckpt"  # a checkpoint torch.save wrote (before switching to tiered_ckpt)
+    torch.save({"global_step": 1, "w": torch.ones(2)}, plain)
+    assert io.load_checkpoint(plain)["global_step"] == 1
+    with pytest.raises(FileNotFoundError, match="no pointer file"):
+        io.load_checkpoint(ckpt_dir / "never.ckpt")
+    io.teardown()
+
+
+def test_hyperparameter_objects_are_refused_unless_pickle_is_allowed(tmp_path, shm_dir):
+    config = write_toml(tmp_path, shm_dir)
+    path = Path(os.path.realpath(tmp_path / "ckpt" / "a.ckpt"))
+    checkpoint = {"state_dict": {"w": torch.ones(3)},
+                  "hyper_parameters": {"lr": 0.1, "act": torch.nn.ReLU(), "when": datetime.date(2024, 1, 2)}}
+
+    io = TieredCheckpointIO(config, job="strict")
+    with pytest.raises(tc.StateError, match=r"hyper_parameters/act.*save_hyperparameters\(ignore"):
+        io.save_checkpoint(checkpoint, path)
+    without_module = {**checkpoint, "hyper_parameters": {"lr": 0.1, "when": datetime.date(2024, 1, 2)}}
+    with pytest.raises(tc.StateError, match=r"hyper_parameters/when.*allow_pickle"):
+        io.save_checkpoint(without_module, path)
+    assert io.checkpointer.list() == [] and not path.exists()
+    io.teardown()
+
+    io = TieredCheckpointIO(config, job="pickled", allow_pickle=True)
+    io.save_checkpoint(checkpoint, path)
+    hparams = io.load_checkpoint(path)["hyper_parameters"]
+    assert isinstance(hparams["act"], torch.nn.ReLU) and hparams["when"] == datetime.date(2024, 1, 2)
+    with pytest.raises(tc.StateError, match="weights_only=True.*pickle"):
+        io.load_checkpoint(path, weights_only=True)
+    io.teardown()
+
+
+def run_ddp(*args: str, timeout: float = 90) -> str:
+    """One 2-process DDP fit (Lightning starts rank 1). Its own session, so a hang kills both ranks."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the DDP run hung for {timeout} s:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_ddp_two_processes_save_and_resume(tmp_path, shm_dir):
+    config = write_toml(tmp_path, shm_dir)
+    ckpt_dir = Path(os.path.realpath(tmp_path / "ckpt"))
+    run_ddp(str(config), str(ckpt_dir), str(tmp_path / "first"), "3")
+    first = [json.loads((tmp_path / "first" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # 24 samples, batch 4, 2 ranks: 3 steps per epoch; epoch 2 pushed out epoch 1 and saved last.ckpt
+    assert [os.path.basename(p) for p in first[0]["kept"]] == ["epoch=0-step=3.ckpt", "epoch=2-step=9.ckpt"]
+    assert sorted(first[0]["checkpoints"]) == sorted([*first[0]["kept"], first[0]["last"]])
+    assert first[0]["weights"] == first[1]["weights"]
+
+    out = run_ddp(str(config), str(ckpt_dir), str(tmp_path / "second"), "5", "--resume")
+    assert "Restored all states" in out
+    second = [json.loads((tmp_path / "second" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in (0, 1):  # every rank read the checkpoint itself, through an engine of its own
+        assert second[rank]["at_start"] == {"global_step": 9, "epoch": 3, "weights": first[0]["weights"]}, rank
+        assert second[rank]["global_step"] == 15
+    assert [os.path.basename(p) for p in second[0]["kept"]] == ["epoch=2-step=9.ckpt", "epoch=4-step=15.ckpt"]
+    assert sorted(second[0]["checkpoints"]) == sorted([*second[0]["kept"], second[0]["last"]])
+    assert engine_paths(config) == sorted([*second[0]["kept"], second[0]["last"]])

@@ -1,0 +1,2 @@
+"""Adapters for training frameworks. Each lives in its own module and imports its framework only there:
+`tiered_ckpt.integrations.lightning` (needs `pip install "tiered_ckpt[lightning]"`)."""
