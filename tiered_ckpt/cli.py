@@ -1,4 +1,4 @@
-"""`tiered-ckpt ls | show STEP | verify [STEP] | config check FILE | bench`."""
+"""`tiered-ckpt ls | show STEP | verify [STEP] | export [STEP] --to FORMAT -o PATH | config check FILE | bench`."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--tensors", action="store_true", help="list every tensor")
     verify = with_config(sub.add_parser("verify", help="re-read every part on every tier and check checksums"))
     verify.add_argument("step", type=int, nargs="?", help="default: every checkpoint")
+    export = with_config(sub.add_parser("export", help="write one checkpoint as safetensors, torch.save or DCP "
+                                                     "(read-only; sharded tensors come out whole)"))
+    export.add_argument("step", type=int, nargs="?", help="default: the newest complete checkpoint")
+    export.add_argument("--to", required=True, choices=["safetensors", "torch", "dcp"], help="output format")
+    export.add_argument("-o", "--output", required=True, metavar="PATH", help="file (safetensors, torch) or "
+                        "directory (dcp) to create")
+    export.add_argument("--select", metavar="PREFIX", help="only this subtree (e.g. model), names relative to it")
+    export.add_argument("--force", action="store_true", help="replace PATH if it exists")
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     check = config_sub.add_parser("check", help="validate a tier stack TOML")
@@ -52,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_bench(args)
         commands: dict[str, Callable[[Engine, argparse.Namespace], Awaitable[int]]] = {
-            "ls": cmd_ls, "show": cmd_show, "verify": cmd_verify}
+            "ls": cmd_ls, "show": cmd_show, "verify": cmd_verify, "export": cmd_export}
         return asyncio.run(_with_engine(args, commands[args.command]))
     except (TieredCkptError, LookupError) as e:
         print(f"tiered-ckpt: {e}", file=sys.stderr)
@@ -147,6 +155,29 @@ async def cmd_verify(engine: Engine, args: argparse.Namespace) -> int:
                 print(f"    {line}")
             failures += (not r.ok) and r.complete
     return 1 if failures else 0
+
+
+async def cmd_export(engine: Engine, args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    with tqdm(unit="B", unit_scale=True, desc="export", file=sys.stderr, disable=None) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        try:
+            info = await engine.export(args.output, to=args.to, step=args.step, select=args.select, force=args.force,
+                                       progress=progress)
+        except (FileExistsError, ValueError) as e:  # an existing PATH, a --select that matches nothing, a dtype
+            print(f"tiered-ckpt: {e}", file=sys.stderr)
+            return 2
+    print(f"step {info.step}: {info.tensors} tensors ({format_size(info.nbytes)}) and {info.values} plain values "
+          f"-> {info.path} ({info.format})")
+    for line in info.skipped:
+        print(f"  left out {line}")
+    for f in info.fallbacks:
+        print(f"  {f.part}: read from a slower tier ({f.tier}: {f.reason})")
+    return 0
 
 
 if __name__ == "__main__":

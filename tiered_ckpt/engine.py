@@ -17,7 +17,7 @@ import logging
 import os
 import time
 import warnings
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import msgpack
 
@@ -26,6 +26,8 @@ from .commit import Committer
 from .config import Config, check_config, load_config
 from .distributed.coordinator import Coordinator
 from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, RankFailed, StateError
+from .export import ExportInfo
+from .export import export as export_checkpoint
 from .index import CheckpointStatus, Index, open_index
 from .loading import LoadInfo, Reads, plan_reads, read_parts
 from .manifest import Manifest
@@ -335,6 +337,18 @@ class Engine:
         """The manifest with every rank's checksums: from the index, or else from the first of `tiers`
         (default: every configured tier, fastest first) with a valid copy."""
         return await self.catalog.read_manifest(step, list(self.tiers) if tiers is None else self.io.order(tiers))
+
+    async def export(self, path: str | os.PathLike[str], *, to: str, step: int | None = None,
+                     select: str | None = None, force: bool = False,
+                     progress: Callable[[int, int], None] | None = None) -> ExportInfo:
+        """Write checkpoint `step` (default: the newest complete one) to `path` as "safetensors", "torch"
+        (torch.save) or "dcp" (a torch.distributed.checkpoint directory), sharded tensors assembled whole;
+        `select` keeps one subtree ("model"), names relative to it. Read-only: never fences, commits or
+        deletes, so it may run beside a trainer; it uses no collectives (call it on one rank). An existing
+        `path` is replaced only with force=True. `progress(done, total)` gets bytes of tensor data.
+        Returns what was written (tensors, bytes, plain values, what was left out). See docs/export.md."""
+        self._check_open()
+        return await export_checkpoint(self, path, to=to, step=step, select=select, force=force, progress=progress)
 
     # -- list / delete ---------------------------------------------------------------------------
     async def list(self) -> AsyncIterator[CheckpointStatus]:

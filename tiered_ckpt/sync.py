@@ -9,12 +9,13 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from typing import Any, Coroutine, Sequence, TypeVar
+from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 import uvloop
 
 from .config import Config, load_config
 from .engine import Engine
+from .export import ExportInfo
 from .index import CheckpointStatus
 from .loading import LoadInfo
 from .manifest import Manifest
@@ -97,6 +98,11 @@ class Checkpointer:
     def read_manifest(self, step: int, tiers: Sequence[str] | None = None) -> Manifest:
         """Checkpoint `step`'s manifest: its tensors, sizes and the `metadata` given to save()."""
         return self._run(self.engine.read_manifest(step, tiers))
+
+    def export(self, path: str | os.PathLike[str], *, to: str, step: int | None = None, select: str | None = None,
+               force: bool = False, progress: Callable[[int, int], None] | None = None) -> ExportInfo:
+        """Engine.export, blocking: write a checkpoint as safetensors, torch or dcp (read-only)."""
+        return self._run(self.engine.export(path, to=to, step=step, select=select, force=force, progress=progress))
 
     def delete(self, step: int) -> None:
         self._run(self.engine.delete(step))
