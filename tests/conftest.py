@@ -27,7 +27,8 @@ def config_dict(tmp_path: Path, shm_dir: Path, **engine: Any) -> dict[str, Any]:
     return {
         "engine": {"job": "test", "index": f"file://{tmp_path}/index", "part_size": "64KiB", **engine},
         "tiers": [
-            {"name": "host", "kind": "memory", "path": str(shm_dir / "host"), "capacity": "1GiB"},
+            # keep_last set: the memory tier is the staging buffer (the engine's default path with a memory tier)
+            {"name": "host", "kind": "memory", "path": str(shm_dir / "host"), "capacity": "1GiB", "keep_last": 8},
             {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")},
         ],
     }

@@ -30,6 +30,8 @@ class EngineConfig:
     io_threads: int = 4
     collective_timeout: float = 600.0
     commit_timeout: float = 600.0
+    # a memory tier first in the stack (every = 1, keep_last set) is the staging buffer: one copy to safe
+    stage_in_memory_tier: bool = True
     # false: ignore torch.distributed's default process group and act as a world of one rank (rank 0 of 1),
     # with no collectives: one process saves the full state (e.g. Lightning's global rank 0), others only load
     distributed: bool = True

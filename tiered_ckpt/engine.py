@@ -34,7 +34,8 @@ from .manifest import Manifest
 from .plan import Planner
 from .retention import Retention
 from .saving import SaveHandle, SaveJob, SaveServices
-from .staging import StagingPool, producer_events
+from .mapped import supported as mapped_supported
+from .staging import Arena, StagingPool, producer_events
 from .state import LoadTarget, SavedTensor, decode_skeleton, flatten, match
 from .tier_io import TierIO
 
@@ -71,7 +72,7 @@ class Engine:
 
     def _retention(self) -> Retention:
         return Retention(self.job, self.index, self.io, {t.name: t.keep_last for t in self.config.tiers},
-                         rank=self.rank, world_size=self.world_size)
+                         rank=self.rank, world_size=self.world_size, reclaim=self.pool.reclaim)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def open(self) -> "Engine":
@@ -84,6 +85,7 @@ class Engine:
         node, num_nodes = await self.coordinator.node()
         await self.io.open(rank=self.rank, world_size=self.world_size, node=node, num_nodes=num_nodes)
         await self.index.open()
+        self.pool.arena = self._arena()
         self.retention = self._retention()
         self.retention.complete = {s.step for s in await self.catalog.statuses() if s.is_complete}
         commit = Committer(self.index, self.job, rank=self.rank, world_size=self.world_size,
@@ -91,6 +93,17 @@ class Engine:
         self._services = SaveServices(self.io, commit, self.retention, self.pool)
         self._state = "open"
         return self
+
+    def _arena(self) -> Arena | None:
+        """Stage straight into the memory tier's files when it is first in the stack and keeps every save
+        (every = 1) with a bounded keep_last; else anonymous staging buffers."""
+        first, engine = self.config.tiers[0], self.config.engine
+        if not (engine.stage_in_memory_tier and first.kind == "memory" and first.every == 1
+                and first.keep_last is not None and mapped_supported(engine.part_size)):
+            return None
+        tier = self.tiers[first.name]
+        home = tier.path_of(f".staging/{self.job}-{self.session}-r{self.rank}")
+        return Arena(first.name, tier, home, engine.part_size, first.keep_last)
 
     async def close(self, *, raise_errors: bool = True) -> None:
         """Wait for every save in flight, close tiers and index; raise an unobserved background error."""

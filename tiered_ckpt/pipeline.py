@@ -46,7 +46,7 @@ class SaveTurns:
     def __init__(self, skip: bool = True) -> None:
         self.skip = skip
         self._busy = False
-        self._waiting: deque[asyncio.Future[int | None]] = deque()
+        self._waiting: deque[tuple[int, asyncio.Future[int | None]]] = deque()
 
     async def take(self, step: int) -> int | None:
         """None once it is `step`'s turn (call `give` after); else the newer step that superseded it."""
@@ -54,24 +54,27 @@ class SaveTurns:
             self._busy = True
             return None
         if self.skip:
+            newest = max((s for s, t in self._waiting if not t.done()), default=None)
+            if newest is not None and newest > step:  # an older save arriving late: the newer one stays
+                return newest
             while self._waiting:
-                superseded = self._waiting.popleft()
+                _, superseded = self._waiting.popleft()
                 if not superseded.done():
                     superseded.set_result(step)
         turn: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
-        self._waiting.append(turn)
+        self._waiting.append((step, turn))
         try:
             return await turn
         except asyncio.CancelledError:
-            if turn in self._waiting:
-                self._waiting.remove(turn)
+            if (step, turn) in self._waiting:
+                self._waiting.remove((step, turn))
             elif turn.done() and not turn.cancelled() and turn.result() is None:
                 self.give()  # the turn was handed over just as this waiter was cancelled: pass it on
             raise
 
     def give(self) -> None:
         while self._waiting:
-            turn = self._waiting.popleft()
+            _, turn = self._waiting.popleft()
             if not turn.done():  # (a waiter being cancelled)
                 turn.set_result(None)  # the tier stays busy: it is this waiter's turn
                 return

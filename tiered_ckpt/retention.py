@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Protocol
+from typing import Awaitable, Callable, Iterator, Mapping, Protocol
 
 from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable
 from .index import CheckpointStatus, Index
@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 class _InFlight(Protocol):
     def done(self) -> bool: ...
+    def done_except(self, tier: str) -> bool: ...
 
 
 class BusySteps:
@@ -48,13 +49,17 @@ class BusySteps:
             if not self._loads[step]:
                 del self._loads[step]
 
-    def steps(self) -> set[int]:
-        return {s for s, h in self._saves.items() if not h.done()} | set(self._loads)
+    def steps(self, *, finishing_on: str | None = None, finishing: set[int] = frozenset()) -> set[int]:  # type: ignore[assignment]
+        """Busy steps. A save in `finishing` whose only unfinished tier is `finishing_on` (it is running the
+        retention pass of that tier) does not count: nothing else of it still reads or writes."""
+        busy = {s for s, h in self._saves.items()
+                if not h.done() and not (s in finishing and h.done_except(finishing_on))}  # type: ignore[arg-type]
+        return busy | set(self._loads)
 
 
 class Retention:
     def __init__(self, job: str, index: Index, tiers: TierIO, keep_last: Mapping[str, int | None], *, rank: int = 0,
-                 world_size: int = 1):
+                 world_size: int = 1, reclaim: Callable[[str, int], Awaitable[None]] | None = None):
         self.job = job
         self.index = index
         self.tiers = tiers
@@ -62,6 +67,7 @@ class Retention:
         self.rank = rank
         self.world_size = world_size
         self.busy = BusySteps()
+        self.reclaim = reclaim  # a step leaves a tier: the staging pool takes back the files it staged there
         self.complete: set[int] = set()  # steps complete on some tier, as far as this process knows
         self._lock = asyncio.Lock()
         self._next_pass: dict[str, asyncio.Future[None]] = {}  # per tier: the pass that has not started yet
@@ -103,7 +109,7 @@ class Retention:
                 if not complete:
                     return
                 oldest_kept = complete[-keep_last:][0]
-                busy = self.busy.steps() - finishing
+                busy = self.busy.steps(finishing_on=tier, finishing=finishing)
                 for s in statuses:
                     if tier in s.tiers and s.step < oldest_kept and s.step not in busy:
                         await self.drop(s, tier)
@@ -159,6 +165,8 @@ class Retention:
     async def _remove_from_tier(self, tier: str, step: int) -> None:
         """Every folder this index's incarnations wrote for `step` (and the folder-less keys of formats 1
         and 2). Another index's folders stay: an unrelated run sharing the tier's path and job name."""
+        if self.reclaim is not None:
+            await self.reclaim(tier, step)
         prefix = step_prefix(self.job, step)
         keys = await self.tiers[tier].list(prefix)
         mine = index_dir(self.index.identity)

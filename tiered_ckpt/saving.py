@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable, Mapping
 
 from .checksum import ALGORITHM, checksum
 from .commit import Committer, Superseded
-from .errors import IntegrityError, SaveError, TierNotFound
+from .errors import IntegrityError, SaveError, TierError, TierNotFound
 from .layout import PartKey, manifest_key, rank_meta_key, rank_prefix
 from .manifest import Manifest, RankMeta
 from .plan import Plan
@@ -77,6 +77,9 @@ class SaveHandle:
 
     def done(self) -> bool:
         return self._staged.done() and all(f.done() for f in self._done.values())
+
+    def done_except(self, tier: str) -> bool:
+        return self._staged.done() and all(f.done() for t, f in self._done.items() if t != tier)
 
     @property
     def errors(self) -> dict[str, BaseException]:
@@ -268,6 +271,22 @@ class SaveJob:
         finally:
             give_turn()
 
+    def _staged_on(self, tier: str) -> bool:
+        """The staging buffer is `tier`'s own files (a memory tier first in the stack): no part to write."""
+        arena = self.pool.arena
+        return arena is not None and arena.name == tier and self.buffer is not None and self.buffer.parts is not None
+
+    async def _publish_staged(self, tier: str) -> None:
+        assert self.pool.arena is not None and self.buffer is not None
+        keys = [self._part_key(p) for p in range(self.plan.num_parts)]
+        try:
+            await self.io.run_blocking(self.pool.arena.publish, self.buffer, keys)
+        except OSError as e:
+            raise TierError(f"publishing the staged parts of step {self.step}: {e}", tier=tier) from e
+        for p in range(self.plan.num_parts):
+            self._holders[p].append(tier)
+            self._settled(p, ok=True)
+
     def _skip(self, tier: str, newer: int) -> None:
         for p in range(self.plan.num_parts):
             self._settled(p, ok=False)
@@ -279,15 +298,19 @@ class SaveJob:
         then the commit; retention once the tier is complete."""
         handle, rank = self.handle, self.plan.rank
         error: BaseException | None = None
+        staged_here = self._staged_on(tier)
         try:
-            results = await asyncio.gather(*(
-                self.io.pipelines[tier].submit(b - a, lambda p=p: self._write_part(tier, p),
-                                               f"write part {p} of step {self.step}")
-                for p, (a, b) in ((p, self.plan.part_range(p)) for p in range(self.plan.num_parts))
-            ), return_exceptions=True)
-            failed = [r for r in results if isinstance(r, BaseException)]
-            if failed:
-                raise failed[0]
+            if staged_here:
+                await self._publish_staged(tier)
+            else:
+                results = await asyncio.gather(*(
+                    self.io.pipelines[tier].submit(b - a, lambda p=p: self._write_part(tier, p),
+                                                   f"write part {p} of step {self.step}")
+                    for p, (a, b) in ((p, self.plan.part_range(p)) for p in range(self.plan.num_parts))
+                ), return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    raise failed[0]
             blobs = [(rank_meta_key(self.job, self.step, rank, self.commit.incarnation), await self._rank_meta_bytes())]
             if rank == 0:
                 blobs.append((manifest_key(self.job, self.step, self.commit.incarnation), await self._manifest_bytes()))
@@ -303,6 +326,9 @@ class SaveJob:
             self._marked.add(tier)  # from here another rank's marker may still complete the tier: keep the parts
             await self.commit.wait_complete(self.step, tier)
             self.retention.complete.add(self.step)  # saving this step again is refused from now on
+            if staged_here:
+                assert self.buffer is not None
+                await self.pool.retain(self.buffer, self.step)  # the buffer stays with the tier's checkpoint
         except Superseded as e:  # another rank skipped the tier for this step while this rank wrote it
             handle.durable_at[tier] = time.perf_counter() - handle.started
             handle.set_skipped(tier, e.newer)
@@ -391,6 +417,10 @@ class SaveJob:
 
     # -- giving the staging buffer back ----------------------------------------------------------
     def request_detach(self) -> None:
+        """Give the staging buffer back early (the next save needs it). A buffer that is the memory tier's
+        files cannot go back: it stays with the checkpoint, and the pool lets the next save take another."""
+        if self.buffer is not None and self.buffer.parts is not None:
+            return
         if self._detach_task is None and self.buffer is not None:
             self._detach_task = asyncio.create_task(self._detach())
 

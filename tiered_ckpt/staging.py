@@ -3,16 +3,25 @@
 A buffer is one flat uint8 tensor (pinned when CUDA is present, so device-to-host copies are DMA on a
 side stream). Buffers are allocated once, touched once (first-touch page faults cost 4-5x a memcpy), and
 then recycled: a save never allocates host memory proportional to the state after the first one.
-At most `max_inflight` buffers exist; a save that needs one waits for a release, it never drops.
+At most `max_inflight` buffers are in flight; a save that needs one waits for a release, it never drops.
+
+With a memory tier first in the stack (an `Arena`), a buffer is the memory tier's files, mapped
+(mapped.py): the staging copy is the tier's copy, committing there is a rename per part, and the buffer
+stays with the checkpoint while the tier keeps it. When retention retires that checkpoint, its files (pages
+already allocated) come back as the next free buffer. Host memory: about keep_last + max_inflight states.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
 from .distributed.dtensor import local_tensor
+from .errors import ConfigError
+from .mapped import MappedParts
 
 if TYPE_CHECKING:  # plan.py uses tensor_bytes from here
     from .plan import Plan
@@ -28,11 +37,18 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 class StagingBuffer:
-    def __init__(self, nbytes: int, pin: bool):
-        self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
-        self.tensor.zero_()  # touch every page now, not during a save
+    def __init__(self, nbytes: int, pin: bool, parts: MappedParts | None = None):
+        self.parts = parts  # the memory tier's files behind this buffer (None: anonymous memory)
+        if parts is None:
+            self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            self.tensor.zero_()  # touch every page now, not during a save
+        else:
+            self.tensor = parts.tensor  # preallocated and populated by MappedParts
         self.view = tensor_bytes(self.tensor)
         self.pinned = pin
+        self.step: int | None = None  # the memory tier's checkpoint these files hold (retained buffers)
+        self.published = False  # the files sit under the memory tier's keys
+        self.in_use = False  # a save is reading or writing it (between acquire and release)
         self._views: tuple[tuple, list[torch.Tensor]] | None = None  # (plan key, typed views) of the last plan
 
     def views_for(self, plan: Plan) -> list[torch.Tensor]:
@@ -47,12 +63,51 @@ class StagingBuffer:
         return self.tensor.numel()
 
 
+class Arena:
+    """Where mapped buffers live on the memory tier (`tier`, a LocalTier driver): free ones in a folder of
+    this process (`home`), retained ones under the checkpoint's keys."""
+
+    def __init__(self, name: str, tier: Any, home: Path, part_size: int, keep_last: int):
+        self.name = name
+        self.tier = tier
+        self.home = home
+        self.part_size = part_size
+        self.keep_last = keep_last
+        self._ids = itertools.count()
+
+    def new(self, nbytes: int, pin: bool) -> StagingBuffer:
+        folder = self.home / f"buf-{next(self._ids)}"
+        return StagingBuffer(nbytes, pin, MappedParts(folder, nbytes, self.part_size, pin=pin))
+
+    def publish(self, buf: StagingBuffer, keys: list[str]) -> None:
+        """The parts become the tier's values under `keys` (a rename each; no byte is copied)."""
+        assert buf.parts is not None and not buf.published
+        self.tier.account(buf.parts.nbytes, f"staged parts of {keys[0] if keys else 'an empty save'}")
+        buf.parts.move([self.tier.path_of(k) for k in keys])
+        buf.published = True
+
+    def take_back(self, buf: StagingBuffer) -> bool:
+        """Move published part files home (the tier no longer holds that checkpoint); False when they are
+        gone (the tier deleted them: a failed save's cleanup, a deletion by another process)."""
+        assert buf.parts is not None
+        if not buf.parts.intact():
+            buf.parts.unlink()
+            return False
+        if buf.published:
+            buf.parts.move([buf.parts.home / p.name for p in buf.parts.paths])
+            self.tier.account(-buf.parts.nbytes, "retired staged parts")
+            buf.published = False
+        return True
+
+
 class StagingPool:
-    def __init__(self, max_inflight: int, *, pin: bool | None = None):
+    def __init__(self, max_inflight: int, *, pin: bool | None = None, arena: Arena | None = None):
         self.max_inflight = max_inflight
         self.pin = torch.cuda.is_available() if pin is None else pin
+        self.arena = arena
         self._free: list[StagingBuffer] = []
-        self._count = 0
+        self._count = 0  # buffers in flight or free (retained ones do not count)
+        self._retained: dict[int, StagingBuffer] = {}  # step → the buffer whose files hold it on the memory tier
         self._cond = asyncio.Condition()
 
     @property
@@ -62,16 +117,24 @@ class StagingPool:
     async def acquire(self, nbytes: int) -> StagingBuffer:
         async with self._cond:
             await self._cond.wait_for(lambda: self._free or self._count < self.max_inflight)
-            buf = next((b for b in self._free if b.capacity >= nbytes), None)
+            buf = next((b for b in self._free if b.capacity >= nbytes and (b.parts is None or
+                                                                            b.parts.nbytes == nbytes)), None)
             if buf is not None:
                 self._free.remove(buf)
+                buf.in_use = True
                 return buf
-            if self._free:  # too small for a grown state: replace it
-                self._free.pop()
+            if self._free:  # another size (the state changed): replace it
+                self._discard(self._free.pop())
                 self._count -= 1
             self._count += 1
         try:
-            return await asyncio.to_thread(StagingBuffer, nbytes, self.pin)
+            if self.arena is not None:
+                self._check_fits(nbytes)
+                buf = await asyncio.to_thread(self.arena.new, nbytes, self.pin)
+            else:
+                buf = await asyncio.to_thread(StagingBuffer, nbytes, self.pin)
+            buf.in_use = True
+            return buf
         except BaseException:
             async with self._cond:
                 self._count -= 1
@@ -79,12 +142,68 @@ class StagingPool:
             raise
 
     async def release(self, buf: StagingBuffer) -> None:
+        """A save is done with `buf` (a retained buffer stays with its checkpoint until `reclaim`)."""
+        buf.in_use = False
+        if buf.step is not None:
+            if buf.step not in self._retained:  # retired while its save still read it: free it now
+                await self._take_home(buf)
+            return
+        if buf.parts is not None and self.arena is not None and not await asyncio.to_thread(self.arena.take_back, buf):
+            async with self._cond:
+                self._count -= 1  # its files were removed (the memory tier failed this save): a new one replaces it
+                self._cond.notify()
+            return
         async with self._cond:
             self._free.append(buf)
             self._cond.notify()
 
+    async def retain(self, buf: StagingBuffer, step: int) -> None:
+        """`buf`'s files now hold checkpoint `step` on the memory tier: it stays with it, and no longer counts
+        against max_inflight (the next save may take another buffer). Saves still writing other tiers keep
+        reading it; retention never retires a step that a save is writing."""
+        async with self._cond:
+            buf.step = step
+            self._retained[step] = buf
+            self._count -= 1
+            self._cond.notify()
+
+    async def reclaim(self, tier: str, step: int) -> None:
+        """Retention retires `step` from `tier`: if a buffer holds it, its files come home as a free buffer."""
+        if self.arena is None or tier != self.arena.name or step not in self._retained:
+            return
+        buf = self._retained.pop(step)
+        if not buf.in_use:  # else its save frees it at release
+            await self._take_home(buf)
+
+    async def _take_home(self, buf: StagingBuffer) -> None:
+        assert self.arena is not None
+        intact = await asyncio.to_thread(self.arena.take_back, buf)
+        buf.step = None
+        async with self._cond:
+            if intact:
+                self._free.append(buf)
+                self._count += 1
+                self._cond.notify()
+
+    def _check_fits(self, nbytes: int) -> None:
+        assert self.arena is not None
+        capacity = self.arena.tier.options.capacity
+        need = (self.arena.keep_last + self.max_inflight) * nbytes
+        if capacity is not None and need > capacity:
+            raise ConfigError(f"the memory tier holds keep_last + max_inflight = {self.arena.keep_last} + "
+                              f"{self.max_inflight} states of {nbytes} bytes ({need} bytes) but its capacity is "
+                              f"{capacity}: raise capacity, or lower keep_last or max_inflight",
+                              key=f"tiers.{self.arena.name}.capacity")
+
+    def _discard(self, buf: StagingBuffer) -> None:
+        if buf.parts is not None:
+            buf.parts.unlink()
+
     def clear(self) -> None:
+        for buf in self._free:
+            self._discard(buf)
         self._free.clear()
+        self._retained.clear()  # their files stay: they are the memory tier's checkpoints
         self._count = 0
 
     @property

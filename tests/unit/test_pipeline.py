@@ -104,3 +104,33 @@ def test_bounce_buffers_are_reused_by_identity():
     assert pool.take(65536) is a and pool.take(100) is b
     pool.give(b)
     assert pool.take(70000) is not b  # too small: replaced, not grown in place
+
+
+async def test_save_turns_keep_the_newest_waiting_save_whatever_the_order_of_arrival():
+    from tiered_ckpt.pipeline import SaveTurns
+
+    turns = SaveTurns()
+    assert await turns.take(1) is None  # writing
+    newer = asyncio.ensure_future(turns.take(5))
+    await asyncio.sleep(0)
+    assert await turns.take(3) == 5  # arrived late, older than the one waiting: skipped for it
+    newest = asyncio.ensure_future(turns.take(7))
+    await asyncio.sleep(0)
+    assert await newer == 7
+    turns.give()
+    assert await newest is None  # its turn
+    turns.give()
+    assert await turns.take(8) is None  # idle again
+
+
+async def test_save_turns_without_skipping_queue_every_save_in_order():
+    from tiered_ckpt.pipeline import SaveTurns
+
+    turns = SaveTurns(skip=False)
+    assert await turns.take(1) is None
+    waiting = [asyncio.ensure_future(turns.take(s)) for s in (2, 3)]
+    await asyncio.sleep(0)
+    turns.give()
+    assert await waiting[0] is None and not waiting[1].done()
+    turns.give()
+    assert await waiting[1] is None

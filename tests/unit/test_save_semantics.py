@@ -1,12 +1,13 @@
 """What a training loop relies on: mutation after save, lazy staging, backpressure, no memory growth,
 plan cache without stale data, retention, visibility of incomplete checkpoints, failures that lose nothing."""
 import asyncio
+import os
 
 import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.layout import PartKey, parse_key
+from tiered_ckpt.layout import PartKey, parse_key, step_dir
 
 
 def state_of(value: float, n: int = 50_000):
@@ -69,7 +70,7 @@ async def test_max_inflight_makes_the_next_save_wait_never_drop(make_config):
 async def test_detached_save_reads_back_from_the_faster_tier(make_config, monkeypatch):
     """A slow disk does not hold the staging buffer hostage: once save 1's parts are on the memory tier,
     save 2 takes the buffer (after the one disk write in progress) and disk reads the rest from memory."""
-    async with tc.Engine(make_config(max_inflight=1, tiers=[{}, {"workers": 1}])) as engine:
+    async with tc.Engine(make_config(max_inflight=1, tiers=[{}, {"workers": 1}], stage_in_memory_tier=False)) as engine:
         disk, host = engine.tiers["disk"], engine.tiers["host"]
         write, read_into = disk.write, host.read_into
         read_back = []
@@ -95,14 +96,56 @@ async def test_detached_save_reads_back_from_the_faster_tier(make_config, monkey
             assert torch.all(out["w"] == step)
 
 
-async def test_staging_buffers_are_reused_not_grown(engine):
-    seen = set()
-    for step in range(1, 6):
-        await engine.save(step, state_of(float(step)))
-        await engine.wait_all()
-        seen.update(id(b) for b in engine.pool._free)
-        assert engine.pool._count == 1
-    assert len(seen) == 1
+async def test_staging_buffers_are_reused_not_grown(make_config):
+    async with tc.Engine(make_config(stage_in_memory_tier=False)) as engine:
+        seen = set()
+        for step in range(1, 6):
+            await engine.save(step, state_of(float(step)))
+            await engine.wait_all()
+            seen.update(id(b) for b in engine.pool._free)
+            assert engine.pool._count == 1
+        assert len(seen) == 1
+
+
+async def test_the_staging_buffer_is_the_memory_tier_copy_and_retired_checkpoints_become_the_next_buffer(
+        make_config, monkeypatch):
+    """With a memory tier first (keep_last = 2, max_inflight = 1): save() copies into the memory tier's own
+    part files (no part is written there through the driver), and once retention retires a checkpoint its
+    files (same inodes: pages already allocated) stage a later save. Three buffers in all, for ten saves."""
+    async with tc.Engine(make_config(tiers=[{"keep_last": 2}])) as engine:
+        host = engine.tiers["host"]
+        writes = []
+        real_write = host.write
+
+        async def counting_write(key, data):
+            writes.append(key)
+            return await real_write(key, data)
+
+        monkeypatch.setattr(host, "write", counting_write)
+        buffers, inodes = set(), {}
+        for step in range(1, 11):
+            await (await engine.save(step, state_of(float(step)))).wait()
+            held = engine.pool._retained[step]
+            buffers.add(id(held))
+            keys = [k for k in await host.list(f"test/{step_dir(step)}/") if parse_key(k).kind == "part"]
+            assert [host.path_of(k) for k in sorted(keys)] == held.parts.paths
+            inodes[step] = {os.stat(p).st_ino for p in held.parts.paths}
+        assert all(parse_key(k).kind != "part" for k in writes)  # only records and manifests went through write
+        assert len(buffers) == 3 and inodes[10] == inodes[7]  # step 7's files, retired at step 9, hold step 10
+        assert [c.step for c in await engine.statuses() if "host" in c.complete] == [9, 10]
+        for step in (9, 10):
+            _, out = await load_values(engine, step=step, tiers=["host"])
+            assert torch.all(out["w"] == step)
+    async with tc.Engine(make_config(tiers=[{"keep_last": 2}])) as engine:  # a restarted process
+        _, out = await load_values(engine, tiers=["host"])
+        assert torch.all(out["w"] == 10.0)
+
+
+async def test_a_memory_tier_too_small_for_its_staging_buffers_is_refused(make_config):
+    async with tc.Engine(make_config(tiers=[{"keep_last": 2, "capacity": "500KiB"}])) as engine:
+        with pytest.raises(tc.ConfigError, match=r"tiers.host.capacity.*keep_last \+ max_inflight = 2 \+ 1"):
+            await engine.save(1, state_of(1.0))  # 3 x ~200 KB
+        assert [c async for c in engine.list()] == []
 
 
 async def test_plan_cache_hits_and_never_writes_stale_data(engine):
@@ -137,7 +180,7 @@ async def test_keep_last_and_every(make_config):
 
 
 async def test_a_failed_tier_leaves_earlier_checkpoints_intact(make_config):
-    cfg = make_config(tiers=[{"capacity": "300KiB"}])
+    cfg = make_config(tiers=[{"capacity": "300KiB"}], stage_in_memory_tier=False)  # parts written, not staged there
     async with tc.Engine(cfg) as engine:
         await (await engine.save(1, state_of(1.0))).wait()  # ~200 KiB: fits
         handle = await engine.save(2, state_of(2.0))  # does not fit next to step 1 on host
@@ -154,7 +197,7 @@ async def test_a_failed_tier_leaves_earlier_checkpoints_intact(make_config):
 
 
 async def test_unobserved_background_error_is_raised_at_close(make_config):
-    engine = await tc.Engine(make_config(tiers=[{"capacity": "100KiB"}])).open()
+    engine = await tc.Engine(make_config(tiers=[{"capacity": "100KiB"}], stage_in_memory_tier=False)).open()
     await engine.save(1, state_of(1.0))
     with pytest.raises(tc.SaveError, match="host"):
         await engine.close()
@@ -267,7 +310,7 @@ async def test_max_inflight_backpressure_holds_the_next_save_until_a_buffer_free
 async def test_a_save_that_fails_on_a_full_tier_gives_its_room_back(make_config, shm_dir):
     """The memory tier fills up part-way through save 1 (capacity): the parts it did write are removed, so
     save 2, which fits, succeeds there; without that, every later save to the tier would fail too."""
-    async with tc.Engine(make_config(tiers=[{"capacity": "300KiB"}])) as engine:
+    async with tc.Engine(make_config(tiers=[{"capacity": "300KiB"}], stage_in_memory_tier=False)) as engine:
         big = {"w": torch.ones(100_000)}  # 400 KB: does not fit
         with pytest.raises(tc.SaveError, match=r"host.*TierFull"):
             await (await engine.save(1, big)).wait()
@@ -363,7 +406,7 @@ async def test_a_tier_that_cannot_keep_up_skips_to_the_newest_and_retention_hold
         for h in handles:
             await h.wait()  # skipping is not an error
         skipped = {h.step: h.skipped["disk"] for h in handles if "disk" in h.skipped}
-        assert skipped and all(newer > step for step, newer in skipped.items())
+        assert skipped and all(newer > step for step, newer in skipped.items()), skipped
         assert not any(h.skipped.get("host") for h in handles[-1:]) and handles[-1].skipped == {}
         assert most_jobs <= engine.config.engine.max_inflight + 2 * 2, most_jobs
         assert most_on_disk <= 2 + 2, most_on_disk  # keep_last, and the saves whose retention pass is next

@@ -44,6 +44,20 @@ class LocalTier(Tier):
         if self.options.capacity is not None:  # count what earlier processes left here, once
             self._used = await self.run_blocking(_tree_size, self.root)
 
+    def account(self, nbytes: int, what: str) -> None:
+        """Count `nbytes` that entered the tier without `write` (negative: that left it without `delete`): the
+        memory tier's staging files, published and taken back by rename. Past the capacity: TierFull."""
+        if self._used is None:
+            return
+        if nbytes > 0 and self._used + nbytes > self.options.capacity:
+            raise TierFull(f"capacity {self.options.capacity} bytes exceeded: {self._used} used, adding {nbytes} "
+                           f"more ({what}); raise `capacity` or lower `keep_last`", tier=self.name)
+        self._used += nbytes
+
+    def path_of(self, key: str) -> Path:
+        """The file that holds `key`."""
+        return self._path(key)
+
     def _path(self, key: str) -> Path:
         if key.startswith("/") or ".." in key.split("/"):
             raise ValueError(f"invalid key {key!r}")

@@ -1,0 +1,113 @@
+"""Contiguous host memory backed by one file per part on a tmpfs: the memory tier's copy of a checkpoint
+that is also the staging buffer a save copies into.
+
+A save stages a rank's packed stream into one flat buffer; the memory tier stores it as one file per part.
+Mapping each part file at its offset inside one reserved address range (`mmap` with MAP_FIXED) gives both
+at once: the staging copy writes the tier's pages, and committing to the memory tier is a rename per part.
+Files are preallocated (`fallocate`) and the mapping populated up front, so no save pays tmpfs page
+allocation or page faults once the buffer exists. Linux only (MAP_FIXED, MAP_POPULATE); elsewhere, and
+for part sizes that are not a multiple of the page size, the engine stages into anonymous memory.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import weakref
+from pathlib import Path
+
+import torch
+
+PAGE = mmap.PAGESIZE
+_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE, _MAP_POPULATE = (
+    0x01, 0x02, 0x10, 0x20, 0x4000, 0x8000)
+
+
+def supported(part_size: int) -> bool:
+    return sys.platform == "linux" and part_size % PAGE == 0
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _round_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def _unmap(libc: ctypes.CDLL, address: int, length: int, pinned: bool) -> None:
+    if pinned:
+        torch.cuda.cudart().cudaHostUnregister(address)
+    libc.munmap(address, length)
+
+
+class MappedParts:
+    """`nbytes` of contiguous memory (`tensor`, flat uint8) whose part p lives in file `paths[p]`.
+
+    The mapping outlives renames of the files (it refers to their inodes), so `move` publishes the parts
+    under the tier's keys, or takes them back, without touching their bytes. The memory is unmapped when the
+    last reference to `tensor` (and any view of it) is gone."""
+
+    def __init__(self, folder: Path, nbytes: int, part_size: int, *, pin: bool = False):
+        if not supported(part_size):
+            raise ValueError(f"part_size {part_size} is not a multiple of the page size {PAGE}")
+        libc = _libc()
+        folder.mkdir(parents=True, exist_ok=True)
+        self.home = folder
+        self.nbytes = nbytes
+        self.part_size = part_size
+        self.paths: list[Path] = []
+        lengths = [min(part_size, nbytes - start) for start in range(0, nbytes, part_size)]
+        span = max(_round_up(nbytes), PAGE)
+        base = libc.mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        if base in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"cannot reserve {span} bytes of address space")
+        try:
+            for p, length in enumerate(lengths):
+                path = folder / f"part-{p:06d}"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.ftruncate(fd, length)
+                    if length:
+                        os.posix_fallocate(fd, 0, length)  # tmpfs pages now, not under the first save
+                        address = base + p * part_size
+                        got = libc.mmap(address, _round_up(length), _PROT_RW, _MAP_SHARED | _MAP_FIXED | _MAP_POPULATE,
+                                        fd, 0)
+                        if got != address:
+                            raise OSError(ctypes.get_errno(), f"cannot map {path}")
+                finally:
+                    os.close(fd)
+                self.paths.append(path)
+        except BaseException:
+            libc.munmap(base, span)
+            for path in self.paths:
+                path.unlink(missing_ok=True)
+            raise
+        if pin:
+            torch.cuda.cudart().cudaHostRegister(base, span, 0)  # D2H copies are DMA straight into the tier
+        memory = (ctypes.c_ubyte * max(nbytes, 1)).from_address(base)
+        weakref.finalize(memory, _unmap, libc, base, span, pin)
+        self.tensor = torch.frombuffer(memory, dtype=torch.uint8)
+        self.pinned = pin
+
+    def move(self, targets: list[Path]) -> None:
+        """Rename the part files to `targets` (same file system), creating their folders."""
+        for folder in {t.parent for t in targets}:
+            folder.mkdir(parents=True, exist_ok=True)
+        for p, target in enumerate(targets):
+            os.replace(self.paths[p], target)
+            self.paths[p] = target
+
+    def intact(self) -> bool:
+        """Every part file still exists where this buffer last put it (nobody deleted it meanwhile)."""
+        return all(p.exists() for p in self.paths)
+
+    def unlink(self) -> None:
+        for path in self.paths:
+            path.unlink(missing_ok=True)
