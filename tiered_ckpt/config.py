@@ -32,6 +32,7 @@ class EngineConfig:
     commit_timeout: float = 600.0
     # a memory tier first in the stack (every = 1, keep_last set) is the staging buffer: one copy to safe
     stage_in_memory_tier: bool = True
+    checksum: str = "auto"  # of parts in new checkpoints: auto (xxh3 when xxhash is installed), xxh3, crc32c
     # false: ignore torch.distributed's default process group and act as a world of one rank (rank 0 of 1),
     # with no collectives: one process saves the full state (e.g. Lightning's global rank 0), others only load
     distributed: bool = True
@@ -137,6 +138,11 @@ def _check_engine(engine: EngineConfig, source: str | None) -> None:
     for key in ("collective_timeout", "commit_timeout"):
         if not getattr(engine, key) > 0:
             raise ConfigError("must be a positive number of seconds", key=f"engine.{key}", file=source)
+    from .checksum import available
+
+    if engine.checksum != "auto" and engine.checksum not in available():
+        raise ConfigError(f"must be auto or one of {available()} (xxh3 needs the xxhash package)",
+                          key="engine.checksum", file=source)
 
 
 def _parse_tier(table: Any, i: int, source: str | None) -> TierConfig:

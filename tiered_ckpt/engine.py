@@ -34,6 +34,7 @@ from .manifest import Manifest
 from .plan import Planner
 from .retention import Retention
 from .saving import SaveHandle, SaveJob, SaveServices
+from .checksum import resolve as resolve_checksum
 from .mapped import supported as mapped_supported
 from .staging import Arena, StagingPool, producer_events
 from .state import LoadTarget, SavedTensor, decode_skeleton, flatten, match
@@ -90,7 +91,8 @@ class Engine:
         self.retention.complete = {s.step for s in await self.catalog.statuses() if s.is_complete}
         commit = Committer(self.index, self.job, rank=self.rank, world_size=self.world_size,
                            session=self.coordinator.session, timeout=self.config.engine.commit_timeout)
-        self._services = SaveServices(self.io, commit, self.retention, self.pool)
+        self._services = SaveServices(self.io, commit, self.retention, self.pool,
+                                      resolve_checksum(self.config.engine.checksum))
         self._state = "open"
         return self
 

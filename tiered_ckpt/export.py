@@ -407,7 +407,7 @@ class _Reader:
             if found is not None:
                 key = PartKey(m.job, m.step, rank, p, m.incarnation).path
                 parts.append(PartRead(key, found[0], m.part_length(rank, p), m.ranks[rank].checksums[p], found[1],
-                                      bounce=True))
+                                      bounce=True, algorithm=m.checksum))
         return parts
 
 

@@ -139,7 +139,8 @@ def parts_to_read(manifest: Manifest, reads: Reads) -> dict[tuple[int, int], Par
             if found is not None:
                 key = PartKey(manifest.job, manifest.step, rank_meta.rank, p, manifest.incarnation).path
                 length = manifest.part_length(rank_meta.rank, p)
-                parts[(rank_meta.rank, p)] = PartRead(key, found[0], length, expected, found[1], bounce=True)
+                parts[(rank_meta.rank, p)] = PartRead(key, found[0], length, expected, found[1], bounce=True,
+                                                      algorithm=manifest.checksum)
     return parts
 
 

@@ -11,6 +11,7 @@ for part sizes that are not a multiple of the page size, the engine stages into 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import sys
@@ -96,12 +97,21 @@ class MappedParts:
         self.tensor = torch.frombuffer(memory, dtype=torch.uint8)
         self.pinned = pin
 
-    def move(self, targets: list[Path]) -> None:
-        """Rename the part files to `targets` (same file system), creating their folders."""
+    def move(self, targets: list[Path], *, exclusive: bool = False) -> None:
+        """Rename the part files to `targets` (same file system), creating their folders. `exclusive`: each
+        under an exclusive flock, which waits for readers that map the file in place (they hold a shared
+        one while they verify and copy it; see tiers/memory.py), so none of them sees it rewritten."""
         for folder in {t.parent for t in targets}:
             folder.mkdir(parents=True, exist_ok=True)
         for p, target in enumerate(targets):
-            os.replace(self.paths[p], target)
+            fd = os.open(self.paths[p], os.O_RDONLY) if exclusive else -1
+            try:
+                if exclusive:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                os.replace(self.paths[p], target)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
             self.paths[p] = target
 
     def intact(self) -> bool:

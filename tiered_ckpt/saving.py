@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping
 
-from .checksum import ALGORITHM, checksum
+from .checksum import checksum
 from .commit import Committer, Superseded
 from .errors import IntegrityError, SaveError, TierError, TierNotFound
 from .layout import PartKey, manifest_key, rank_meta_key, rank_prefix
@@ -119,6 +119,7 @@ class SaveServices:
     commit: Committer
     retention: Retention
     pool: StagingPool
+    checksum: str = "crc32c"  # the parts' checksum algorithm for new checkpoints (checksum.resolve)
 
 
 class SaveJob:
@@ -130,6 +131,7 @@ class SaveJob:
         self.commit = services.commit
         self.retention = services.retention
         self.pool = services.pool
+        self.algorithm = services.checksum
         self.job = services.commit.job
         self.step = step
         self.flat = flat
@@ -204,7 +206,7 @@ class SaveJob:
         assert self.buffer is not None
         view = self.buffer.view
         ranges = [self.plan.part_range(p) for p in range(self.plan.num_parts)]
-        return list(await asyncio.gather(*(self.io.run_blocking(checksum, [view[a:b]]) for a, b in ranges)))
+        return list(await asyncio.gather(*(self.io.run_blocking(checksum, [view[a:b]], self.algorithm) for a, b in ranges)))
 
     async def _manifest_bytes(self) -> bytes:
         """The manifest (rank 0 only), stored in the index once and returned for every tier."""
@@ -216,7 +218,7 @@ class SaveJob:
         plan = self.plan
         manifest = Manifest(
             job=self.job, step=self.step, world_size=plan.world_size, part_size=plan.part_size,
-            checksum=ALGORITHM, tensors=plan.tensors,
+            checksum=self.algorithm, tensors=plan.tensors,
             ranks=tuple(RankMeta(r, n) for r, n in enumerate(plan.rank_nbytes)),
             skeleton=self._skeleton(), created=time.time(), metadata=self.metadata, index=self.commit.index.identity,
             incarnation=self.commit.incarnation)
@@ -407,7 +409,8 @@ class SaveJob:
         for tier in self.io.order(self._holders[p]):
             buf = memoryview(bytearray(length))  # fresh per tier: a timed-out read may still write the last one
             try:
-                await self.io.read_verified(PartRead(self._part_key(p), [buf], length, expected), [tier], ReadLog(),
+                await self.io.read_verified(PartRead(self._part_key(p), [buf], length, expected,
+                                                     algorithm=self.algorithm), [tier], ReadLog(),
                                             budgeted=False)
                 return buf
             except IntegrityError as e:

@@ -94,7 +94,7 @@ class Arena:
             buf.parts.unlink()
             return False
         if buf.published:
-            buf.parts.move([buf.parts.home / p.name for p in buf.parts.paths])
+            buf.parts.move([buf.parts.home / p.name for p in buf.parts.paths], exclusive=True)
             self.tier.account(-buf.parts.nbytes, "retired staged parts")
             buf.published = False
         return True

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 
-from .checksum import ALGORITHM, checksum
+from .checksum import ALGORITHM, checksum, describe
 from .config import TierConfig
 from .errors import IntegrityError, TierError
 from .pipeline import TierPipeline
@@ -47,6 +47,7 @@ class PartRead:
     checksum: int
     targets: tuple[str, ...] = ()
     bounce: bool = False
+    algorithm: str = ALGORITHM  # of `checksum` (the manifest names it)
 
 
 @dataclass
@@ -157,9 +158,35 @@ class TierIO:
         raise IntegrityError(f"part {part.key}: no tier returned it intact "
                              f"({'; '.join(reasons) or 'no tier holds this checkpoint'})")
 
+    async def _try_mapped_read(self, name: str, part: PartRead, budgeted: bool) -> tuple[bool, str | None]:
+        """On a tier that maps values in place (the memory tier): verify the part where it lies, then copy it
+        once into `part.views`. (False, None) when the tier cannot map it now: read a copy instead."""
+        driver = self.drivers[name]
+
+        def verify_then_copy(view: memoryview) -> str | None:
+            if len(view) != part.length:
+                return f"length {len(view)}, expected {part.length}"
+            actual = checksum([view], part.algorithm)
+            if actual != part.checksum:
+                return f"{describe(part.algorithm, actual)}, expected {describe(part.algorithm, part.checksum)}"
+            scatter([view], part.views)
+            return None
+
+        pipeline, what = self.pipelines[name], f"read {part.key}"
+        op = lambda: driver.read_mapped(part.key, verify_then_copy)  # noqa: E731
+        try:
+            return await (pipeline.submit(part.length, op, what) if budgeted else pipeline.attempt(op, what))
+        except TierError as e:
+            return True, f"{type(e).__name__}: {e}"
+
     async def _try_bounced_read(self, name: str, part: PartRead, budgeted: bool) -> str | None:
         """Read `part` into a bounce buffer (a fresh one for every attempt, retries included), verify it, then
-        copy it to `part.views`; None when that succeeded, else why not."""
+        copy it to `part.views`; None when that succeeded, else why not. A tier that maps values in place
+        skips the bounce buffer: one copy instead of two."""
+        if hasattr(self.drivers[name], "read_mapped"):
+            mapped, reason = await self._try_mapped_read(name, part, budgeted)
+            if mapped:
+                return reason
         current: list[torch.Tensor] = []
 
         async def attempt() -> int:
@@ -198,7 +225,7 @@ class TierIO:
     async def _verify(self, views: list[memoryview], n: int, part: PartRead) -> str | None:
         if n != part.length:
             return f"length {n}, expected {part.length}"
-        actual = await self.run_blocking(checksum, views)
+        actual = await self.run_blocking(checksum, views, part.algorithm)
         if actual != part.checksum:
-            return f"{ALGORITHM} {actual:#010x}, expected {part.checksum:#010x}"
+            return f"{describe(part.algorithm, actual)}, expected {describe(part.algorithm, part.checksum)}"
         return None

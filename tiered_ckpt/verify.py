@@ -34,8 +34,8 @@ async def verify(io: TierIO, status: CheckpointStatus, manifest: Manifest,
 
         async def check(rank: int, p: int, expected: int) -> None:
             length = manifest.part_length(rank, p)
-            part = PartRead(PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path, [memoryview(bytearray(length))],
-                            length, expected)
+            part = PartRead(PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path,
+                            [memoryview(bytearray(length))], length, expected, algorithm=manifest.checksum)
             log = ReadLog()
             try:
                 await io.read_verified(part, [tier], log)

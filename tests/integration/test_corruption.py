@@ -19,18 +19,23 @@ async def saved(engine):
     return state
 
 
-async def test_flipped_byte_falls_back_to_disk(engine):
-    state = await saved(engine)
-    path = part_file(engine, "host", 2)
-    data = bytearray(path.read_bytes())
-    data[1234] ^= 0x01
-    path.write_bytes(bytes(data))
-    out = {k: torch.zeros_like(v) for k, v in state.items()}
-    info = await engine.load(out)
-    assert all(torch.equal(out[k], state[k]) for k in state)
-    assert [(f.part, f.tier) for f in info.fallbacks] == [(PartKey("test", 1, 0, 2, engine.incarnation).path, "host")]
-    assert "crc32c" in info.fallbacks[0].reason
-    assert info.bytes_by_tier["disk"] == 64 * 1024 and info.tier == "host"
+@pytest.mark.parametrize("algorithm", ["xxh3", "crc32c"])
+async def test_flipped_byte_falls_back_to_disk(make_config, algorithm):
+    """Under either part checksum (the manifest names it), a flipped bit is caught and read from disk."""
+    async with tc.Engine(make_config(checksum=algorithm)) as engine:
+        state = await saved(engine)
+        assert (await engine.read_manifest(1)).checksum == algorithm
+        path = part_file(engine, "host", 2)
+        data = bytearray(path.read_bytes())
+        data[1234] ^= 0x01
+        path.write_bytes(bytes(data))
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        info = await engine.load(out)
+        assert all(torch.equal(out[k], state[k]) for k in state)
+        assert [(f.part, f.tier) for f in info.fallbacks] == [
+            (PartKey("test", 1, 0, 2, engine.incarnation).path, "host")]
+        assert algorithm in info.fallbacks[0].reason
+        assert info.bytes_by_tier["disk"] == 64 * 1024 and info.tier == "host"
 
 
 async def test_truncated_and_missing_parts_fall_back(engine):

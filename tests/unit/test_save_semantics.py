@@ -260,15 +260,15 @@ async def test_retention_spares_a_checkpoint_being_loaded(make_config, monkeypat
     async with tc.Engine(make_config(tiers=[{"keep_last": 1}, {"keep_last": 1}])) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
         host = engine.tiers["host"]
-        real_read_into, reading, release = host.read_into, asyncio.Event(), asyncio.Event()
+        real_read, reading, release = host.read_mapped, asyncio.Event(), asyncio.Event()
 
-        async def held_read_into(key, out):
+        async def held_read(key, use):  # the memory tier's load path: verify in place, copy once
             if "step-000000000001/" in key and key.endswith("rank-00000/part-000000"):  # hold one read (one worker slot)
                 reading.set()
                 await release.wait()
-            return await real_read_into(key, out)
+            return await real_read(key, use)
 
-        monkeypatch.setattr(host, "read_into", held_read_into)
+        monkeypatch.setattr(host, "read_mapped", held_read)
         loading = asyncio.create_task(load_values(engine, step=1, tiers=["host"]))
         await reading.wait()
         for step in (2, 3):

@@ -10,6 +10,7 @@ storage per load: 1x the parts needed, instead of 1x per replica (NeMo#6131).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -73,7 +74,7 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
         if reader == me:
             buffers[key] = torch.empty(lengths[key], dtype=torch.uint8)
             p = parts[key]
-            prefetch[key] = read(PartRead(p.key, [tensor_bytes(buffers[key])], p.length, p.checksum, bounce=True))
+            prefetch[key] = read(dataclasses.replace(p, views=[tensor_bytes(buffers[key])], targets=(), bounce=True))
     errors: list[BaseException] = []
     try:
         for key, members, reader in plan:
