@@ -128,8 +128,10 @@ def _check_engine(engine: EngineConfig, source: str | None) -> None:
         validate_name(engine.job, "job")
     except ConfigError as e:
         raise ConfigError(str(e), key="engine.job", file=source) from None
-    if not engine.index.startswith(("file://", "redis://", "rediss://", "unix://")):
-        raise ConfigError("index must be file://PATH or redis://HOST:PORT/DB", key="engine.index", file=source)
+    if not engine.index.startswith(("file://", "redis://", "rediss://", "unix://", "redis+cluster://",
+                                    "rediss+cluster://", "redis+sentinel://", "rediss+sentinel://")):
+        raise ConfigError("index must be file://PATH, redis://HOST:PORT/DB, redis+cluster://HOST:PORT[,HOST:PORT...] "
+                          "or redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER/DB", key="engine.index", file=source)
     if engine.part_size < 4096:
         raise ConfigError("part_size must be at least 4KiB", key="engine.part_size", file=source)
     for key in ("max_inflight", "io_threads"):

@@ -5,17 +5,23 @@ from ..config import index_path
 from ..errors import ConfigError
 from .base import CheckpointStatus, Index
 
+# one server, a Redis Cluster, or the master a Sentinel names (index/redis_connect.py); rediss: with TLS
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://", "redis+sentinel://",
+                 "rediss+sentinel://")
+
 
 def open_index(url: str) -> Index:
     if url.startswith("file://"):
         from .file import FileIndex
 
         return FileIndex(index_path(url))
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    if url.startswith(REDIS_SCHEMES):
         from .redis import RedisIndex
 
         return RedisIndex(url)
-    raise ConfigError(f"index {url!r}: expected file://PATH or redis://HOST:PORT/DB", key="engine.index")
+    raise ConfigError(f"index {url.split('://')[0]}://…: expected file://PATH, redis://HOST:PORT/DB, "
+                      f"redis+cluster://HOST:PORT[,HOST:PORT...] or redis+sentinel://HOST:PORT[,...]/MASTER/DB",
+                      key="engine.index")
 
 
 __all__ = ["CheckpointStatus", "Index", "open_index"]

@@ -14,23 +14,24 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-import redis.asyncio as aioredis
-from redis import exceptions as rexc
-
 from ..errors import ConfigError, IncompleteCheckpoint, IndexUnavailable, TieredCkptError
 from .base import CheckpointStatus, TierState
+from .redis_connect import ERRORS, Problem, RedisDeployment
+from .redis_connect import classify as _problem
 
 _CHECK = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') ~= tonumber(ARGV[1]) then
   return redis.error_reply('FENCED epoch ' .. ARGV[1] .. ' is stale (current ' .. (redis.call('GET', KEYS[1]) or '0') .. ')')
 end
 """
+# The last write of every script: it always reaches the replicas (a no-op write would not), so the WAIT after
+# a repeated attempt (a retry through a failover) also covers whatever an earlier attempt wrote on this master.
+_REPLICATED = "redis.call('INCRBY', KEYS[1], 0)\n"
 # KEYS: epoch, step hash, steps zset. ARGV: epoch, step, field, value [, field, value ...]
 _HSET = _CHECK + """
 for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[2])
-return 1
-"""
+""" + _REPLICATED + "return 1"
 # KEYS: epoch, step hash. ARGV: epoch, tier, session, rank, world
 _COMMIT = _CHECK + """
 local count_field = 'count:' .. ARGV[2] .. ':' .. ARGV[3]
@@ -40,12 +41,12 @@ if redis.call('HSETNX', KEYS[2], 'durable:' .. ARGV[2] .. ':' .. ARGV[3] .. ':' 
 else
   n = tonumber(redis.call('HGET', KEYS[2], count_field))
 end
+local done = 0
 if n >= tonumber(ARGV[5]) then
   redis.call('HSET', KEYS[2], 'complete:' .. ARGV[2], '1')
-  return 1
+  done = 1
 end
-return 0
-"""
+""" + _REPLICATED + "return done"
 # KEYS: epoch, step hash. ARGV: epoch, tier. Drops every record of one tier (before its data is deleted).
 _UNMARK = _CHECK + """
 for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
@@ -54,86 +55,112 @@ for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
     redis.call('HDEL', KEYS[2], f)
   end
 end
-return 1
-"""
+""" + _REPLICATED + "return 1"
 # KEYS: epoch, step hash, steps zset. ARGV: epoch, step
 _DELETE = _CHECK + """
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[2])
-return 1
-"""
+""" + _REPLICATED + "return 1"
 
 
 # KEYS: epoch, tombstones set. ARGV: epoch, step, 1 to add or 0 to remove
 _BURY = _CHECK + """
 if ARGV[3] == '1' then redis.call('SADD', KEYS[2], ARGV[2]) else redis.call('SREM', KEYS[2], ARGV[2]) end
-return 1
-"""
+""" + _REPLICATED + "return 1"
+
+
+_SCRIPTS = {"hset": _HSET, "commit": _COMMIT, "unmark": _UNMARK, "delete": _DELETE, "bury": _BURY}
 
 
 class RedisIndex:
+    """The index on one Redis server (redis://), a Redis Cluster (redis+cluster://: a job's keys share one hash
+    slot, `{job}`, so each commit stays one atomic script) or the master a Sentinel names (redis+sentinel://).
+    Writes are followed by WAIT when the URL asks for replicas (`wait`, default 1 with Sentinel), and every
+    operation is retried through a failover for up to `failover_timeout` (redis_connect.py has the URL forms)."""
+
     def __init__(self, url: str):
         self.url = url
         self.epoch = 0
-        self.identity = _identity(url)  # written into each manifest
-        self._client: aioredis.Redis | None = None
-        self._scripts: dict[str, Any] = {}
+        self._redis = RedisDeployment(url, key="engine.index")
+        self.identity = self._redis.identity  # written into each manifest (unchanged for redis:// URLs)
+        self._tag = self._redis.kind == "cluster"  # cluster: every key of a job in one hash slot
+        self._client: Any = None
 
     async def open(self) -> None:
-        self._client = aioredis.Redis.from_url(self.url, socket_timeout=30, socket_connect_timeout=10)
-        for name, source in (("hset", _HSET), ("commit", _COMMIT), ("unmark", _UNMARK), ("delete", _DELETE),
-                             ("bury", _BURY)):
-            self._scripts[name] = self._client.register_script(source)
-        await self._refuse_an_evicting_server()
+        self._client = self._redis.open()
+        await self._redis.connect()
+        await self._check_server()
 
-    async def _refuse_an_evicting_server(self) -> None:
-        """The index's keys (epoch, steps, records) carry no TTL: a policy that may evict any key would drop
-        them under memory pressure (the fencing epoch too, fencing the writer out). Refused at open."""
-        assert self._client is not None
+    async def _check_server(self) -> None:
+        """At open: the URL's form matches the server (a cluster node behind redis:// is named as such), and no
+        master may evict the index. The index's keys (epoch, steps, records) carry no TTL: a policy that may
+        evict any key would drop them under memory pressure (the fencing epoch too, fencing the writer out)."""
         try:
-            info = await self._client.info("memory")
-        except rexc.RedisError:
-            return  # unreachable now: saves will say so; loads fall back to the tiers
-        policy = str(info.get("maxmemory_policy", "noeviction"))
-        if policy.startswith("allkeys-"):
-            raise ConfigError(f"index {self.identity}: maxmemory-policy is {policy}, which may evict the index's "
-                              f"records; use a Redis with noeviction (or a volatile-* policy) for the index, "
-                              f"and a separate one for the peer-cache tier", key="engine.index")
+            masters = await self._redis.call(self._redis.masters_info, lambda e, p: e)
+        except Exception as e:
+            problem = _problem(e, self._redis.kind)
+            if problem.kind == "transient":
+                return  # unreachable now: saves will say so; loads fall back to the tiers
+            raise self._error("opening the index", e, problem) from None
+        for address, info in masters:
+            self._redis.check_mode(address, info)
+            policy = str(info.get("maxmemory_policy", "noeviction"))
+            if policy.startswith("allkeys-"):
+                where = "" if address == self.identity else f" (master {address})"
+                raise ConfigError(f"index {self.identity}{where}: maxmemory-policy is {policy}, which may evict the "
+                                  f"index's records; use a Redis with noeviction (or a volatile-* policy) for the "
+                                  f"index, and a separate one for the peer-cache tier", key="engine.index")
 
     async def close(self) -> None:
         if self._client is not None:
-            await self._client.aclose()
+            await self._redis.close()
 
     def _k(self, job: str, *parts: Any) -> str:
-        return ":".join(("tiered_ckpt:idx", job, *map(str, parts)))
+        """Key names: `tiered_ckpt:idx:<job>:...` on one server (as in earlier releases); `tiered_ckpt:idx:{<job>}:...`
+        on a cluster, where the hash tag keeps every key of a job in one slot (so one script sees them all)."""
+        return ":".join(("tiered_ckpt:idx", "{" + job + "}" if self._tag else job, *map(str, parts)))
 
-    async def _call(self, what: str, coro: Any) -> Any:
+    def _error(self, what: str, e: BaseException, problem: Problem) -> BaseException:
+        where = f"index {self.identity}"
+        if problem.kind == "auth":  # not retryable: not "unreachable"
+            return TieredCkptError(f"{where}: {what}: {problem.text}")
+        if problem.kind == "fenced":
+            return TieredCkptError(f"{where}: {what} refused: this process belongs to an earlier incarnation of the "
+                                   f"job ({problem.text}); it must not commit or delete")
+        if problem.kind == "config":
+            return ConfigError(f"{where}: {what}: {problem.text}", key="engine.index")
+        if problem.kind == "transient":
+            after = (f" (retried for {self._redis.url.failover_timeout:g}s)" if self._redis.url.failover_timeout
+                     else "")
+            return IndexUnavailable(f"{where} unreachable during {what}{after}: {problem.text}")
+        return TieredCkptError(f"{where}: {what}: {problem.text}")
+
+    async def _call(self, what: str, op: Any) -> Any:
+        """Run one operation: `op` is a function returning an awaitable (retried through a failover, so it must
+        be idempotent) or an awaitable (run once)."""
+        on_error = lambda e, problem: self._error(what, e, problem)  # noqa: E731
+        if callable(op):
+            return await self._redis.call(op, on_error)
         try:
-            return await coro
-        except (rexc.AuthenticationError, rexc.AuthorizationError) as e:  # not retryable: not "unreachable"
-            raise TieredCkptError(f"index {self.identity}: {what}: the server refused the credentials "
-                                  f"({type(e).__name__}: {e})") from None
-        except rexc.ResponseError as e:
-            if "FENCED" in str(e):
-                raise TieredCkptError(f"index {self.identity}: {what} refused: this process belongs to an earlier "
-                                      f"incarnation of the job ({e}); it must not commit or delete") from None
-            raise TieredCkptError(f"index {self.identity}: {what}: {e}") from e
-        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
-            raise IndexUnavailable(f"index {self.identity} unreachable during {what}: {e}") from e
-        except rexc.RedisError as e:  # e.g. a server that does not speak Redis at that address
-            raise TieredCkptError(f"index {self.identity}: {what}: {type(e).__name__}: {e} (is this a Redis "
-                                  f"server?)") from None
+            return await op
+        except ERRORS as e:
+            problem = _problem(e, self._redis.kind)
+            raise on_error(e, problem) from (e if problem.kind in ("error", "transient") else None)
+
+    async def _script(self, what: str, name: str, keys: list[str], args: list[Any]) -> Any:
+        return await self._call(what, lambda: self._redis.write([len(keys), *keys, *args], key=keys[0],
+                                                                script=_SCRIPTS[name]))
 
     async def fence(self, job: str) -> int:
         """Start a new incarnation of `job`: writers holding an older epoch are refused from now on."""
-        assert self._client is not None
-        self.epoch = int(await self._call("fence", self._client.incr(self._k(job, "epoch"))))
+        key = self._k(job, "epoch")
+        self.epoch = int(await self._call("fence", lambda: self._redis.write(["INCR", key], key=key)))
         return self.epoch
 
     async def _hset(self, job: str, step: int, *pairs: Any) -> None:
-        await self._call(f"write of step {step}", self._scripts["hset"](
-            keys=[self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "steps")],
-            args=[self.epoch, step, *pairs]))
+        await self._script(f"write of step {step}", "hset",
+                           [self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "steps")],
+                           [self.epoch, step, *pairs])
 
     async def begin(self, job: str, step: int, tiers: Sequence[str]) -> None:
         pairs: list[Any] = ["created", repr(time.time())]
@@ -149,7 +176,7 @@ class RedisIndex:
 
     async def _get(self, job: str, step: int, field: str, what: str) -> bytes:
         assert self._client is not None
-        value = await self._call(f"read of step {step}", self._client.hget(self._k(job, "step", step), field))
+        value = await self._call(f"read of step {step}", lambda: self._client.hget(self._k(job, "step", step), field))
         if value is None:
             raise IncompleteCheckpoint(f"job {job!r} step {step}: no {what} in the index at {self.identity}")
         return value
@@ -161,9 +188,9 @@ class RedisIndex:
         return await self._get(job, step, f"rank:{rank}", f"checksums of rank {rank}")
 
     async def mark_durable(self, job: str, step: int, tier: str, rank: int, world_size: int, session: str) -> bool:
-        done = await self._call(f"commit of step {step} on {tier}", self._scripts["commit"](
-            keys=[self._k(job, "epoch"), self._k(job, "step", step)],
-            args=[self.epoch, tier, session, rank, world_size]))
+        done = await self._script(f"commit of step {step} on {tier}", "commit",
+                                  [self._k(job, "epoch"), self._k(job, "step", step)],
+                                  [self.epoch, tier, session, rank, world_size])
         return bool(done)
 
     async def mark_failed(self, job: str, step: int, tier: str, rank: int, session: str, reason: str) -> None:
@@ -178,27 +205,36 @@ class RedisIndex:
         is polled by every rank while it waits for a commit, and read on every save by retention."""
         assert self._client is not None
         keys = [self._k(job, "step", step) for step in steps]
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hkeys(key)
-        replies = await self._call("read of the index", pipe.execute())
-        names = [[n.decode() for n in step_names] for step_names in replies]
-        pipe = self._client.pipeline(transaction=False)
-        wanted = [[n for n in step_names if n != "manifest" and not n.startswith("rank:")] for step_names in names]
-        for key, fields in zip(keys, wanted):
-            pipe.hmget(key, fields) if fields else pipe.ping()
-        values = await self._call("read of the index", pipe.execute())
-        return [dict(zip(fields, vals)) if fields else {} for fields, vals in zip(wanted, values)]
+
+        async def names() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hkeys(key)
+            return await pipe.execute()
+
+        replies = await self._call("read of the index", names)
+        skip = {"manifest"}
+        wanted = [[n for n in (m.decode() for m in step_names) if n not in skip and not n.startswith("rank:")]
+                  for step_names in replies]
+
+        async def values() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            for key, fields in zip(keys, wanted, strict=True):
+                pipe.hmget(key, fields) if fields else pipe.ping()
+            return await pipe.execute()
+
+        got = await self._call("read of the index", values)
+        return [dict(zip(fields, vals, strict=True)) if fields else {} for fields, vals in zip(wanted, got, strict=True)]
 
     async def unmark(self, job: str, step: int, tier: str) -> None:
-        await self._call(f"retention of step {step} on {tier}", self._scripts["unmark"](
-            keys=[self._k(job, "epoch"), self._k(job, "step", step)], args=[self.epoch, tier]))
+        await self._script(f"retention of step {step} on {tier}", "unmark",
+                           [self._k(job, "epoch"), self._k(job, "step", step)], [self.epoch, tier])
 
     async def list(self, job: str) -> list[CheckpointStatus]:
         assert self._client is not None
-        steps = [int(s) for s in await self._call("listing", self._client.zrange(self._k(job, "steps"), 0, -1))]
+        steps = [int(s) for s in await self._call("listing", lambda: self._client.zrange(self._k(job, "steps"), 0, -1))]
         out = []
-        for step, fields in zip(steps, await self._small_fields(job, steps) if steps else []):
+        for step, fields in zip(steps, await self._small_fields(job, steps) if steps else [], strict=True):
             targets = [(int(v), f.split(":", 1)[1]) for f, v in fields.items() if f.startswith("target:")]
             tiers = tuple(name for _, name in sorted(targets))
             complete = frozenset(f.split(":", 1)[1] for f in fields if f.startswith("complete:"))
@@ -214,20 +250,21 @@ class RedisIndex:
         return out
 
     async def bury(self, job: str, step: int) -> None:
-        await self._call(f"tombstone of step {step}", self._scripts["bury"](
-            keys=[self._k(job, "epoch"), self._k(job, "tombstones")], args=[self.epoch, step, 1]))
+        await self._script(f"tombstone of step {step}", "bury", [self._k(job, "epoch"), self._k(job, "tombstones")],
+                           [self.epoch, step, 1])
 
     async def buried(self, job: str) -> set[int]:
         assert self._client is not None
-        return {int(s) for s in await self._call("reading tombstones", self._client.smembers(self._k(job, "tombstones")))}
+        return {int(s) for s in await self._call("reading tombstones",
+                                                 lambda: self._client.smembers(self._k(job, "tombstones")))}
 
     async def unbury(self, job: str, step: int) -> None:
-        await self._call(f"tombstone of step {step}", self._scripts["bury"](
-            keys=[self._k(job, "epoch"), self._k(job, "tombstones")], args=[self.epoch, step, 0]))
+        await self._script(f"tombstone of step {step}", "bury", [self._k(job, "epoch"), self._k(job, "tombstones")],
+                           [self.epoch, step, 0])
 
     async def delete(self, job: str, step: int) -> None:
-        await self._call(f"deletion of step {step}", self._scripts["delete"](
-            keys=[self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "steps")], args=[self.epoch, step]))
+        await self._script(f"deletion of step {step}", "delete",
+                           [self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "steps")], [self.epoch, step])
 
 
 def _tier_state(fields: dict[str, bytes], tier: str, session: str) -> TierState:
@@ -238,13 +275,3 @@ def _tier_state(fields: dict[str, bytes], tier: str, session: str) -> TierState:
         if f.startswith(f"failed:{tier}:") and f.endswith(f":{session}"):
             return TierState("failed", f"rank {f.split(':')[-2]}: {value.decode(errors='replace')}", done)
     return TierState("pending", "", done)
-
-
-def _identity(url: str) -> str:
-    """The URL without credentials or options: which server and database, never a secret."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return f"unix://{parts.path}"
-    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"

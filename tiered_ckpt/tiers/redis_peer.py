@@ -10,6 +10,12 @@ so an oversized write is a clear error rather than a bare "Broken pipe"), writte
 connection pool, then a small header naming them is written last: replacing a value is atomic, and a
 chunk evicted under maxmemory is detected on read (TierNotFound, so the engine falls back to the next
 tier). Connection problems raise TierUnavailable (retried by the pipeline) naming the tier and server.
+
+A url may also be a Redis Cluster (`redis+cluster://host:port[,host:port...]`: chunks spread over its
+masters, key names unchanged) or the master a Sentinel names (`redis+sentinel://host:port/<master-name>/<db>`),
+e.g. one cluster shared by every node (`urls = ["redis+cluster://..."]`, a ring of one). A down slot
+(CLUSTERDOWN), a redirection the client could not follow (MOVED/ASK) or a failover under way are
+TierUnavailable naming what happened.
 """
 from __future__ import annotations
 
@@ -19,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import redis.asyncio as aioredis
-from redis import exceptions as rexc
 
 from ..errors import ConfigError, TierError, TierFull, TierNotFound, TierUnavailable
+from ..index.redis_connect import ERRORS, RedisDeployment, classify
 from .base import Tier, redact, scatter
 
 SIZE = {"size": True}
@@ -50,7 +56,10 @@ class RedisPeerTier(Tier):
             raise ConfigError(f"must be between 1 byte and {MAX_BULK - 2**20} (Redis caps a value at 512 MiB)",
                               key=f"tiers.{name}.chunk_size")
         self.node = options.node if options.node is not None else 0
-        self._clients: list[aioredis.Redis] = []
+        self._clients: list[Any] = []
+        # redis+cluster:// and redis+sentinel:// urls (checked here, so a bad one fails at config time)
+        self._deployments = {i: RedisDeployment(url, key=f"tiers.{name}.urls", socket_timeout=options.socket_timeout)
+                             for i, url in enumerate(options.urls) if url.startswith(("redis+", "rediss+"))}
 
     def bind(self, *, node: int, **_: Any) -> None:
         if self.options.node is None:
@@ -58,28 +67,44 @@ class RedisPeerTier(Tier):
 
     async def open(self) -> None:
         # A blocking pool: past `connections`, a command waits for a free connection instead of failing.
-        self._clients = [aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=self.options.connections, timeout=None,
-            socket_timeout=self.options.socket_timeout, socket_connect_timeout=10)) for url in self.options.urls]
+        self._clients = [self._deployments[i].open() if i in self._deployments else
+                         aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+                             url, max_connections=self.options.connections, timeout=None,
+                             socket_timeout=self.options.socket_timeout, socket_connect_timeout=10))
+                         for i, url in enumerate(self.options.urls)]
+        for deployment in self._deployments.values():
+            await deployment.connect()
 
     async def close(self) -> None:
-        for client in self._clients:
+        for i, client in enumerate(self._clients):
+            if i in self._deployments:
+                await self._deployments[i].close()
+                continue
             await client.aclose()
             await client.connection_pool.disconnect()  # a pool passed in is not closed by aclose()
+
+    def _kind(self, server: int) -> str:
+        return self._deployments[server].kind if server in self._deployments else "single"
+
+    async def _mget(self, server: int, names: list[str]) -> list[Any]:
+        """MGET; on a cluster, one MGET per hash slot (the names spread over the masters)."""
+        client = self._clients[server]
+        return await (client.mget_nonatomic(names) if self._kind(server) == "cluster" else client.mget(names))
 
     def _ring(self) -> list[int]:
         n = len(self._clients)
         return [(self.node + 1 + i) % n for i in range(n)]
 
-    def _fail(self, server: int, e: Exception, what: str) -> TierError:
+    def _fail(self, server: int, e: BaseException, what: str) -> TierError:
         url = redact(self.options.urls[server])
-        if isinstance(e, (rexc.AuthenticationError, rexc.AuthorizationError)):  # a ConnectionError, but final
+        problem = classify(e, self._kind(server))
+        if problem.kind == "auth":  # a ConnectionError, but final
             return TierError(f"redis {url} refused the credentials {what}: {e}", tier=self.name)
-        if isinstance(e, rexc.OutOfMemoryError) or "OOM" in str(e):
+        if problem.kind == "oom" or "OOM" in str(e):
             return TierFull(f"redis {url} is out of memory (maxmemory) {what}", tier=self.name)
-        if isinstance(e, (rexc.ConnectionError, rexc.TimeoutError, OSError)):
-            return TierUnavailable(f"redis {url} unreachable {what}: {e}", tier=self.name)
-        return TierError(f"redis {url} {what}: {type(e).__name__}: {e}", tier=self.name)
+        if problem.kind == "transient":  # unreachable, or a failover or resharding under way: retried
+            return TierUnavailable(f"redis {url} unreachable {what}: {problem.text}", tier=self.name)
+        return TierError(f"redis {url} {what}: {problem.text}", tier=self.name)
 
     async def write(self, key: str, data: memoryview) -> None:
         server = self._ring()[0]
@@ -95,7 +120,7 @@ class RedisPeerTier(Tier):
             if old:
                 old_version, count, _ = old.decode().split(":")
                 await client.unlink(*(f"{full}{SEP}{old_version}{SEP}{i}" for i in range(int(count))))
-        except rexc.RedisError as e:
+        except ERRORS as e:
             raise self._fail(server, e, f"writing {key}") from e
 
     async def _locate(self, key: str) -> tuple[int, str, int, int]:
@@ -103,8 +128,8 @@ class RedisPeerTier(Tier):
         for server in self._ring():
             try:
                 header = await self._clients[server].get(full)
-            except rexc.RedisError as e:
-                if isinstance(e, (rexc.ConnectionError, rexc.TimeoutError)) and len(self._clients) > 1:
+            except ERRORS as e:
+                if classify(e, self._kind(server)).kind == "transient" and len(self._clients) > 1:
                     continue  # a node down: its successor may still hold the value
                 raise self._fail(server, e, f"reading {key}") from e
             if header is not None:
@@ -118,8 +143,8 @@ class RedisPeerTier(Tier):
         names = [f"{full}{SEP}{version}{SEP}{i}" for i in range(count)]
         try:
             client = self._clients[server]
-            chunks = [await client.get(names[0])] if count == 1 else await client.mget(names)
-        except rexc.RedisError as e:
+            chunks = [await client.get(names[0])] if count == 1 else await self._mget(server, names)
+        except ERRORS as e:
             raise self._fail(server, e, f"reading {key}") from e
         if any(c is None for c in chunks):
             raise TierNotFound(f"{key}: chunk missing on redis {self.options.urls[server]} (evicted?)", tier=self.name)
@@ -138,9 +163,9 @@ class RedisPeerTier(Tier):
         server = self._ring()[0]  # where this node wrote them
         client, prefix = self._clients[server], self.options.prefix
         try:
-            headers = await client.mget([prefix + k for k in keys]) if keys else []
+            headers = await self._mget(server, [prefix + k for k in keys]) if keys else []
             chunk_names, owners = [], []
-            for key, header in zip(keys, headers):
+            for key, header in zip(keys, headers, strict=True):
                 if header is not None:
                     version, count, _ = header.decode().split(":")
                     for i in range(int(count)):
@@ -150,10 +175,10 @@ class RedisPeerTier(Tier):
             for name in chunk_names:
                 pipe.exists(name)
             present = await pipe.execute() if chunk_names else []
-        except rexc.RedisError as e:
+        except ERRORS as e:
             raise self._fail(server, e, "checking parts before the commit") from e
-        gone = {k for k, h in zip(keys, headers) if h is None}
-        gone |= {owner for owner, ok in zip(owners, present) if not ok}
+        gone = {k for k, h in zip(keys, headers, strict=True) if h is None}
+        gone |= {owner for owner, ok in zip(owners, present, strict=True) if not ok}
         return sorted(gone)
 
     async def delete(self, prefix: str) -> None:
@@ -168,7 +193,7 @@ class RedisPeerTier(Tier):
                         batch = []
                 if batch:
                     await client.unlink(*batch)
-            except rexc.RedisError as e:
+            except ERRORS as e:
                 raise self._fail(server, e, f"deleting {prefix}*") from e
 
     async def list(self, prefix: str) -> list[str]:
@@ -179,6 +204,6 @@ class RedisPeerTier(Tier):
                     name = k.decode()[len(self.options.prefix):]
                     if SEP not in name:
                         keys.add(name)
-            except rexc.RedisError as e:
+            except ERRORS as e:
                 raise self._fail(server, e, f"listing {prefix}*") from e
         return sorted(keys)

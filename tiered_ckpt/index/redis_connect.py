@@ -1,0 +1,361 @@
+"""How the Redis index (and the Redis peer tier) reach a Redis deployment: one server, a Redis Cluster, or a
+master found through Sentinel, and what each failure of such a deployment is called.
+
+URLs (credentials are never shown: messages use `identity`, which has neither credentials nor options):
+
+    redis://[user:pass@]host:port[/db]           one server (rediss:// with TLS; unix:///path.sock?db=N)
+    redis+cluster://[user:pass@]host:port[,host:port...][/0]
+                                                 a Redis Cluster: the startup nodes (rediss+cluster:// with TLS)
+    redis+sentinel://[user:pass@]host:port[,host:port...]/<master-name>[/db]
+                                                 the master Sentinel names (rediss+sentinel:// with TLS to the
+                                                 master); the credentials are the master's
+
+Options, in the query string (taken out before the URL reaches redis-py, which would refuse them):
+
+    wait=N              replicas that must acknowledge every write (Redis `WAIT N`) before it counts as done;
+                        default 1 with Sentinel (an acknowledged commit survives a failover), 0 otherwise
+    wait_timeout=S      seconds one WAIT may take (default 2.0)
+    failover_timeout=S  how long one operation is retried while the deployment fails over (connection refused
+                        or reset, no master, CLUSTERDOWN, TRYAGAIN, MASTERDOWN, LOADING, READONLY, too few
+                        replicas acknowledging); default 30 with Sentinel or a cluster, 0 with one server
+    max_connections=N   operations in flight at once through this client (default: unbounded)
+    sentinel_username=U, sentinel_password=P
+                        the sentinels' own credentials, if they have some (the URL's are the master's)
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis import exceptions as rexc
+
+from ..errors import ConfigError
+
+T = TypeVar("T")
+OPTIONS = ("wait", "wait_timeout", "failover_timeout", "max_connections", "sentinel_username", "sentinel_password")
+SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://", "redis+sentinel://",
+           "rediss+sentinel://")
+
+
+@dataclass(frozen=True)
+class RedisURL:
+    """A parsed Redis URL. `plain` is what redis-py gets for one server (the URL without our options)."""
+
+    kind: str  # "single", "cluster" or "sentinel"
+    identity: str
+    plain: str
+    hosts: tuple[tuple[str, int], ...] = ()
+    service: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    ssl: bool = False
+    wait: int = 0
+    wait_timeout: float = 2.0
+    failover_timeout: float = 0.0
+    max_connections: int | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+
+
+def parse_url(url: str, *, key: str) -> RedisURL:
+    """Parse a Redis URL of any of the three forms; a ConfigError naming `key` (never the password) if bad."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or f"{scheme}://" not in SCHEMES:
+        raise ConfigError(f"{_redact(url)}: expected one of {', '.join(s + '…' for s in SCHEMES)}", key=key)
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in OPTIONS}
+    rest = [(k, v) for k, v in query if k not in OPTIONS]
+    kind = "cluster" if scheme.endswith("+cluster") else "sentinel" if scheme.endswith("+sentinel") else "single"
+
+    def number(name: str, cast: Callable[[str], Any], default: Any, low: float) -> Any:
+        if name not in ours:
+            return default
+        try:
+            value = cast(ours[name])
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise ConfigError(f"{_redact(url)}: option {name}={ours[name]!r} must be a number >= {low}", key=key)
+        return value
+
+    options = dict(
+        wait=number("wait", int, 1 if kind == "sentinel" else 0, 0),
+        wait_timeout=number("wait_timeout", float, 2.0, 0.001),
+        failover_timeout=number("failover_timeout", float, 0.0 if kind == "single" else 30.0, 0),
+        max_connections=number("max_connections", int, None, 1),
+        sentinel_username=ours.get("sentinel_username"), sentinel_password=ours.get("sentinel_password"))
+    if kind == "single":
+        plain = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(rest), parts.fragment))
+        return RedisURL("single", _single_identity(parts), plain, **options)
+    if rest:
+        raise ConfigError(f"{_redact(url)}: unknown option(s) {sorted(k for k, _ in rest)} (known: "
+                          f"{', '.join(OPTIONS)})", key=key)
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    hosts = []
+    for item in hostlist.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"{_redact(url)}: {item!r} is not host:port", key=key)
+        hosts.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    service, db = None, 0
+    if kind == "cluster":
+        if len(path) > 1 or (path and path[0] != "0"):
+            raise ConfigError(f"{_redact(url)}: a Redis Cluster has only database 0 (got /{'/'.join(path)})", key=key)
+        identity = f"{scheme}://{_hostlist(hosts)}"
+    else:
+        if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+            raise ConfigError(f"{_redact(url)}: expected {scheme}://host:port[,host:port...]/<master-name>[/db]",
+                              key=key)
+        service, db = path[0], int(path[1]) if len(path) == 2 else 0
+        identity = f"{scheme}://{_hostlist(hosts)}/{service}/{db}"
+    return RedisURL(kind, identity, url, tuple(hosts), service, db, unquote(username) or None,
+                    unquote(password) or None, scheme.startswith("rediss"), **options)
+
+
+def _hostlist(hosts: Sequence[tuple[str, int]]) -> str:
+    return ",".join(sorted(f"{h}:{p}" for h, p in hosts))  # any order names the same deployment
+
+
+def _single_identity(parts: Any) -> str:
+    """The URL without credentials or options: which server and database, never a secret. (Unchanged from
+    earlier releases: it is recorded in every manifest.)"""
+    if parts.scheme == "unix":
+        return f"unix://{parts.path}"
+    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
+
+
+def _redact(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    if "@" in netloc:
+        user = netloc.rpartition("@")[0].split(":", 1)[0]
+        netloc = f"{user + ':' if user else ':'}***@{netloc.rpartition('@')[2]}"
+    tail, q, query = tail.partition("?")
+    if query:  # sentinel_password=…
+        query = "&".join(f"{k}=***" if "password" in k else f"{k}={v}" for k, v in parse_qsl(query, True))
+    return f"{scheme}{sep}{netloc}{slash}{tail}{q}{query}"
+
+
+class NotReplicated(Exception):
+    """A write reached the master, but fewer replicas than wanted acknowledged it within the WAIT timeout."""
+
+    def __init__(self, acked: int, wanted: int, timeout: float):
+        super().__init__(f"written on the master but acknowledged by {acked} of the {wanted} replica(s) wanted "
+                         f"within {timeout:g}s (WAIT); a failover now could lose it")
+        self.acked, self.wanted = acked, wanted
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What went wrong, in words: `kind` is "auth", "fenced", "config", "oom", "transient" (a failover or an
+    outage: retried within failover_timeout), "error" (a refused command) or "protocol" (not Redis?)."""
+
+    kind: str
+    text: str
+
+
+def classify(e: BaseException, deployment: str) -> Problem:
+    """Name a redis-py error. `deployment` is "single", "cluster" or "sentinel"."""
+    text = f"{type(e).__name__}: {e}"
+    if isinstance(e, NotReplicated):
+        return Problem("transient", str(e))
+    if isinstance(e, (rexc.AuthenticationError, rexc.AuthorizationError)):
+        return Problem("auth", f"the server refused the credentials ({text})")
+    if isinstance(e, rexc.ResponseError) and "FENCED" in str(e):
+        return Problem("fenced", str(e))
+    if isinstance(e, rexc.AskError):  # MOVED and ASK: "<slot> <host>:<port>"
+        what = "MOVED" if isinstance(e, rexc.MovedError) else "ASK"
+        if deployment != "cluster":
+            return Problem("config", f"the server is a node of a Redis Cluster: it redirected slot {e.slot_id} to "
+                                     f"{e.host}:{e.port} ({what}); use redis+cluster://host:port[,host:port...]")
+        return Problem("transient", f"the cluster redirected slot {e.slot_id} to {e.host}:{e.port} ({what}) and the "
+                                    f"client could not follow: the cluster is resharding or failing over")
+    if isinstance(e, rexc.MasterDownError):
+        return Problem("transient", f"a replica lost its master (MASTERDOWN: {e})")
+    if isinstance(e, rexc.ClusterDownError):
+        return Problem("transient", f"the cluster is down (CLUSTERDOWN: {e}): some hash slot has no reachable "
+                                    f"master")
+    if isinstance(e, rexc.TryAgainError):
+        return Problem("transient", f"a hash slot is being migrated (TRYAGAIN: {e})")
+    if isinstance(e, rexc.ClusterCrossSlotError):
+        return Problem("error", f"keys of one operation in different hash slots (CROSSSLOT: {e})")
+    if isinstance(e, rexc.SlotNotCoveredError):
+        return Problem("transient", f"no master serves a hash slot ({e})")
+    if isinstance(e, (rexc.ClusterError, rexc.RedisClusterException)):
+        return Problem("transient", f"the cluster cannot serve the request ({text})")
+    if isinstance(e, rexc.ReadOnlyError):
+        if deployment == "single":
+            return Problem("config", f"the server is a read-only replica (READONLY: {e}); point the URL at the "
+                                     f"master, or use redis+sentinel:// to follow failovers")
+        return Problem("transient", f"the server is a replica now (READONLY: {e}): a failover is under way")
+    if isinstance(e, rexc.BusyLoadingError):
+        return Problem("transient", f"the server is loading its data set (LOADING: {e})")
+    if isinstance(e, rexc.OutOfMemoryError) or (isinstance(e, rexc.ResponseError) and str(e).startswith("OOM")):
+        return Problem("oom", f"the server is out of memory (maxmemory): {e}")
+    if isinstance(e, rexc.ResponseError):
+        return Problem("error", str(e))
+    if type(e).__name__ in ("MasterNotFoundError", "SlaveNotFoundError"):
+        return Problem("transient", f"no sentinel names a reachable master ({e})")
+    if isinstance(e, (rexc.ConnectionError, rexc.TimeoutError, OSError, asyncio.TimeoutError)):
+        return Problem("transient", text)
+    return Problem("protocol", f"{text} (is this a Redis server?)")
+
+
+ERRORS = (rexc.RedisError, rexc.RedisClusterException, NotReplicated, OSError, asyncio.TimeoutError)
+
+
+class RedisDeployment:
+    """A client of one deployment, with the one thing every write of the index needs: run it, then (with
+    `wait`) WAIT on the same connection until enough replicas acknowledged it."""
+
+    def __init__(self, url: str, *, key: str, socket_timeout: float = 30.0, connect_timeout: float = 10.0):
+        self.url = parse_url(url, key=key)
+        self.key = key
+        self.identity = self.url.identity
+        self.socket_timeout, self.connect_timeout = socket_timeout, connect_timeout
+        self.client: Any = None
+        self._sentinel: Any = None
+        self._slots = asyncio.Semaphore(self.url.max_connections) if self.url.max_connections else None
+        self._shas: dict[str, str] = {}
+
+    @property
+    def kind(self) -> str:
+        return self.url.kind
+
+    def open(self) -> Any:
+        """Create the client (connections are made on first use); returns it."""
+        u, common = self.url, dict(socket_timeout=self.socket_timeout, socket_connect_timeout=self.connect_timeout)
+        if u.kind == "single":
+            self.client = aioredis.Redis.from_url(u.plain, **common)
+        elif u.kind == "cluster":
+            from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+            self.client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in u.hosts], username=u.username,
+                                       password=u.password, ssl=u.ssl, max_connections=2**16, **common)
+        else:
+            from redis.asyncio.sentinel import Sentinel
+
+            sentinel_kwargs = dict(socket_timeout=min(self.socket_timeout, 5.0), socket_connect_timeout=min(
+                self.connect_timeout, 5.0), username=u.sentinel_username, password=u.sentinel_password)
+            self._sentinel = Sentinel(list(u.hosts), sentinel_kwargs=sentinel_kwargs)
+            self.client = self._sentinel.master_for(u.service, db=u.db, username=u.username, password=u.password,
+                                                    ssl=u.ssl, **common)
+        return self.client
+
+    async def connect(self) -> None:
+        """A cluster client learns the slot map now, before concurrent first use: redis-py's lazy initialization
+        under many concurrent commands may replace node objects whose connections are in use. Unreachable now:
+        left to the first command (which says so)."""
+        if self.url.kind == "cluster":
+            try:
+                await self.client.initialize()
+            except ERRORS:
+                pass
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+            if self.url.kind == "sentinel":
+                await self.client.connection_pool.disconnect()
+        if self._sentinel is not None:
+            for s in self._sentinel.sentinels:
+                await s.aclose()
+
+    # -- running operations ----------------------------------------------------------------------------------
+    async def call(self, fn: Callable[[], Awaitable[T]], on_error: Callable[[BaseException, Problem], BaseException]) -> T:
+        """Run fn(); through a failover (a transient problem) run it again, with backoff, for up to
+        failover_timeout seconds; then raise on_error(error, problem). Every operation passed here must be
+        idempotent (the index's are: markers are set once, epochs only grow)."""
+        deadline = time.monotonic() + self.url.failover_timeout
+        delay = 0.05
+        while True:
+            try:
+                if self._slots is None:
+                    return await fn()
+                async with self._slots:
+                    return await fn()
+            except ERRORS as e:
+                problem = classify(e, self.url.kind)
+                if problem.kind != "transient" or time.monotonic() + delay > deadline:
+                    raise on_error(e, problem) from (e if problem.kind in ("error", "transient") else None)
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 1.0)
+
+    async def write(self, args: Sequence[Any], *, key: str, script: str | None = None) -> Any:
+        """One write command (or, with `script`, EVALSHA of it: args are then keys-count, keys, args), then,
+        with `wait`, WAIT on the same connection: NotReplicated if too few replicas acknowledged."""
+        if script is not None:
+            sha = self._shas.get(script)
+            if sha is None:
+                import hashlib
+
+                sha = self._shas[script] = hashlib.sha1(script.encode()).hexdigest()
+            command: tuple[Any, ...] = ("EVALSHA", sha, *args)
+        else:
+            command = tuple(args)
+        try:
+            return await self._write_once(command, key)
+        except rexc.NoScriptError:
+            assert script is not None  # a new master (failover) or a restarted server: EVAL caches it again
+            return await self._write_once(("EVAL", script, *args), key)
+
+    async def _write_once(self, command: tuple[Any, ...], key: str) -> Any:
+        u = self.url
+        if not u.wait:
+            return await self.client.execute_command(*command)
+        if u.kind == "cluster":
+            node = self.client.get_node_from_key(key)
+            pipe = self.client.pipeline()
+            pipe.execute_command(*command)
+            pipe.execute_command("WAIT", u.wait, int(u.wait_timeout * 1000), target_nodes=node)
+        else:
+            pipe = self.client.pipeline(transaction=False)  # one connection: WAIT counts this write
+            pipe.execute_command(*command)
+            pipe.execute_command("WAIT", u.wait, int(u.wait_timeout * 1000))
+        result, acked = await pipe.execute(raise_on_error=False)
+        if isinstance(result, BaseException):
+            raise result
+        if isinstance(acked, BaseException):
+            raise acked
+        if u.kind == "cluster" and self.client.get_node_from_key(key) is not node:
+            raise rexc.TryAgainError("the slot moved during the write; its WAIT went to the old master")
+        if int(acked) < u.wait:
+            raise NotReplicated(int(acked), u.wait, u.wait_timeout)
+        return result
+
+    async def masters_info(self) -> list[tuple[str, dict[str, Any]]]:
+        """INFO of every master: (address, info). One server, the Sentinel's master, or each cluster primary."""
+        if self.url.kind == "cluster":
+            from redis.asyncio.cluster import RedisCluster
+
+            replies = await self.client.info(target_nodes=RedisCluster.PRIMARIES)
+            if isinstance(replies, dict) and replies and all(isinstance(v, dict) for v in replies.values()) \
+                    and "redis_version" not in replies:
+                return sorted(replies.items())
+            return [(self.identity, replies)]
+        return [(self.identity, await self.client.info())]
+
+    def check_mode(self, address: str, info: dict[str, Any]) -> None:
+        """The URL's form matches the server: a cluster node behind redis://, a sentinel behind redis:// are
+        ConfigErrors naming the right form."""
+        mode = str(info.get("redis_mode", "standalone"))
+        cluster = str(info.get("cluster_enabled", "0")) == "1" or mode == "cluster"
+        where = f"{_redact(self.identity)} ({address})" if address != self.identity else _redact(self.identity)
+        if mode == "sentinel":
+            raise ConfigError(f"{where} is a Redis Sentinel, not a data server: use redis+sentinel://"
+                              f"host:port[,host:port...]/<master-name>/<db>", key=self.key)
+        if cluster and self.url.kind != "cluster":
+            raise ConfigError(f"{where} is a node of a Redis Cluster: use redis+cluster://host:port[,host:port...]",
+                              key=self.key)
+        if not cluster and self.url.kind == "cluster":
+            raise ConfigError(f"{where} is not a Redis Cluster node (cluster_enabled:0): use redis://host:port/db",
+                              key=self.key)
