@@ -6,6 +6,8 @@ rank's checksum record are there, since each rank writes its record only after i
 """
 from __future__ import annotations
 
+import asyncio
+
 import logging
 from typing import Awaitable, Callable, Sequence, TypeVar
 
@@ -180,12 +182,12 @@ class Catalog:
         with final=False None stands for "none", so the caller can try elsewhere first."""
         if from_index is not None:
             try:
-                return parse(await from_index(), f"index {what}")
+                return await asyncio.to_thread(parse, await from_index(), f"index {what}")
             except (IncompleteCheckpoint, IntegrityError, IndexUnavailable) as e:
                 errors.append(str(e))
         for name in tiers:
             try:
-                return parse(await self.tiers[name].read(key), f"{what} on tier {name!r}")
+                return await asyncio.to_thread(parse, await self.tiers[name].read(key), f"{what} on tier {name!r}")
             except TierError as e:
                 errors.append(str(e))
         if not final:

@@ -186,7 +186,9 @@ class Engine:
             await self._become_writer()
         try:
             metadata = _checked_metadata(metadata)
-            flat = flatten(state, allow_pickle=self.config.engine.allow_pickle, rank=self.rank)
+            # in a thread: a state of 100k tensors takes a second of Python, and the loop serves saves in flight
+            flat = await asyncio.to_thread(flatten, state, allow_pickle=self.config.engine.allow_pickle,
+                                           rank=self.rank)
         except Exception as e:
             if not self.coordinator.distributed:
                 raise
@@ -285,8 +287,9 @@ class Engine:
         with self.retention.busy.loading(status.step):
             try:  # local work: a failure here must not make this rank skip the collectives below
                 manifest = await self.catalog.read_manifest(status.step, order, status.incarnation)
-                target = self._match(state, manifest)
-                reads = plan_reads(manifest, target.tensors)
+                # in threads: pairing 100k entries with the saved ones is seconds of Python
+                target = await asyncio.to_thread(self._match, state, manifest)
+                reads = await asyncio.to_thread(plan_reads, manifest, target.tensors)
             except Exception as e:
                 error = e
             try:  # every rank enters the same collectives, whatever happened above

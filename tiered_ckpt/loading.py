@@ -150,7 +150,7 @@ async def read_parts(io: TierIO, coordinator: Coordinator, manifest: Manifest | 
     that failed before (no manifest or reads) still takes part, so the ranks' collectives stay in step;
     then no rank reads anything."""
     ready = manifest is not None and reads is not None
-    parts = parts_to_read(manifest, reads) if ready else {}  # type: ignore[arg-type]
+    parts = await asyncio.to_thread(parts_to_read, manifest, reads) if ready else {}  # type: ignore[arg-type]
     if coordinator.distributed:
         await read_with_broadcast(coordinator, io, order, parts, info, ready=ready)
     elif ready:

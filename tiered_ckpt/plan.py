@@ -14,6 +14,8 @@ unique chunks are assigned largest first to the least-loaded rank that holds the
 """
 from __future__ import annotations
 
+import asyncio
+
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -86,7 +88,7 @@ class Planner:
         return self.coordinator.rank
 
     async def plan(self, paths: list[str], tensors: list[torch.Tensor]) -> Plan:
-        key = structure_key(paths, tensors, self.coordinator.world_size, self.part_size)
+        key = await asyncio.to_thread(structure_key, paths, tensors, self.coordinator.world_size, self.part_size)
         plan = self._cache.get(key)
         if plan is not None:
             self._cache.move_to_end(key)
@@ -94,11 +96,7 @@ class Planner:
         self.misses += 1
         error: BaseException | None = None
         try:
-            descriptors: Any = []
-            for path, t in zip(paths, tensors):
-                global_shape, offsets, sizes = local_box(t)
-                descriptors.append((path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
-            fingerprints = _fingerprints(paths, tensors) if self.coordinator.distributed else {}
+            descriptors, fingerprints = await asyncio.to_thread(self._describe, paths, tensors)
         except Exception as e:
             error, descriptors, fingerprints = e, _Failed(f"{type(e).__name__}: {e}"), {}
         gathered = await self.coordinator.all_gather_object((descriptors, fingerprints))
@@ -106,12 +104,19 @@ class Planner:
         _raise_first_failure(everyone, self.rank, error)
         if self.rank == 0:
             _warn_if_replicas_differ([f for _, f in gathered])
-        plan = build_plan(key, everyone, self.rank, self.part_size)
+        plan = await asyncio.to_thread(build_plan, key, everyone, self.rank, self.part_size)
         self._cache[key] = plan
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return plan
 
+
+    def _describe(self, paths: list[str], tensors: list[torch.Tensor]) -> tuple[Any, dict[str, Any]]:
+        descriptors = []
+        for path, t in zip(paths, tensors):
+            global_shape, offsets, sizes = local_box(t)
+            descriptors.append((path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
+        return descriptors, _fingerprints(paths, tensors) if self.coordinator.distributed else {}
 
     async def join_failed(self, error: BaseException) -> None:
         """This rank could not even describe its state (state_dict() raised, a value was refused). On a first
