@@ -13,6 +13,9 @@ from .manifest import Manifest, RankMeta
 from .tier_io import PartRead, ReadLog, TierIO
 
 
+VERIFY_PARTS = 4  # parts read at once (each tier's pipeline bounds its own concurrency too)
+
+
 @dataclass
 class TierReport:
     tier: str
@@ -27,22 +30,27 @@ class TierReport:
 
 async def verify(io: TierIO, status: CheckpointStatus, manifest: Manifest,
                  progress: Callable[[int], None] = lambda n: None) -> list[TierReport]:
-    """One report per configured tier the checkpoint targets (complete or not), fastest first."""
+    """One report per configured tier the checkpoint targets (complete or not), fastest first. At most
+    VERIFY_PARTS parts are read at once, each into a buffer of its own: memory stays a few parts, whatever
+    the checkpoint's size."""
     reports = []
+    slots = asyncio.Semaphore(VERIFY_PARTS)
     for tier in io.order(status.tiers):
         report = TierReport(tier, tier in status.complete)
 
         async def check(rank: int, p: int, expected: int) -> None:
             length = manifest.part_length(rank, p)
-            part = PartRead(PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path,
-                            [memoryview(bytearray(length))], length, expected, algorithm=manifest.checksum)
-            log = ReadLog()
-            try:
-                await io.read_verified(part, [tier], log)
-            except IntegrityError:
-                report.bad.extend(f"{f.part}: {f.reason}" for f in log.fallbacks)
-            finally:
-                progress(length)
+            async with slots:
+                part = PartRead(PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path,
+                                [memoryview(bytearray(length))], length, expected, algorithm=manifest.checksum)
+                log = ReadLog()
+                try:
+                    await io.read_verified(part, [tier], log)
+                except IntegrityError:
+                    report.bad.extend(f"{f.part}: {f.reason}" for f in log.fallbacks)
+                finally:
+                    part.views.clear()
+                    progress(length)
 
         checks = [check(r.rank, p, c) for r in manifest.ranks for p, c in enumerate(r.checksums)]
         report.parts = len(checks)

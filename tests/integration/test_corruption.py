@@ -146,3 +146,22 @@ async def test_verify_reports_a_corrupt_manifest_copy(engine):
     reports = {r.tier: r for r in await verify(engine.io, await engine.status(1), await engine.read_manifest(1))}
     assert reports["host"].ok and not reports["disk"].ok
     assert len(reports["disk"].bad) == 1 and "manifest.msgpack" in reports["disk"].bad[0] and "corrupt" in reports["disk"].bad[0]
+
+
+async def test_verify_holds_a_few_parts_in_memory_not_the_checkpoint(make_config):
+    """8 MiB of parts (64 KiB each) on two tiers: verify's peak Python allocation stays a few parts."""
+    import tracemalloc
+
+    from tiered_ckpt.verify import VERIFY_PARTS, verify
+
+    async with tc.Engine(make_config()) as engine:
+        await (await engine.save(1, {"w": torch.randn(2 << 20)})).wait()
+        status, manifest = await engine.status(1), await engine.read_manifest(1)
+        tracemalloc.start()
+        try:
+            reports = await verify(engine.io, status, manifest)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert all(r.ok for r in reports) and sum(r.parts for r in reports) == 2 * 128
+        assert peak < (VERIFY_PARTS + 4) * 64 * 1024, peak  # the whole checkpoint is 8 MiB
