@@ -7,7 +7,7 @@ rank's checksum record are there, since each rank writes its record only after i
 from __future__ import annotations
 
 import asyncio
-
+import dataclasses
 import logging
 from typing import Awaitable, Callable, Sequence, TypeVar
 
@@ -27,6 +27,7 @@ class Catalog:
         self.index = index
         self.tiers = tiers
         self.adopt = adopt  # manifests committed to another index may be loaded
+        self._sizes: dict[tuple[int, float], tuple[int | None, dict]] = {}  # (step, created) → from its manifest
 
     async def statuses(self) -> list[CheckpointStatus]:
         """Every checkpoint of the job, oldest first: from the index, or from the tiers' manifests."""
@@ -42,6 +43,7 @@ class Catalog:
         attempt's leftovers)."""
         found: dict[int, dict[str, dict[str, bool]]] = {}  # step -> incarnation -> tier -> whole
         origin: dict[tuple[int, str], str | None] = {}
+        manifests: dict[tuple[int, str], Manifest] = {}
         for name in self.tiers:
             tier = self.tiers[name]
             try:
@@ -62,6 +64,7 @@ class Catalog:
                 whole = manifest.incarnation == incarnation and all(
                     rank_meta_key(self.job, step, r.rank, incarnation) in keys for r in manifest.ranks)
                 found.setdefault(step, {}).setdefault(incarnation, {})[name] = whole
+                manifests.setdefault((step, incarnation), manifest)
                 if manifest.index != self.index.identity:
                     origin[step, incarnation] = manifest.index or "an index of format 1 (unknown)"
         statuses = []
@@ -69,10 +72,31 @@ class Catalog:
             best = max(by_incarnation, key=lambda inc: ((step, inc) not in origin, any(by_incarnation[inc].values()),
                                                         inc))
             tiers = by_incarnation[best]
+            manifest = manifests[step, best]
             statuses.append(CheckpointStatus(step, tuple(self.tiers.order(tiers)),
                                              frozenset(t for t, whole in tiers.items() if whole),
-                                             foreign=origin.get((step, best)), incarnation=best))
+                                             created=manifest.created, foreign=origin.get((step, best)),
+                                             incarnation=best, nbytes=manifest.nbytes, metadata=manifest.metadata))
         return statuses
+
+    async def with_sizes(self, statuses: list[CheckpointStatus]) -> list[CheckpointStatus]:
+        """`statuses` with size and metadata filled in where the index has no record of them (checkpoints
+        saved by an earlier release): from the index's manifest, read once per checkpoint and remembered.
+        Saves of this release record both at begin, so listing them reads no manifest."""
+        out = []
+        for status in statuses:
+            if status.nbytes is None and status.is_complete and status.incarnation is None:
+                key = (status.step, status.created)
+                if key not in self._sizes:
+                    try:
+                        manifest = Manifest.from_bytes(await self.index.get_manifest(self.job, status.step))
+                        self._sizes[key] = (manifest.nbytes, manifest.metadata)
+                    except (IncompleteCheckpoint, IntegrityError, IndexUnavailable):
+                        self._sizes[key] = (None, {})
+                nbytes, metadata = self._sizes[key]
+                status = dataclasses.replace(status, nbytes=nbytes, metadata=metadata)
+            out.append(status)
+        return out
 
     async def pick(self, step: int | None, allowed: Sequence[str]) -> CheckpointStatus:
         """The newest checkpoint (or `step`) complete on one of `allowed`; IncompleteCheckpoint says why not."""

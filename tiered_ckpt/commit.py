@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from .errors import RankFailed, TierTimeout
 from .index import Index
@@ -42,8 +42,11 @@ class Committer:
         # this session's folder on the tiers: no other opening of the job (a zombie included) writes there
         self.incarnation = incarnation_dir(index.identity, session)
 
-    async def begin(self, step: int, tiers: Sequence[str]) -> None:
-        await self.index.begin(self.job, step, tiers)
+    async def begin(self, step: int, tiers: Sequence[str], *, nbytes: int | None = None,
+                    metadata: Mapping[str, Any] | None = None) -> None:
+        """The checkpoint is listed, incomplete; rank 0 also records its size and metadata for list()."""
+        info = {"nbytes": nbytes, "metadata": dict(metadata or {})} if self.rank == 0 and nbytes is not None else None
+        await self.index.begin(self.job, step, tiers, info)
 
     async def put_manifest(self, step: int, data: bytes) -> None:
         await self.index.put_manifest(self.job, step, data)

@@ -28,6 +28,7 @@ from .distributed.coordinator import Coordinator
 from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, RankFailed, StateError
 from .export import ExportInfo
 from .export import export as export_checkpoint
+from .gc import GRACE, GcReport, collect
 from .index import CheckpointStatus, Index, open_index
 from .loading import LoadInfo, Reads, plan_reads, read_parts
 from .manifest import Manifest
@@ -64,6 +65,7 @@ class Engine:
         self._unobserved: list[SaveHandle] = []
         self._services: SaveServices | None = None
         self._writer = False  # a reader until its first save: readers never fence and never delete
+        self._cleaner = False  # attach()ed: may delete within the current incarnation (the CLI's delete, gc)
         self._state = "new"
 
     @classmethod
@@ -370,22 +372,70 @@ class Engine:
 
     # -- list / delete ---------------------------------------------------------------------------
     async def list(self) -> AsyncIterator[CheckpointStatus]:
-        """Every checkpoint of this job, oldest first, with the tiers it targets and those it is complete on."""
+        """Every checkpoint of this job, oldest first, with the tiers it targets and those it is complete on,
+        its size (`nbytes`) and the `metadata` given to save(): both recorded at begin, so no manifest is read
+        (but once per checkpoint saved by an earlier release, from the index)."""
         self._check_open()
-        for status in await self.statuses():
+        for status in await self.catalog.with_sizes(await self.statuses()):
             yield status
 
     async def status(self, step: int) -> CheckpointStatus | None:
         """The index's record of checkpoint `step`, or None."""
         self._check_open()
-        return next((s for s in await self.statuses() if s.step == step), None)
+        found = [s for s in await self.statuses() if s.step == step]
+        return (await self.catalog.with_sizes(found))[0] if found else None
 
     async def delete(self, step: int) -> None:
         """Delete checkpoint `step` from every tier and the index (commit records first)."""
         self._check_open()
-        if not self._writer:  # deleting is a writer's act (with several ranks, every rank calls delete)
+        if not self._writer and not self._cleaner:  # a writer's act (with several ranks, every rank calls delete)
             await self._become_writer()
         await self.retention.delete(step)
+
+    async def attach(self, *, hold: bool = True) -> bool:
+        """Become a cleaner of the job without starting a new incarnation: `delete` and `gc` then change the
+        index within the current one, so a trainer that is still running is not fenced out (the CLI's
+        `delete` and `gc` do this; a save still fences, as a writer's first save does). Returns True when no
+        writer of the job can run meanwhile: this engine is the writer, or the file index's writer lease was
+        free (with `hold`, it is held until detach() or close, and a writer's first save waits for it; without,
+        only tested). False when one may be running (the lease is held elsewhere; with Redis, always)."""
+        self._check_open()
+        if self._writer:
+            return True
+        attach = getattr(self.index, "attach", None)
+        if attach is None:  # an index without attach(): only a writer may delete
+            if hold:
+                await self._become_writer()
+            return hold
+        exclusive = await attach(self.job, hold=hold)
+        self._cleaner = self._cleaner or hold
+        return exclusive
+
+    async def detach(self) -> None:
+        """The cleaning is done: release what attach() holds (the file index's lease), so a trainer's first
+        save does not wait for this engine to close. A writer keeps its lease."""
+        self._check_open()
+        if self._cleaner and not self._writer:
+            self._cleaner = False
+            detach = getattr(self.index, "detach", None)
+            if detach is not None:
+                await detach(self.job)
+
+    async def gc(self, *, dry_run: bool = False, grace: float = GRACE, other_indexes: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> GcReport:
+        """Remove what crashed runs left: incomplete checkpoints no save is writing, folders of this index
+        other than a step's committed one, tiers a checkpoint never completed on, removals cut short, temp
+        files and empty folders older than `grace` seconds; with a writer possibly running (Redis, or the file
+        index's lease held), incomplete saves only once they began more than `grace` ago. dry_run reports the
+        same and changes nothing. No collectives: call it on one process (once per node for node-local
+        tiers). See tiered_ckpt/gc.py and docs/operations.md."""
+        self._check_open()
+        attached = self._cleaner  # a caller's own attach() stays; one taken for this gc ends with it
+        try:
+            return await collect(self, dry_run, grace=grace, other_indexes=other_indexes, progress=progress)
+        finally:
+            if not attached:
+                await self.detach()
 
 
 def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:

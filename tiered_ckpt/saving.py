@@ -189,7 +189,7 @@ class SaveJob:
             self._checksums = asyncio.create_task(self._compute_checksums())
             try:
                 await self.retention.clear_crashed_attempt(self.step)
-                await self.commit.begin(self.step, self.tiers)
+                await self.commit.begin(self.step, self.tiers, nbytes=sum(self.plan.rank_nbytes), metadata=self.metadata)
             except Exception as e:
                 for tier in self.tiers:
                     self.handle.set_done(tier, e)

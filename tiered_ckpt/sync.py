@@ -16,6 +16,7 @@ import uvloop
 from .config import Config, load_config
 from .engine import Engine
 from .export import ExportInfo
+from .gc import GRACE, GcReport
 from .index import CheckpointStatus
 from .loading import LoadInfo
 from .manifest import Manifest
@@ -105,7 +106,12 @@ class Checkpointer:
         return self._run(self.engine.export(path, to=to, step=step, select=select, force=force, progress=progress))
 
     def delete(self, step: int) -> None:
+        """Delete checkpoint `step` from every tier and the index (Engine.delete)."""
         self._run(self.engine.delete(step))
+
+    def gc(self, *, dry_run: bool = False, grace: float = GRACE, other_indexes: bool = False) -> GcReport:
+        """Engine.gc, blocking: remove what crashed runs left (dry_run: only report it)."""
+        return self._run(self.engine.gc(dry_run=dry_run, grace=grace, other_indexes=other_indexes))
 
     def wait_all(self) -> None:
         self._run(self.engine.wait_all())

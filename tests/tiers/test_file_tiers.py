@@ -1,8 +1,10 @@
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tiered_ckpt.errors import TierFull
+from tiered_ckpt.errors import TierError, TierFull, TierNotFound
 from tiered_ckpt.testing import TierConformance
 from tiered_ckpt.tiers.local import LocalOptions, LocalTier
 from tiered_ckpt.tiers.memory import MemoryOptions, MemoryTier
@@ -17,6 +19,49 @@ class TestLocalTier(TierConformance):
         await tier.write("job/step-000000000001/rank-00000/part-000000", memoryview(b"abc"))
         names = [f for _, _, fs in os.walk(tier.root) for f in fs]
         assert names == ["part-000000"]
+
+    async def test_opening_creates_nothing_the_first_write_creates_the_folder(self, tmp_path):
+        """A reader (`tiered-ckpt ls`, `show`, `verify`) must not bring back a removed tier folder."""
+        root = tmp_path / "gone" / "disk"
+        tier = LocalTier("disk", LocalOptions(path=str(root), capacity=1 << 20))
+        tier.executor = ThreadPoolExecutor(1)
+        await tier.open()
+        assert not (tmp_path / "gone").exists()
+        assert await tier.list("job/") == [] and await tier.usage("job/") == {} and await tier.debris("job/", 0) == []
+        with pytest.raises(TierNotFound):
+            await tier.read("job/x")
+        await tier.delete("job/")
+        assert not (tmp_path / "gone").exists()
+        await tier.write("job/x", memoryview(b"abc"))
+        assert (root / "job" / "x").read_bytes() == b"abc"
+
+    async def test_opening_a_path_with_a_file_in_the_way_fails_at_once(self, tmp_path):
+        (tmp_path / "file").write_text("not a folder")
+        tier = LocalTier("disk", LocalOptions(path=str(tmp_path / "file" / "disk")))
+        tier.executor = ThreadPoolExecutor(1)
+        with pytest.raises(TierError, match="cannot create directory.*not a directory"):
+            await tier.open()
+
+    async def test_debris_is_old_temp_files_and_empty_folders_below_the_prefix(self, tier):
+        key = "job/step-000000000001/ix-00000000/s1/rank-00000/part-000000"
+        await tier.write(key, memoryview(b"part"))
+        old, fresh = time.time() - 7200, tier.root / "job/step-000000000001/ix-00000000/s1/rank-00000/.tmp-x.2"
+        stale = tier.root / "job/step-000000000002/ix-00000000/s1/rank-00000/.tmp-part-000000.1"
+        stale.parent.mkdir(parents=True)
+        stale.write_bytes(b"12345")
+        fresh.write_bytes(b"123")
+        empty = tier.root / "job/step-000000000003/ix-00000000"
+        empty.mkdir(parents=True)
+        for path in (stale, *stale.parents[:4], empty, empty.parent):
+            os.utime(path, (old, old))
+        found = dict(await tier.debris("job/", 3600))
+        assert found == {"job/step-000000000002/": 0, str(stale.relative_to(tier.root)): 5,
+                         "job/step-000000000003/": 0}
+        assert await tier.remove_debris(list(found), 3600) == 5
+        assert sorted(os.listdir(tier.root / "job")) == ["step-000000000001"] and fresh.exists()
+        assert await tier.read(key) == b"part"
+        assert await tier.debris("job/", 3600) == []  # the fresh temp file is not debris yet
+        assert [n for n, _ in await tier.debris("job/", 0)] == [str(fresh.relative_to(tier.root))]
 
 
 class TestMemoryTier(TierConformance):

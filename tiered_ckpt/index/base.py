@@ -11,12 +11,22 @@ mid-delete never leaves a "complete" entry with missing parts. Removing a checkp
 `bury`s it: a tombstone that stays until its data is gone from every tier (`unbury`), so the tiers'
 manifests can never bring a retired checkpoint back, and the next writer finishes a deletion a crash cut
 short (`buried`).
+
+Rank 0's `begin` also records the checkpoint's size and the `metadata` given to save() (`info`), so that
+`list()` reports both without reading a manifest (plain msgpack values: {"nbytes": int, "metadata": dict}).
+
+`fence` starts a new incarnation of the job (the writer's first save). `attach` lets a cleaner (`tiered-ckpt
+gc`, `tiered-ckpt delete`) change the index within the current incarnation instead, so a trainer that is
+still running is not fenced out. It returns True when no writer of the job can run meanwhile (the file
+index's writer lease was free and, with `hold`, is now held until `detach` or `close`; without, it was
+only tested), False when one may be running (the lease is held elsewhere, or the index cannot tell, as
+with Redis). `detach` releases what `attach` holds, once the cleaner is done.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 SKIPPED = "skipped: superseded by step "  # a tier's failure reason when it skipped a save for a newer one
 _SKIPPED = re.compile(re.escape(SKIPPED) + r"(\d+)")
@@ -37,6 +47,8 @@ class CheckpointStatus:
     created: float = 0.0
     foreign: str | None = None  # found on the tiers, committed to another index (its identity)
     incarnation: str | None = None  # found on the tiers: the folder holding it (None: the index knows)
+    nbytes: int | None = None  # the checkpoint's size (one copy, every rank's parts); None: not recorded
+    metadata: dict[str, Any] = field(default_factory=dict)  # what save(metadata=...) was given
 
     @property
     def is_complete(self) -> bool:
@@ -69,7 +81,9 @@ class Index(Protocol):
     async def open(self) -> None: ...
     async def close(self) -> None: ...
     async def fence(self, job: str) -> int: ...
-    async def begin(self, job: str, step: int, tiers: Sequence[str]) -> None: ...
+    async def attach(self, job: str, *, hold: bool = True) -> bool: ...
+    async def detach(self, job: str) -> None: ...
+    async def begin(self, job: str, step: int, tiers: Sequence[str], info: Mapping[str, Any] | None = None) -> None: ...
     async def put_manifest(self, job: str, step: int, data: bytes) -> None: ...
     async def get_manifest(self, job: str, step: int) -> bytes: ...
     async def put_rank_meta(self, job: str, step: int, rank: int, data: bytes) -> None: ...

@@ -1,6 +1,7 @@
 """The embedded file index: one directory per checkpoint, every record written by atomic rename.
 
     <root>/<job>/step-000000000100/begun        msgpack {tiers, created}
+                                   info         msgpack {nbytes, metadata} (rank 0, at begin)
                                    manifest     the manifest bytes (rank 0)
                                    ranks/<rank> each rank's part checksums
                                    durable/<tier>.<rank>.<session>
@@ -9,7 +10,8 @@
 A tier counts as complete only when complete/<tier> exists; that file is created by rename once every
 rank of one session has its durable marker there, so a killed process leaves the checkpoint visibly
 incomplete, and an earlier crashed attempt's markers never complete a new one. Every process of a job
-must see the same directory (a shared file system for several nodes).
+must see the same directory (a shared file system for several nodes). Folders are created at the first
+write, so opening the index to read (`tiered-ckpt ls`) creates nothing.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import msgpack
 
@@ -41,14 +43,17 @@ class FileIndex:
         self.epoch = 0
         self.identity = f"file://{os.path.realpath(self.root)}"  # written into each manifest
         self._leases: dict[str, int] = {}  # job → the open, locked writer.lock
+        self._cleaning: set[str] = set()  # jobs whose lease attach() took (a cleaner's, not a writer's)
 
     async def open(self) -> None:
-        await self._io(lambda: self.root.mkdir(parents=True, exist_ok=True))
+        """Check that the directory exists or can be created; it is created at the first write."""
+        await self._io(_check_creatable, self.root)
 
     async def close(self) -> None:
         for fd in self._leases.values():
             os.close(fd)  # releases the writer lease
         self._leases.clear()
+        self._cleaning.clear()
 
     async def _io(self, fn: Callable[..., T], *args: Any) -> T:
         """File work in a thread; an OS error other than a missing file names the index directory."""
@@ -64,33 +69,54 @@ class FileIndex:
         open and released by the OS when the process dies (a crash leaves no stale lease). A second writer
         of the job gets an error naming the holder. The file index has no epochs: this returns 0."""
         if job in self._leases:
+            self._cleaning.discard(job)  # a cleaner that saves becomes the writer: its lease stays
             return 0
         path = self.root / job / "writer.lock"
 
         def take() -> int:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise TieredCkptError(f"job {job!r} already has a writer on index {self.root}: {holder}; run one "
-                                      f"writer per job (readers may list and load at any time)") from None
-            record = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %z')}"
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, record.encode(), 0)
-            return fd
+            deadline = time.monotonic() + CLEANER_WAIT
+            while True:
+                fd = _try_lease(path, "")
+                if isinstance(fd, int):
+                    return fd
+                if not fd.startswith(CLEANER) or time.monotonic() > deadline:  # a cleaner holds it for seconds
+                    raise TieredCkptError(f"job {job!r} already has a writer on index {self.root}: {fd}; run one "
+                                          f"writer per job (readers may list and load at any time)")
+                time.sleep(0.1)
 
         self._leases[job] = await self._io(take)
         return 0
 
+    async def attach(self, job: str, *, hold: bool = True) -> bool:
+        """A cleaner (gc, delete) joins the job without starting an incarnation: True when the writer lease is
+        free, so no writer of the job runs (with `hold`, it is held until detach() or close, marked as a
+        cleaner's, and a writer's first save waits for it); False when a writer holds it. No epochs here."""
+        if job in self._leases:
+            return True
+        path = self.root / job / "writer.lock"
+        if not hold:
+            return await self._io(_lease_free, path)
+        fd = await self._io(_try_lease, path, CLEANER)
+        if isinstance(fd, int):
+            self._leases[job] = fd
+            self._cleaning.add(job)
+            return True
+        return False
+
+    async def detach(self, job: str) -> None:
+        """The cleaner is done: release the lease attach() took (a writer's lease stays until close)."""
+        if job in self._cleaning:
+            self._cleaning.discard(job)
+            os.close(self._leases.pop(job))
+
     def _dir(self, job: str, step: int) -> Path:
         return self.root / job / step_dir(step)
 
-    async def begin(self, job: str, step: int, tiers: Sequence[str]) -> None:
+    async def begin(self, job: str, step: int, tiers: Sequence[str], info: Mapping[str, Any] | None = None) -> None:
         record = seal(msgpack.packb({"tiers": list(tiers), "created": time.time()}))
         await self._io(_atomic_write, self._dir(job, step) / "begun", record)
+        if info is not None:  # rank 0 only: every rank rewrites `begun`, so the info has a file of its own
+            await self._io(_atomic_write, self._dir(job, step) / "info", seal(msgpack.packb(dict(info))))
 
     async def put_manifest(self, job: str, step: int, data: bytes) -> None:
         await self._io(_atomic_write, self._dir(job, step) / "manifest", data)
@@ -182,8 +208,10 @@ class FileIndex:
                     failed.setdefault(name, f"rank {rank}: {p.read_text(errors='replace')}")
             if unreadable:
                 failed["index"] = unreadable
+            info = _read_info(d / "info")
             out.append(CheckpointStatus(step, tuple(record["tiers"]), complete, failed,
-                                        record.get("created", 0.0)))
+                                        record.get("created", 0.0), nbytes=info.get("nbytes"),
+                                        metadata=info.get("metadata") or {}))
         return out
 
     async def bury(self, job: str, step: int) -> None:
@@ -214,6 +242,72 @@ class FileIndex:
                 path.rmdir() if path.is_dir() else path.unlink()
             trash.rmdir()
         await self._io(delete)
+
+
+CLEANER = "cleaner"  # how a lease taken by attach() starts: a writer's fence waits for it
+CLEANER_WAIT = 60.0  # seconds a writer's first save waits for a cleaner's lease (gc or delete take seconds)
+
+
+def _lease_record(role: str) -> bytes:
+    who = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %z')}"
+    return f"{role} ({who})".encode() if role else who.encode()
+
+
+def _try_lease(path: Path, role: str) -> int | str:
+    """The open, exclusively locked lease file (its record rewritten for `role`), or the holder's record."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        return holder
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, _lease_record(role), 0)
+    return fd
+
+
+def _lease_free(path: Path) -> bool:
+    """Whether no process holds the lease, tested without taking it for longer than the test (nor creating
+    the file: a job that never had a writer has none)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # drops the shared lock, if taken
+
+
+def _check_creatable(root: Path) -> None:
+    """Raise the OSError that creating `root` would raise (a file in the way, no permission); create nothing."""
+    path = root.absolute()
+    while not path.exists():
+        path = path.parent
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is not a directory")
+    if path != root.absolute() and not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot create folders in {path}")
+
+
+def _read_info(path: Path) -> dict[str, Any]:
+    """Rank 0's {nbytes, metadata} of a step; {} when absent (an older release, a save cut short before it)
+    or unreadable (a size is not worth failing a listing for)."""
+    try:
+        data = path.read_bytes()
+        body = unseal(data, f"index record {path}")
+        info = msgpack.unpackb(data if body is None else body, strict_map_key=False)
+    except FileNotFoundError:
+        return {}
+    except (IntegrityError, ValueError, TypeError, msgpack.UnpackException) as e:
+        log.warning("index %s: %s cannot be read (%s)", path.parent.parent.parent, path, e)
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def _read_begun(path: Path) -> dict[str, Any]:

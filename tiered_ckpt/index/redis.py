@@ -1,18 +1,23 @@
 """The Redis index: where checkpoints are and which are complete, shared by every node of a job.
 
 Keys (prefix `tiered_ckpt:idx:<job>:`): `epoch` (the fencing epoch), `steps` (a sorted set of steps), and
-one hash per step with fields `created`, `target:<tier>` (its position, fastest first), `manifest`, `rank:<r>` (checksums),
-`durable:<tier>:<session>:<rank>`, `count:<tier>:<session>`, `complete:<tier>`, `failed:<tier>:<rank>:<session>`.
+one hash per step with fields `created`, `target:<tier>` (its position, fastest first), `info` (msgpack {nbytes,
+metadata}, rank 0), `manifest`, `rank:<r>` (checksums), `durable:<tier>:<session>:<rank>`, `count:<tier>:<session>`,
+`complete:<tier>`, `failed:<tier>:<rank>:<session>`.
 
 Every write is a Lua script that first checks the fencing epoch: `fence()` increments it when a job
 (re)starts, so a zombie rank of an earlier incarnation can neither commit nor delete anything. The
 commit is one script: add this rank's durable marker, bump the tier's count, and set `complete:<tier>`
-when the count reaches the world size, all atomically, with no training-side collective.
+when the count reaches the world size, all atomically, with no training-side collective. A cleaner (`gc`,
+`delete` from the CLI) `attach`es instead of fencing: it writes with the current epoch, so a running
+trainer is not fenced out, and a trainer that starts meanwhile fences the cleaner.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+import msgpack
 
 from ..errors import ConfigError, IncompleteCheckpoint, IndexUnavailable, TieredCkptError
 from .base import CheckpointStatus, TierState
@@ -157,15 +162,27 @@ class RedisIndex:
         self.epoch = int(await self._call("fence", lambda: self._redis.write(["INCR", key], key=key)))
         return self.epoch
 
+    async def attach(self, job: str, *, hold: bool = True) -> bool:
+        """Join the job's current incarnation without fencing it. Redis cannot tell whether a writer is
+        running, so this returns False: the caller must assume one is."""
+        assert self._client is not None
+        self.epoch = int(await self._call("reading the epoch", lambda: self._client.get(self._k(job, "epoch"))) or 0)
+        return False
+
+    async def detach(self, job: str) -> None:
+        """Nothing to release: attach() holds nothing."""
+
     async def _hset(self, job: str, step: int, *pairs: Any) -> None:
         await self._script(f"write of step {step}", "hset",
                            [self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "steps")],
                            [self.epoch, step, *pairs])
 
-    async def begin(self, job: str, step: int, tiers: Sequence[str]) -> None:
+    async def begin(self, job: str, step: int, tiers: Sequence[str], info: Mapping[str, Any] | None = None) -> None:
         pairs: list[Any] = ["created", repr(time.time())]
         for position, tier in enumerate(tiers):  # fastest first: keep the order, hash fields have none
             pairs += [f"target:{tier}", str(position)]
+        if info is not None:
+            pairs += ["info", msgpack.packb(dict(info))]
         await self._hset(job, step, *pairs)
 
     async def put_manifest(self, job: str, step: int, data: bytes) -> None:
@@ -197,12 +214,13 @@ class RedisIndex:
         await self._hset(job, step, f"failed:{tier}:{rank}:{session}", reason)
 
     async def tier_state(self, job: str, step: int, tier: str, session: str) -> TierState:
-        fields = await self._small_fields(job, [step])
+        fields = await self._small_fields(job, [step], info=False)
         return _tier_state(fields[0], tier, session)
 
-    async def _small_fields(self, job: str, steps: list[int]) -> list[dict[str, bytes]]:
+    async def _small_fields(self, job: str, steps: list[int], *, info: bool = True) -> list[dict[str, bytes]]:
         """The bookkeeping fields of each step's hash, without the manifest and checksum records: this
-        is polled by every rank while it waits for a commit, and read on every save by retention."""
+        is polled by every rank while it waits for a commit (without `info`, whose metadata may be larger),
+        and read on every save by retention."""
         assert self._client is not None
         keys = [self._k(job, "step", step) for step in steps]
 
@@ -213,7 +231,7 @@ class RedisIndex:
             return await pipe.execute()
 
         replies = await self._call("read of the index", names)
-        skip = {"manifest"}
+        skip = {"manifest"} if info else {"manifest", "info"}
         wanted = [[n for n in (m.decode() for m in step_names) if n not in skip and not n.startswith("rank:")]
                   for step_names in replies]
 
@@ -246,7 +264,9 @@ class RedisIndex:
                         failed.setdefault(tier, f"rank {rank}: {value.decode(errors='replace')}")
             if tiers or failed:
                 created = float(fields.get("created", b"0").decode() or 0)
-                out.append(CheckpointStatus(step, tiers or tuple(failed), complete, failed, created))
+                info = _info(fields.get("info"))
+                out.append(CheckpointStatus(step, tiers or tuple(failed), complete, failed, created,
+                                            nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}))
         return out
 
     async def bury(self, job: str, step: int) -> None:
@@ -265,6 +285,17 @@ class RedisIndex:
     async def delete(self, job: str, step: int) -> None:
         await self._script(f"deletion of step {step}", "delete",
                            [self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "steps")], [self.epoch, step])
+
+
+def _info(data: bytes | None) -> dict[str, Any]:
+    """Rank 0's {nbytes, metadata} of a step; {} when absent (an older release) or unreadable."""
+    if data is None:
+        return {}
+    try:
+        info = msgpack.unpackb(data, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def _tier_state(fields: dict[str, bytes], tier: str, session: str) -> TierState:

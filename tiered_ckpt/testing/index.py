@@ -22,11 +22,13 @@ class IndexConformance:
     async def opened(self, make_index: Callable[[], Index]) -> AsyncIterator[Callable[[], Any]]:
         started: list[Index] = []
 
-        async def open_one(job: str = JOB, *, epoch: int | None = None) -> Index:
-            """A writer of `job`: fenced as a new incarnation, or joining incarnation `epoch` (another rank)."""
+        async def open_one(job: str = JOB, *, epoch: int | None = None, fence: bool = True) -> Index:
+            """A writer of `job`: fenced as a new incarnation, or joining incarnation `epoch` (another rank);
+            with fence=False only opened (a reader, or a cleaner that attaches)."""
             index = make_index()
             await index.open()
-            index.epoch = await index.fence(job) if epoch is None else epoch
+            if fence:
+                index.epoch = await index.fence(job) if epoch is None else epoch
             started.append(index)
             return index
 
@@ -118,3 +120,30 @@ class IndexConformance:
         with pytest.raises(IncompleteCheckpoint):
             await index.get_manifest(JOB, 4)
         await index.delete(JOB, 4)  # absent: not an error
+
+    async def test_rank_0s_begin_records_size_and_metadata_for_list(self, index, opened):
+        info = {"nbytes": 123_456_789_012, "metadata": {"name": "best", "loss": 0.25, "tags": ["a", "b"]}}
+        await index.begin(JOB, 1, ["host", "disk"], info)
+        other_rank = await opened(epoch=index.epoch)
+        await other_rank.begin(JOB, 1, ["host", "disk"])  # the other ranks begin the same save without it
+        await index.begin(JOB, 2, ["disk"])  # an earlier release recorded none
+        assert await index.mark_durable(JOB, 1, "host", 0, 1, "s")
+        await index.unmark(JOB, 1, "disk")
+        one, two = await index.list(JOB)
+        assert (one.nbytes, one.metadata, one.complete) == (info["nbytes"], info["metadata"], frozenset({"host"}))
+        assert (two.nbytes, two.metadata) == (None, {})
+
+    async def test_a_cleaner_attaches_without_fencing_the_running_writer(self, index, opened):
+        await index.begin(JOB, 1, ["disk"])
+        cleaner = await opened(fence=False)
+        assert await cleaner.attach(JOB) is False  # a writer holds the job (or the index cannot tell)
+        await cleaner.bury(JOB, 1)  # the cleaner may change the index ...
+        await cleaner.delete(JOB, 1)
+        await cleaner.unbury(JOB, 1)
+        assert await index.list(JOB) == [] and await index.buried(JOB) == set()
+        await index.begin(JOB, 2, ["disk"])  # ... and the writer is not fenced out
+        assert await index.mark_durable(JOB, 2, "disk", 0, 1, "s")
+        assert [s.step for s in await cleaner.list(JOB) if s.is_complete] == [2]
+        await cleaner.detach(JOB)  # done: releases whatever attach held, and the writer goes on
+        await index.begin(JOB, 3, ["disk"])
+

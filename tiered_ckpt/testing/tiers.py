@@ -154,3 +154,17 @@ class TierConformance:
         bufs = [bytearray(8) for _ in range(5000)]
         assert await tier.read_into(key, [memoryview(b) for b in bufs]) == len(data)
         assert b"".join(bufs) == data
+
+    async def test_cleanup_hooks_measure_and_never_touch_a_stored_key(self, tier):
+        """usage() reports stored sizes (or None: unknown); debris() never names a stored key, and removing
+        what it names, however old, leaves every key readable (what `tiered-ckpt gc` relies on)."""
+        keys = [PartKey("job", 9, 0, p).path for p in range(3)] + [manifest_key("job", 9)]
+        for n, key in enumerate(keys):
+            await tier.write(key, memoryview(payload(100 + n)))
+        await tier.write(PartKey("other", 9, 0, 0).path, memoryview(b"x"))
+        usage = await tier.usage("job/")
+        assert usage is None or usage == {key: 100 + n for n, key in enumerate(keys)}
+        debris = await tier.debris("job/", 0.0)
+        assert not {name for name, _ in debris} & set(keys)
+        await tier.remove_debris([name for name, _ in debris], 0.0)
+        assert await tier.list("job/") == sorted(keys) and await tier.list("other/") == [PartKey("other", 9, 0, 0).path]

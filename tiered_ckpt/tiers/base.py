@@ -69,6 +69,23 @@ class Tier(ABC):
         an operator). The default, [], suits stores whose acknowledged writes cannot vanish (S3)."""
         return []
 
+    # -- optional: what `tiered-ckpt gc` uses to measure and clean; the defaults suit any store ------------
+    async def usage(self, prefix: str) -> dict[str, int] | None:
+        """Every key starting with `prefix` and its stored size in bytes, or None when the store cannot tell
+        cheaply (the default: gc then counts what it removes without bytes)."""
+        return None
+
+    async def debris(self, prefix: str, older_than: float) -> list[tuple[str, int]]:
+        """What writers that died left under `prefix` that `list()` never shows and no key names (a file
+        driver's temp files and empty folders), untouched for more than `older_than` seconds, as (name,
+        bytes). The default: nothing."""
+        return []
+
+    async def remove_debris(self, names: Sequence[str], older_than: float) -> int:
+        """Remove what `debris()` returned, each only if still untouched for `older_than` seconds (and a
+        folder only if still empty); return the bytes freed."""
+        return 0
+
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +38,10 @@ class LocalTier(Tier):
         self._used: int | None = None  # bytes stored; counted at open() when a capacity is set
 
     async def open(self) -> None:
+        """Check that the directory exists or can be created; it is created at the first write, so a
+        process that only reads (`tiered-ckpt ls`, `show`, `verify`) never brings back a removed one."""
         try:
-            await self.run_blocking(lambda: self.root.mkdir(parents=True, exist_ok=True))
+            await self.run_blocking(_check_creatable, self.root)
         except OSError as e:
             raise TierError(f"cannot create directory {self.root}: {e}", tier=self.name) from e
         if self.options.capacity is not None:  # count what earlier processes left here, once
@@ -86,9 +89,15 @@ class LocalTier(Tier):
         self._used += nbytes - old
 
     def _write_sync(self, path: Path, data: memoryview) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{TMP}{path.name}.{uuid.uuid4().hex[:8]}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for attempt in range(3):  # a cleaner (gc) may remove an empty folder between the mkdir and the open
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         try:
             view, pos = memoryview(data).cast("B"), 0
             while pos < len(view):
@@ -156,6 +165,90 @@ class LocalTier(Tier):
                             keys.append(key)
             return sorted(keys)
         return await self.run_blocking(walk)
+
+    async def usage(self, prefix: str) -> dict[str, int]:
+        def walk() -> dict[str, int]:
+            found = {}
+            base = self._path(prefix.rstrip("/")) if prefix else self.root
+            for dirpath, _, files in os.walk(base if base.is_dir() else base.parent):
+                for f in files:
+                    key = os.path.relpath(os.path.join(dirpath, f), self.root)
+                    if not f.startswith(TMP) and key.startswith(prefix):
+                        found[key] = _size_or_zero(Path(dirpath, f))
+            return found
+        return await self.run_blocking(walk)
+
+    async def debris(self, prefix: str, older_than: float) -> list[tuple[str, int]]:
+        """Temp files (`.tmp-*`, a write cut short) and folders holding no file, below the folder `prefix`
+        names (never that folder itself), all untouched for more than `older_than` seconds."""
+        return await self.run_blocking(self._debris_sync, prefix, time.time() - older_than)
+
+    def _debris_sync(self, prefix: str, cutoff: float) -> list[tuple[str, int]]:
+        base = self._path(prefix.rstrip("/")) if prefix else self.root
+        if not base.is_dir():
+            return []
+        found: list[tuple[str, int]] = []
+        empty: set[Path] = set()  # folders that hold nothing but old temp files and such folders
+        for dirpath, dirs, files in os.walk(base, topdown=False):
+            folder, only_debris = Path(dirpath), True
+            for f in files:
+                try:
+                    st = (folder / f).lstat()
+                except FileNotFoundError:
+                    continue
+                if f.startswith(TMP) and st.st_mtime < cutoff:
+                    found.append((os.path.relpath(folder / f, self.root), st.st_size))
+                else:
+                    only_debris = False
+            if folder != base and only_debris and all(folder / d in empty for d in dirs):
+                if _mtime(folder) < cutoff:
+                    empty.add(folder)
+        found += [(os.path.relpath(d, self.root) + "/", 0) for d in sorted(empty) if d.parent not in empty]
+        return found
+
+    async def remove_debris(self, names: Sequence[str], older_than: float) -> int:
+        freed = await self.run_blocking(self._remove_debris_sync, list(names), time.time() - older_than)
+        if self._used is not None:
+            self._used -= freed
+        return freed
+
+    def _remove_debris_sync(self, names: list[str], cutoff: float) -> int:
+        freed = 0
+        for name in sorted(names, key=lambda n: n.endswith("/")):  # temp files first, then the folders
+            path = self._path(name.rstrip("/"))
+            if not name.endswith("/"):
+                try:
+                    st = path.lstat()
+                    if path.name.startswith(TMP) and st.st_mtime < cutoff:
+                        path.unlink()
+                        freed += st.st_size
+                except FileNotFoundError:
+                    pass
+                continue
+            for dirpath, _, _ in os.walk(path, topdown=False):  # rmdir only: a file written meanwhile stays
+                try:
+                    os.rmdir(dirpath)
+                except OSError:
+                    break
+        return freed
+
+
+def _check_creatable(root: Path) -> None:
+    """Raise the OSError that creating `root` would raise (a file in the way, no permission); create nothing."""
+    path = root.absolute()
+    while not path.exists():
+        path = path.parent
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is not a directory")
+    if path != root.absolute() and not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot create folders in {path}")
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except OSError:
+        return float("inf")
 
 
 def _read_into_sync(path: Path, out: Sequence[memoryview]) -> int:

@@ -1,0 +1,193 @@
+"""The command line: ls (size, local time with zone), show (plain values, aligned keys), config check (every
+effective key, human sizes, no secrets), delete, read-only commands that create nothing, and progress bars
+that count what is read and appear only on a terminal. Real engines, real files, `cli.main` in process (or
+a subprocess where a terminal is needed)."""
+import asyncio
+import datetime
+import fcntl
+import os
+import pty
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import torch
+
+import tiered_ckpt as tc
+from tiered_ckpt import cli
+from tiered_ckpt.layout import step_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_config(tmp_path: Path, shm_dir: Path, host_keep: int | None = None, extra: str = "") -> Path:
+    keep = f"keep_last = {host_keep}\n" if host_keep else ""
+    path = tmp_path / "c.toml"
+    path.write_text(f'[engine]\njob = "cli"\nindex = "file://{tmp_path}/index"\npart_size = "64KiB"\n{extra}'
+                    f'[[tiers]]\nname = "host"\nkind = "memory"\npath = "{shm_dir}/host"\n{keep}'
+                    f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
+    return path
+
+
+def save(config: Path, steps, state=None, metadata=None) -> None:
+    async def run():
+        async with tc.Engine.from_toml(config) as engine:
+            for step in steps:
+                s = state(step) if state else {"w": torch.full((50_000,), float(step))}
+                await (await engine.save(step, s, metadata=metadata)).wait()
+
+    asyncio.run(run())
+
+
+def rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
+
+
+def test_ls_shows_size_and_local_time_with_its_zone(tmp_path, shm_dir, capsys, monkeypatch):
+    monkeypatch.setenv("TZ", "EST5")  # a zone other than the machine's (UTC here): the output must follow TZ
+    time.tzset()
+    try:
+        config = write_config(tmp_path, shm_dir)
+        save(config, [1])
+        save(config, [2], state=lambda s: {"w": torch.ones(3, 2**20, dtype=torch.uint8)})
+
+        async def crashed_save():  # begun, never written: its size is not known
+            async with tc.Engine.from_toml(config) as engine:
+                await engine.index.begin("cli", 3, ["host", "disk"])
+
+        asyncio.run(crashed_save())
+        assert cli.main(["-c", str(config), "ls"]) == 0
+        out = capsys.readouterr().out
+        header = out.splitlines()[0].split()
+        assert header[:4] == ["step", "created", "size", "state"]
+        one, two, three = rows(out)  # step, date, time, zone, size (2 words or "-"), state, tiers
+        assert one[4:7] == ["195.31", "KiB", "complete"] and two[4:7] == ["3.00", "MiB", "complete"]
+        assert three[4:6] == ["-", "incomplete"]
+        assert one[3] == two[3] == "EST"
+        shown = datetime.datetime.strptime(f"{one[1]} {one[2]}", "%Y-%m-%d %H:%M:%S")
+        expected = datetime.datetime.now(datetime.timezone(datetime.timedelta(hours=-5))).replace(tzinfo=None)
+        assert abs((shown - expected).total_seconds()) < 120
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+def test_show_lists_plain_values_and_metadata_with_long_keys_aligned(tmp_path, shm_dir, capsys):
+    config = write_config(tmp_path, shm_dir)
+    long_key = "a_very_long_name_of_a_setting_that_is_longer_than_any_tensor_path_in_this_state"
+    state = {"model": {"weight": torch.ones(4, 4)}, "extra": {"lr": 3e-4, "schedule": [1e-3, 5e-4], long_key: "x",
+                                                               "nested": [{"epoch": 2}]}}
+    save(config, [5], state=lambda s: state, metadata={"name": "best"})
+    assert cli.main(["-c", str(config), "show", "5"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for expected in ("extra/lr", "extra/schedule", f"extra/{long_key}", "extra/nested/0/epoch", "name"):
+        assert any(line.split()[:1] == [expected] for line in lines), (expected, out)
+    values = {line.split()[0]: line.split("=", 1)[1].strip() for line in lines if " = " in line}
+    assert values["extra/lr"] == "0.0003" and values["extra/schedule"] == "[0.001, 0.0005]"
+    assert values["extra/nested/0/epoch"] == "2" and values["name"] == "'best'"
+    assert {line.index(" = ") for line in lines if " = " in line} == {4 + len(f"extra/{long_key}")}  # aligned
+    [tensor] = [line for line in lines if line.split()[:1] == ["model/weight"]]
+    assert tensor.index("float32") == 4 + len(f"extra/{long_key}") + 1  # the tensor columns line up too
+
+
+def test_config_check_prints_every_effective_key_with_human_sizes_and_no_password(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text('[engine]\njob = "j"\nindex = "redis://user:s3cret@index-host:6379/0?sentinel_password=pw2"\n'
+                    'part_size = "8MiB"\n'
+                    '[[tiers]]\nname = "host"\nkind = "memory"\ncapacity = "1.5GiB"\nkeep_last = 2\n'
+                    '[[tiers]]\nname = "peer"\nkind = "redis"\nurls = ["redis://:hunter2@node0:6380"]\nevery = 5\n')
+    assert cli.main(["config", "check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret" not in out and "hunter2" not in out and "pw2" not in out
+    assert "redis://user:***@index-host:6379/0?sentinel_password=***" in out
+    keys = {}
+    section = None
+    for line in out.splitlines()[1:]:
+        if not line.startswith("    "):
+            section = line.strip()
+            continue
+        key, value = (part.strip() for part in line.split("=", 1))
+        keys.setdefault(section, {})[key] = value
+    engine, host, peer = keys["[engine]"], keys["[[tiers]] host (kind memory)"], keys["[[tiers]] peer (kind redis)"]
+    assert set(engine) >= {"job", "index", "part_size", "max_inflight", "allow_pickle", "adopt", "io_threads",
+                           "collective_timeout", "commit_timeout"}
+    assert engine["part_size"] == "8 MiB (8388608 bytes)"
+    common = {"keep_last", "every", "workers", "inflight", "retries", "timeout", "skip_when_behind"}
+    assert set(host) == common | {"path", "capacity", "fsync"}
+    assert set(peer) >= common | {"urls", "node", "prefix", "chunk_size", "connections", "socket_timeout"}
+    assert host["capacity"] == "1.50 GiB (1610612736 bytes)" and host["keep_last"] == "2"
+    assert host["inflight"] == "256 MiB (268435456 bytes)" and host["skip_when_behind"] == "true"
+    assert peer["keep_last"] == "all" and peer["every"] == "5" and peer["chunk_size"] == "64 MiB (67108864 bytes)"
+
+
+def test_delete_removes_a_checkpoint_and_names_an_unknown_one(tmp_path, shm_dir, capsys):
+    config = write_config(tmp_path, shm_dir)
+    save(config, [1, 2])
+    assert cli.main(["-c", str(config), "delete", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted step 1 of job 'cli' (complete, 195.31 KiB) from host, disk and the index" in out
+    assert not [p for p in [*shm_dir.rglob("*"), *(tmp_path / "disk").rglob("*")] if step_dir(1) in str(p)]
+    assert cli.main(["-c", str(config), "delete", "1"]) == 2
+    assert "job 'cli' has no checkpoint 1" in capsys.readouterr().err
+    assert cli.main(["-c", str(config), "ls"]) == 0
+    assert [r[0] for r in rows(capsys.readouterr().out)] == ["2"]
+
+
+def test_read_only_commands_create_no_folder(tmp_path, shm_dir, capsys):
+    """/dev/shm is emptied (a reboot, an operator): ls, show, verify and export must not bring the memory
+    tier's folder back, nor create an index that does not exist."""
+    config = write_config(tmp_path, shm_dir)
+    save(config, [1])
+    shutil.rmtree(shm_dir / "host")
+    out = tmp_path / "x.pt"
+    for argv, status in ((["ls"], 0), (["show", "1"], 0), (["verify", "1"], 1), (["gc", "--dry-run"], 0),
+                         (["export", "--to", "torch", "-o", str(out)], 0)):
+        assert cli.main(["-c", str(config), *argv]) == status, (argv, capsys.readouterr())
+        assert not (shm_dir / "host").exists(), argv
+    assert torch.equal(torch.load(out, weights_only=True)["w"], torch.full((50_000,), 1.0))
+    capsys.readouterr()
+    (tmp_path / "fresh").mkdir()
+    fresh = write_config(tmp_path / "fresh", shm_dir / "fresh")
+    assert cli.main(["-c", str(fresh), "ls"]) == 0 and "no checkpoints" in capsys.readouterr().out
+    assert os.listdir(tmp_path / "fresh") == ["c.toml"] and not (shm_dir / "fresh").exists()
+
+
+def run_on_a_terminal(*argv: str) -> tuple[int, str]:
+    """Run the CLI with stderr on a pseudo-terminal (where tqdm draws its bar); return (status, stderr)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal has a width
+    proc = subprocess.Popen([sys.executable, "-m", "tiered_ckpt.cli", *argv], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    return proc.wait(timeout=60), b"".join(chunks).decode(errors="replace")
+
+
+def test_verify_progress_counts_only_what_it_reads_and_bars_show_only_on_a_terminal(tmp_path, shm_dir):
+    config = write_config(tmp_path, shm_dir, host_keep=1)
+    save(config, [1, 2])  # step 1 is left on disk only: verify reads one tier of two
+    status, bar = run_on_a_terminal("-c", str(config), "verify", "1")
+    assert status == 0
+    percents = [int(p) for p in re.findall(r"(\d+)%\|", bar)]
+    assert percents and max(percents) == 100, bar
+    piped = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "-c", str(config), "verify", "1"], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+    assert piped.returncode == 0 and "%|" not in piped.stderr and "ok" in piped.stdout
+    piped = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "-c", str(config), "gc"], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+    assert piped.returncode == 0 and piped.stderr == "" and "gc of job 'cli'" in piped.stdout

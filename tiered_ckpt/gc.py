@@ -1,0 +1,394 @@
+"""Cleaning up what crashed runs left: `tiered-ckpt gc` and `Engine.gc()`.
+
+A save that dies part-way leaves bytes nothing will ever read: an incomplete checkpoint, a tier of a
+checkpoint that never completed there, an incarnation folder a fenced zombie or a crashed attempt wrote
+beside the committed one, temp files of writes cut short, a removal cut short (a tombstone), empty
+folders. Retention and the next writer remove much of it in time; `collect` removes all of it now. On the
+memory tier that is RAM given back.
+
+Who may be writing decides what goes (docs/operations.md, "Cleaning up"):
+- **no writer can be running** (`exclusive`): this engine is the job's writer, or the file index's writer
+  lease was free and gc holds it while it runs. Every incomplete checkpoint is a leftover then.
+- **a writer may be running** (the Redis index, which cannot tell; the file index's lease held by a
+  trainer): a checkpoint (or one tier of it) that is not complete is removed only once its save began
+  more than `grace` seconds ago (default one hour). A trainer's save in flight is younger than that (a save
+  that takes longer on some tier needs a larger grace). Folders of a step that is still within its grace
+  but older than the newest one written for it (a zombie's, a crashed attempt's) go at once.
+Either way gc never fences: with Redis it writes with the current epoch (`Index.attach`), so a running
+trainer keeps committing; a trainer that starts meanwhile fences gc, whose next index write then fails.
+
+Always kept: complete checkpoints (their committed folder), steps this process is saving or loading,
+folders of other indexes (an unrelated run sharing the tier; removed only with `other_indexes`), an
+index record that cannot be read, and a whole checkpoint of this index that the index does not list (a
+lost record: `load(step=N)` can still restore it; `tiered-ckpt delete` cannot see it). The tiers are
+listed before the index, so a save that begins during gc is known to the index snapshot or invisible to
+the tiers' one, never taken for an orphan; folders are removed by the names seen, never by a wider prefix
+than those. `dry_run` does the same reading and reports the same, changing nothing (it only tests the
+file index's lease, never takes it).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from .errors import IncompleteCheckpoint, IntegrityError, TierError
+from .index import CheckpointStatus
+from .layout import checkpoint_prefix, index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
+from .manifest import Manifest
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger(__name__)
+GRACE = 3600.0  # seconds: a save that began longer ago is taken for dead when a writer may be running
+
+
+@dataclass(frozen=True)
+class Removal:
+    """One thing gc removed (or, in a dry run, would remove)."""
+
+    tier: str | None  # None: an index record only
+    step: int | None
+    name: str  # the folder (trailing /), key or file, or "index record"
+    what: str  # why it is garbage
+    nbytes: int | None  # None: the tier cannot tell sizes
+
+
+@dataclass
+class GcReport:
+    dry_run: bool
+    exclusive: bool  # no writer of the job could run meanwhile
+    grace: float
+    removed: list[Removal] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)  # steps removed from the index altogether
+    kept: list[str] = field(default_factory=list)  # what looked like garbage but stays, and why
+    errors: list[str] = field(default_factory=list)
+
+    def freed(self) -> dict[str, tuple[int, int, bool]]:
+        """Per tier: (items, bytes, whether some sizes are unknown)."""
+        out: dict[str, tuple[int, int, bool]] = {}
+        for r in self.removed:
+            if r.tier is None:
+                continue
+            count, nbytes, unknown = out.get(r.tier, (0, 0, False))
+            out[r.tier] = (count + 1, nbytes + (r.nbytes or 0), unknown or r.nbytes is None)
+        return out
+
+
+def in_flight(status: CheckpointStatus, *, exclusive: bool, grace: float, now: float | None = None) -> bool:
+    """Whether a running save may still be writing `status` somewhere: a tier it targets is neither complete
+    nor failed, its save began less than `grace` seconds ago, and a writer may be running."""
+    if exclusive:
+        return False
+    pending = [t for t in status.tiers if t not in status.complete and t not in status.failed]
+    return bool(pending) and (now if now is not None else time.time()) - status.created < grace
+
+
+@dataclass
+class _Tier:
+    """One tier's snapshot of the job: step → folder ("" for the folder-less keys of formats 1-2) → key → size."""
+
+    name: str
+    steps: dict[int, dict[str, dict[str, int | None]]] = field(default_factory=dict)
+
+
+class _Plan:
+    """What gc will do, in order. A tier's removal that fails is reported and the next goes on; any other
+    error (the index refused or is down) stops gc there."""
+
+    def __init__(self, engine: "Engine", report: GcReport):
+        self.engine = engine
+        self.job = engine.job
+        self.report = report
+        self.actions: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
+        self._group: list[tuple[str, Callable[[], Awaitable[Any]]]] | None = None
+
+    def add(self, what: str, op: Callable[[], Awaitable[Any]]) -> None:
+        (self.actions if self._group is None else self._group).append((what, op))
+
+    def checkpoint(self, step: int, *, bury: bool, forget: bool) -> "_Group":
+        return _Group(self, step, bury, forget)
+
+
+class _Group:
+    """The removal of a whole checkpoint, one action: bury it, drop its index record, remove its folders,
+    and unbury it only when every removal succeeded (else the tombstone stays for the next gc or writer)."""
+
+    def __init__(self, plan: _Plan, step: int, bury: bool, forget: bool):
+        self.plan, self.step, self.bury, self.forget = plan, step, bury, forget
+
+    def __enter__(self) -> None:
+        self.plan._group = []
+
+    def __exit__(self, *exc: Any) -> None:
+        removals, self.plan._group = self.plan._group or [], None
+        index, job, step, report = self.plan.engine.index, self.plan.job, self.step, self.plan.report
+
+        async def run() -> None:
+            if self.bury:
+                await index.bury(job, step)
+            if self.forget:
+                await index.delete(job, step)
+            failed = 0
+            for what, op in removals:
+                try:
+                    await op()
+                except TierError as e:
+                    report.errors.append(f"{what}: {e}; the checkpoint stays buried until a later gc removes it")
+                    failed += 1
+            if not failed:
+                await index.unbury(job, step)
+
+        self.plan.add(f"removal of checkpoint {step}", run)
+
+
+async def collect(engine: "Engine", dry_run: bool = False, *, grace: float = GRACE, other_indexes: bool = False,
+                  progress: Callable[[int, int], None] | None = None) -> GcReport:
+    """Remove (with dry_run, only report) what crashed runs left for `engine`'s job on every configured tier
+    and in the index; see the module docstring for what goes and what stays. Runs in this process only (no
+    collectives): run it once per node for node-local tiers. `progress(done, total)` counts removals."""
+    if grace < 0:
+        raise ValueError(f"grace must be >= 0 seconds, got {grace}")
+    exclusive = await engine.attach(hold=not dry_run)
+    report = GcReport(dry_run, exclusive, grace)
+    plan = _Plan(engine, report)
+    tiers = await _snapshot(engine, report)  # before the index: see the module docstring
+    statuses = {s.step: s for s in await engine.index.list(engine.job)}
+    buried = await engine.index.buried(engine.job)
+    busy = engine.retention.busy.steps()
+    now = time.time()
+    mine = index_dir(engine.index.identity) + "/"
+    steps = sorted(set(statuses) | buried | {s for t in tiers for s in t.steps})
+    for step in steps:
+        status = statuses.get(step)
+        if step in busy:
+            report.kept.append(f"step {step}: being saved or loaded by this process")
+        elif step in buried:
+            _remove_checkpoint(plan, tiers, step, mine, "its removal was cut short", in_index=status is not None,
+                               buried=True)
+        elif status is None:
+            await _orphan(plan, tiers, step, mine, other_indexes)
+        elif not status.tiers and "index" in status.failed:
+            report.kept.append(f"step {step}: its index record cannot be read ({status.failed['index']}); "
+                               f"load(step={step}) may still restore it from the tiers")
+        else:
+            await _known(plan, tiers, status, mine, exclusive, grace, now)
+        if other_indexes:
+            for t in tiers:
+                foreign = [f for f in t.steps.get(step, {}) if f and not f.startswith(mine)]
+                _remove_folders(plan, t, step, foreign, "another index's folder")
+    _note_foreign(report, tiers, mine, other_indexes)
+    for name in engine.io:  # temp files and empty folders: removed after everything above
+        driver = engine.io[name]
+        try:
+            debris = await driver.debris(job_prefix(engine.job), grace)
+        except (TierError, OSError) as e:
+            report.errors.append(f"tier {name}: cannot look for temp files: {e}")
+            continue
+        for item, nbytes in debris:
+            what = "empty folder" if item.endswith("/") else "temp file of a write cut short"
+            report.removed.append(Removal(name, _step_of(item), item, what, nbytes))
+        if debris:
+            names = [item for item, _ in debris]
+            plan.add(f"debris on {name}", lambda d=driver, n=names: d.remove_debris(n, grace))
+    if not dry_run:
+        await _run(plan, progress)
+    return report
+
+
+async def _snapshot(engine: "Engine", report: GcReport) -> list[_Tier]:
+    out = []
+    for name in engine.io:
+        driver, snap = engine.io[name], _Tier(name)
+        try:
+            sizes = await driver.usage(job_prefix(engine.job))
+            if sizes is None:
+                sizes = dict.fromkeys(await driver.list(job_prefix(engine.job)))
+        except (TierError, OSError) as e:
+            report.errors.append(f"tier {name} cannot be listed: {e}")
+            continue
+        for key, nbytes in sizes.items():
+            parsed = parse_key(key)
+            if parsed is None or parsed.job != engine.job:
+                continue  # not a checkpoint's key (temp files are debris, below)
+            snap.steps.setdefault(parsed.step, {}).setdefault(parsed.incarnation, {})[key] = nbytes
+        out.append(snap)
+    return out
+
+
+async def _known(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine: str, exclusive: bool,
+                 grace: float, now: float) -> None:
+    """A step the index lists: incomplete ones whose save is over go whole; of complete ones, every folder
+    of this index but the committed one, and the tiers where they did not complete."""
+    report, step = plan.report, status.step
+    flight = in_flight(status, exclusive=exclusive, grace=grace, now=now)
+    if not status.is_complete:
+        if not flight:
+            _remove_checkpoint(plan, tiers, step, mine, "incomplete: no save is writing it")
+            return
+        report.kept.append(f"step {step}: incomplete, its save began {_age(now - status.created)} ago and may "
+                           f"still be running (grace {_age(grace)})")
+        newest = max((f for t in tiers for f in _mine(t, step, mine)), default=None)
+        for t in tiers:
+            _remove_folders(plan, t, step, [f for f in _mine(t, step, mine) if f != newest],
+                            "an earlier attempt's folder (a crashed run's or a zombie's)")
+        return
+    try:
+        committed = Manifest.from_bytes(await plan.engine.index.get_manifest(plan.job, step)).incarnation
+    except (IncompleteCheckpoint, IntegrityError) as e:
+        report.kept.append(f"step {step}: complete, but its manifest in the index cannot be read ({e}); "
+                           f"nothing of it removed")
+        return
+    for t in tiers:
+        folders = _mine(t, step, mine)
+        if t.name in status.complete:
+            _remove_folders(plan, t, step, [f for f in folders if f != committed],
+                            "not the committed folder (a zombie's or a crashed attempt's)")
+        elif t.name in status.tiers and t.name not in status.failed:  # targeted, never completed
+            if flight:
+                report.kept.append(f"step {step} on {t.name}: its save began {_age(now - status.created)} ago and "
+                                   f"may still be writing there")
+                _remove_folders(plan, t, step, [f for f in folders if f != committed],
+                                "not the committed folder (a zombie's or a crashed attempt's)")
+                continue
+            _unmark(plan, step, t.name)  # its record first: a crash part-way never leaves it looking whole
+            _remove_folders(plan, t, step, folders, "a tier this checkpoint never completed on")
+        else:  # failed or skipped there, or no longer targeted (retention cut short): nothing will read it
+            _remove_folders(plan, t, step, folders, "a tier this checkpoint failed on or left")
+
+
+async def _orphan(plan: _Plan, tiers: list[_Tier], step: int, mine: str, other_indexes: bool) -> None:
+    """A step the index does not list. Folders of this index go unless they hold a whole checkpoint: the
+    index may have lost its record (a flushed Redis), and then the tiers' copy is all there is."""
+    for t in tiers:
+        folders = t.steps.get(step, {})
+        for folder in sorted(folders):
+            if folder and not folder.startswith(mine):
+                continue  # another index's: see _note_foreign
+            driver = plan.engine.io[t.name]
+            manifest = None
+            if manifest_key(plan.job, step, folder) in folders[folder]:
+                try:
+                    manifest = Manifest.from_bytes(await driver.read(manifest_key(plan.job, step, folder)))
+                except (TierError, IntegrityError):
+                    manifest = None
+            if not folder and (manifest is None or manifest.index != plan.engine.index.identity):
+                if not other_indexes:
+                    plan.report.kept.append(f"step {step} on {t.name}: keys of an earlier release's format that "
+                                            f"the index does not list and no manifest of this index names")
+                    continue
+            if manifest is not None and manifest.index == plan.engine.index.identity and all(
+                    rank_meta_key(plan.job, step, r.rank, folder) in folders[folder] for r in manifest.ranks):
+                plan.report.kept.append(f"step {step} on {t.name}: a whole checkpoint of this index that the index "
+                                        f"does not list (a lost record?); load(step={step}) can restore it")
+                continue
+            _remove_folders(plan, t, step, [folder], "a step the index does not list (a lost record, a zombie's "
+                                                     "write after a deletion)")
+
+
+def _remove_checkpoint(plan: _Plan, tiers: list[_Tier], step: int, mine: str, what: str, *, in_index: bool = True,
+                       buried: bool = False) -> None:
+    """The whole checkpoint: a tombstone first (so a crash part-way leaves it for the next writer or gc to
+    finish), the index record, every folder of this index on every tier, then the tombstone."""
+    plan.report.checkpoints.append(step)
+    if in_index:
+        plan.report.removed.append(Removal(None, step, "index record", what, None))
+    with plan.checkpoint(step, bury=not buried, forget=in_index):
+        for t in tiers:
+            _remove_folders(plan, t, step, _mine(t, step, mine), what)
+
+
+def _unmark(plan: _Plan, step: int, tier: str) -> None:
+    index, job = plan.engine.index, plan.job
+    plan.report.removed.append(Removal(None, step, f"index record of tier {tier}", "never completed there", None))
+    plan.add(f"unmark {step} on {tier}", lambda: index.unmark(job, step, tier))
+
+
+def _remove_folders(plan: _Plan, t: _Tier, step: int, folders: list[str], what: str) -> None:
+    """Remove `folders` of `step` on tier `t` as listed: the step folder in one call when they are all it
+    holds, else an index's folder when all its sessions go, else each session's folder (the folder-less keys
+    of formats 1-2 one by one), so no empty folder is left behind."""
+    present = t.steps.get(step, {})
+    folders = [f for f in folders if f in present]
+    if not folders:
+        return
+    for f in folders:
+        keys = present[f]
+        sizes = list(keys.values())
+        nbytes = None if any(n is None for n in sizes) else sum(n or 0 for n in sizes)
+        name = checkpoint_prefix(plan.job, step, f) if f else f"{step_prefix(plan.job, step)} ({len(keys)} keys)"
+        plan.report.removed.append(Removal(t.name, step, name, what, nbytes))
+    driver, pipeline = plan.engine.io[t.name], plan.engine.io.pipelines[t.name]
+
+    def delete(prefix: str) -> None:
+        plan.add(f"delete {prefix} on {t.name}", lambda: pipeline.attempt(lambda: driver.delete(prefix),
+                                                                          f"delete {prefix}"))
+
+    if set(folders) == set(present):
+        delete(step_prefix(plan.job, step))
+    else:
+        for ix in sorted({f.split("/")[0] for f in folders if f}):  # an index's folder, when all of it goes
+            sessions = {f for f in present if f.split("/")[0] == ix}
+            if sessions <= set(folders):
+                delete(f"{step_prefix(plan.job, step)}{ix}/")
+            else:
+                for f in sorted(sessions & set(folders)):
+                    delete(checkpoint_prefix(plan.job, step, f))
+        for key in present[""] if "" in folders else []:  # formats 1-2: keys right in the step folder
+            delete(key)
+    for f in folders:
+        del present[f]  # removed: a later pass over this step (other_indexes) must not count it again
+
+
+def _mine(t: _Tier, step: int, mine: str) -> list[str]:
+    """This index's folders of `step` on `t`, oldest session first; the folder-less keys (formats 1-2) count
+    as this index's, as retention treats them, and as the oldest."""
+    return sorted(f for f in t.steps.get(step, {}) if not f or f.startswith(mine))
+
+
+def _note_foreign(report: GcReport, tiers: list[_Tier], mine: str, removed: bool) -> None:
+    if removed:
+        return
+    for t in tiers:
+        folders = [(s, f) for s, by in t.steps.items() for f in by if f and not f.startswith(mine)]
+        if folders:
+            indexes = sorted({f.split("/")[0] for _, f in folders})
+            report.kept.append(f"tier {t.name}: {len(folders)} folder(s) of {len(indexes)} other index(es) "
+                               f"({', '.join(indexes)}): another run's (other_indexes / --other-indexes removes "
+                               f"them)")
+
+
+async def _run(plan: _Plan, progress: Callable[[int, int], None] | None) -> None:
+    """Run the actions in order; the first index error stops (a newer incarnation fenced this process, or the
+    index is down): what is left stays for the next gc, tombstones included."""
+    total = len(plan.actions)
+    for done, (what, op) in enumerate(plan.actions, 1):
+        try:
+            await op()
+        except TierError as e:  # one tier's removal failed: the others go on
+            plan.report.errors.append(f"{what}: {e}")
+        except Exception as e:
+            plan.report.errors.append(f"{what}: {type(e).__name__}: {e}; stopped")
+            log.warning("gc stopped at %s: %s", what, e)
+            break
+        finally:
+            if progress is not None:
+                progress(done, total)
+
+
+def _step_of(name: str) -> int | None:
+    parts = name.split("/")
+    if len(parts) > 1 and parts[1].startswith("step-") and parts[1][5:].isdigit():
+        return int(parts[1][5:])
+    return None
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}min"
+    return f"{seconds / 3600:.1f}h"
