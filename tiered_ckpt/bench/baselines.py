@@ -27,6 +27,42 @@ def memcpy(state: dict[str, torch.Tensor], repeats: int) -> float:
     return median_time(copy, repeats)
 
 
+def raw_write_once(directory: Path, nbytes: int) -> float:
+    """One sequential write of `nbytes` (16 MiB os.write calls) + fsync, into a fresh file."""
+    path = directory / "raw-once.bin"
+    path.unlink(missing_ok=True)
+    buf = memoryview(os.urandom(CHUNK))
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    left = nbytes
+    while left > 0:
+        left -= os.write(fd, buf[: min(CHUNK, left)])
+    os.fsync(fd)
+    os.close(fd)
+    seconds = time.perf_counter() - t
+    path.unlink()
+    return seconds
+
+
+def raw_read_once(directory: Path, nbytes: int) -> float:
+    """One cold sequential read of an `nbytes` file (written once, then dropped from the page cache)."""
+    path = directory / "raw-read.bin"
+    if not path.exists() or path.stat().st_size != nbytes:
+        chunk = os.urandom(CHUNK)
+        with open(path, "wb") as f:
+            for start in range(0, nbytes, CHUNK):
+                f.write(chunk[: min(CHUNK, nbytes - start)])
+            f.flush()
+            os.fsync(f.fileno())
+    drop_cache(path)
+    out = memoryview(bytearray(CHUNK))
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(out):
+            pass
+    return time.perf_counter() - t
+
+
 def raw_write_read(directory: Path, nbytes: int, repeats: int) -> tuple[float, float]:
     """Sequential os.write of 16 MiB buffers + fsync; then a cold sequential read of the same file."""
     path = directory / "raw.bin"
