@@ -106,8 +106,11 @@ class Engine:
                 and first.keep_last is not None and mapped_supported(engine.part_size)):
             return None
         tier = self.tiers[first.name]
-        home = tier.path_of(f".staging/{self.job}-{self.session}-r{self.rank}")
-        return Arena(first.name, tier, home, engine.part_size, first.keep_last)
+        arena = Arena(first.name, tier, Arena.home_for(tier, self.job, self.session, self.rank), engine.part_size,
+                      first.keep_last)
+        if arena.clean_stale(self.job):
+            log.info("removed the staging buffers of earlier processes of job %r that are gone", self.job)
+        return arena
 
     async def close(self, *, raise_errors: bool = True) -> None:
         """Wait for every save in flight, close tiers and index; raise an unobserved background error."""

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import shutil
+import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -63,6 +66,9 @@ class StagingBuffer:
         return self.tensor.numel()
 
 
+STAGING_DIR = ".staging"  # at the memory tier's root, beside the jobs' folders
+
+
 class Arena:
     """Where mapped buffers live on the memory tier (`tier`, a LocalTier driver): free ones in a folder of
     this process (`home`), retained ones under the checkpoint's keys."""
@@ -74,6 +80,23 @@ class Arena:
         self.part_size = part_size
         self.keep_last = keep_last
         self._ids = itertools.count()
+
+    @staticmethod
+    def home_for(tier: Any, job: str, session: str, rank: int) -> Path:
+        """This process's folder of free buffers: named after its host and pid, so `clean_stale` can tell."""
+        return tier.path_of(f"{STAGING_DIR}/{job}-{session}-r{rank}-{socket.gethostname()}-p{os.getpid()}")
+
+    def clean_stale(self, job: str) -> int:
+        """Remove the buffer folders of this job's processes on this host that are gone (killed or crashed
+        mid-save: their staging files hold a state's worth of RAM). Returns how many were removed."""
+        removed = 0
+        host = socket.gethostname()
+        for folder in self.home.parent.glob(f"{job}-*-{host}-p*"):
+            pid = folder.name.rpartition("-p")[2]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed += 1
+        return removed
 
     def new(self, nbytes: int, pin: bool) -> StagingBuffer:
         folder = self.home / f"buf-{next(self._ids)}"
@@ -98,6 +121,16 @@ class Arena:
             self.tier.account(-buf.parts.nbytes, "retired staged parts")
             buf.published = False
         return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 class StagingPool:
@@ -242,9 +275,13 @@ def stream_steps(devices: Sequence[torch.device | None], events: Mapping[torch.d
 
 
 def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
-          events: Mapping[torch.device, Any] | None = None) -> None:
+          events: Mapping[torch.device, Any] | None = None, staged_up_to: Callable[[int], None] | None = None) -> None:
     """Copy this rank's boxes into `buf` at the plan's offsets. Runs in a worker thread (copy_ drops the
-    GIL). CUDA tensors are copied on side streams ordered after `events` (see stream_steps)."""
+    GIL). CUDA tensors are copied on side streams ordered after `events` (see stream_steps).
+    `staged_up_to(n)`: the first n bytes of the buffer hold their final bytes (called as CPU copies progress,
+    so parts can be checksummed while later ones are still being copied; once more at the end)."""
+    in_order = all(a.offset <= b.offset for a, b in zip(plan.local, plan.local[1:]))
+    report = staged_up_to if in_order else None
     sources = []
     for c in plan.local:
         src = local_tensor(tensors[c.index])
@@ -265,8 +302,12 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
                 src, dst = sources[index], views[index]
                 if device is None:
                     dst.copy_(src)
+                    if report is not None and not streams:
+                        report(plan.local[index].offset + plan.local[index].nbytes)
                 else:
                     with torch.cuda.stream(streams[device]):
                         dst.copy_(src, non_blocking=True)
             else:  # synchronize
                 streams[args[0]].synchronize()
+    if staged_up_to is not None:
+        staged_up_to(buf.view.nbytes)

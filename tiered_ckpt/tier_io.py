@@ -9,6 +9,7 @@ before the next tier is tried.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence, TypeVar
@@ -126,6 +127,10 @@ class TierIO:
     def shutdown(self) -> None:
         for executor in (self._executor, *self._tier_executors.values()):
             executor.shutdown(wait=False)
+
+    def submit_blocking(self, fn: Callable[..., T], *args: Any) -> "concurrent.futures.Future[T]":
+        """run_blocking from any thread (e.g. a staging copy handing finished parts to their checksums)."""
+        return self._executor.submit(fn, *args)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """CPU work (memcpy, checksums) in a thread; the functions used here release the GIL."""

@@ -416,3 +416,45 @@ async def test_a_tier_that_cannot_keep_up_skips_to_the_newest_and_retention_hold
         assert all(c.skipped["disk"] > c.step for c in listing if "disk" in c.tiers and "disk" not in c.complete)
         _, out = await load_values(engine, tiers=["disk"])
         assert torch.all(out["w"] == 30.0)
+
+
+@pytest.mark.parametrize("while_staging", [False, True])
+async def test_part_checksums_are_the_same_whether_hashed_during_or_after_the_copy(make_config, monkeypatch,
+                                                                                    while_staging):
+    """Parts are hashed as soon as they are staged on machines with spare cores, after the copy elsewhere:
+    the recorded checksums are those of the staged bytes either way (many chunks, several parts)."""
+    import tiered_ckpt.saving as saving
+    from tiered_ckpt.checksum import checksum
+
+    monkeypatch.setattr(saving, "HASH_WHILE_STAGING", while_staging)
+    state = {f"t{i}": torch.randn(3000 + 17 * i) for i in range(40)}  # ~500 KB: 8 parts of 64 KiB
+    async with tc.Engine(make_config()) as engine:
+        await (await engine.save(1, state)).wait()
+        manifest = await engine.read_manifest(1)
+        host = engine.tiers["host"]
+        expected = [checksum([memoryview(await host.read(PartKey("test", 1, 0, p, engine.incarnation).path))],
+                             manifest.checksum) for p in range(len(manifest.ranks[0].checksums))]
+        assert list(manifest.ranks[0].checksums) == expected and len(expected) >= 8
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        await engine.load(out, tiers=["disk"])
+        assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+async def test_staging_buffers_of_a_dead_process_are_removed_at_the_next_open(make_config, shm_dir):
+    """A process killed mid-save leaves its staging files in the memory tier's .staging folder (RAM): the next
+    engine of the job on this host removes those of processes that are gone, and keeps a live one's."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    staging = shm_dir / "host" / ".staging"
+    host = socket.gethostname()
+    gone = staging / f"test-0123456789abcdef-r0-{host}-p{dead.stdout.strip()}"
+    alive = staging / f"test-fedcba9876543210-r0-{host}-p{os.getppid()}"
+    for folder in (gone, alive):
+        (folder / "buf-0").mkdir(parents=True)
+        (folder / "buf-0" / "part-000000").write_bytes(b"x" * 4096)
+    async with tc.Engine(make_config()) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        assert not gone.exists() and alive.exists()
