@@ -118,3 +118,16 @@ def test_bench_compares_the_redis_and_s3_tiers_with_their_plain_clients(tmp_path
     assert "| write (SET) |" in proc.stdout and "| read (GET) |" in proc.stdout
     assert "S3 tier vs plain aiobotocore" in proc.stdout
     assert "| multipart upload |" in proc.stdout and "| ranged download |" in proc.stdout
+
+
+def test_the_readme_demo_script_trains_and_resumes(tmp_path, shm_dir):
+    """scripts/demo.sh (the README's first command) sets up what is missing and runs the example; run twice,
+    the second run resumes from the first one's newest checkpoint."""
+    cfg = toml(tmp_path, shm_dir)
+    env = {**__import__("os").environ, "PYTHON": sys.executable}
+    args = [str(REPO / "scripts" / "demo.sh"), "--config", str(cfg), "--tiny", "--steps", "10", "--save-every", "5"]
+    first = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr
+    args[args.index("10")] = "15"
+    second = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert second.returncode == 0 and "resumed from step 10" in second.stdout, second.stdout + second.stderr
