@@ -2,7 +2,7 @@
 
 - `redis_cluster`: a Redis Cluster of 3 masters (`redis-cli --cluster create`), one per module;
   `cluster_url` empties it (FLUSHALL on every master) and returns its redis+cluster:// URL.
-- `sentinel_deployment`: a master, one replica and one sentinel (quorum 1, 500 ms down-after), started
+- `sentinel_deployment`: a master, one replica and one sentinel (quorum 1, 1 s down-after), started
   fresh for each test (a failover test leaves it changed).
 """
 from __future__ import annotations
@@ -46,6 +46,6 @@ def cluster_url(redis_cluster) -> str:
 @pytest.fixture
 def sentinel_deployment(tmp_path):
     _need_redis()
-    deployment = LocalSentinel(replicas=1, down_after_ms=500, failover_timeout_ms=2000, base=tmp_path)
+    deployment = LocalSentinel(replicas=1, down_after_ms=1000, failover_timeout_ms=2000, base=tmp_path)
     yield deployment
     deployment.stop()

@@ -71,8 +71,10 @@ class Process:
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
-    def start(self) -> "Process":
-        self.proc, self.port = _start(self.argv, bus=self.bus, log=self.log, port=self.port or None)
+    def start(self, *extra: str) -> "Process":
+        """Start it (again, on the same port), with `extra` arguments this time."""
+        argv = self.argv if not extra else (lambda port: [*self.argv(port), *extra])
+        self.proc, self.port = _start(argv, bus=self.bus, log=self.log, port=self.port or None)
         return self
 
     def kill(self) -> None:
@@ -88,7 +90,7 @@ class Process:
 
 def _server_argv(d: Path, *extra: str) -> Callable[[int], list[str]]:
     return lambda port: ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                         "no", "--dir", str(d), *extra]
+                         "no", "--dir", str(d), "--logfile", str(d / "redis.log"), *extra]
 
 
 class LocalServer:
@@ -184,7 +186,8 @@ class LocalSentinel:
         self.sentinel: Process | None = None
         try:
             (self.dir / "master").mkdir()
-            fast = ("--repl-diskless-sync-delay", "0")  # a replica syncs at once (the default waits 5 s)
+            # a replica syncs at once (the default waits 5 s); tests may freeze a replica (DEBUG SLEEP, local only)
+            fast = ("--repl-diskless-sync-delay", "0", "--enable-debug-command", "local")
             master = Process(_server_argv(self.dir / "master", *fast)).start()
             self.servers.append(master)
             for i in range(replicas):
@@ -196,7 +199,7 @@ class LocalSentinel:
             conf = self.dir / "sentinel.conf"
 
             def sentinel_argv(port: int) -> list[str]:
-                conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {self.dir}\nlogfile {self.dir / 'sentinel.log'}\n"
                                 f"sentinel monitor {name} 127.0.0.1 {master.port} 1\n"
                                 f"sentinel down-after-milliseconds {name} {down_after_ms}\n"
                                 f"sentinel failover-timeout {name} {failover_timeout_ms}\n"
@@ -228,6 +231,12 @@ class LocalSentinel:
         _wait_for("a failover", lambda: self.master_port() != old_port and "role:master" in _cli(
             self.master_port(), "info", "replication"), timeout)
         return self.master_port()
+
+    def rejoin(self, port: int) -> None:
+        """Bring the server that was on `port` back, empty, as a replica of the current master: what an operator
+        does with a node that has no persistence. (Restarted as an empty master instead, the sentinel may promote
+        it before it has synced, and the data set is gone: the Redis docs warn against auto-restarting such nodes.)"""
+        self.server_on(port).start("--replicaof", "127.0.0.1", str(self.master_port()))
 
     def stop(self) -> None:
         for p in [*self.servers, *([self.sentinel] if self.sentinel else [])]:
