@@ -58,6 +58,28 @@ MUTANTS = {
     "module-keys-unchecked": ("tiered_ckpt/state.py", "    if unexpected:\n        raise StateError",
                               "    if False:\n        raise StateError",
                               ["tests/integration/test_corruption.py", "-k", "module_missing"]),
+    "zombie-shares-keys": ("tiered_ckpt/commit.py", "self.incarnation = incarnation_dir(index.identity, session)",
+                           'self.incarnation = ""',
+                           ["tests/integration/test_redis_index.py", "-k", "never_overwrites"]),
+    "retention-deletes-other-indexes": (
+        "tiered_ckpt/retention.py",
+        'if all(p is None or not p.incarnation or p.incarnation.startswith(mine + "/") for _, p in parsed):',
+        "if True:",
+        ["tests/unit/test_save_semantics.py", "-k", "unrelated_runs"]),
+    "older-save-supersedes-newer": ("tiered_ckpt/pipeline.py", "if newest is not None and newest > step:",
+                                    "if False:", ["tests/unit/test_pipeline.py", "-k", "newest_waiting"]),
+    "skip-not-shared-by-ranks": (
+        "tiered_ckpt/commit.py", "await self.index.mark_failed(self.job, step, tier, self.rank, self.session, f\"{SKIPPED}{newer}\")",
+        "pass", ["tests/multirank/test_save_dist.py", "-k", "skipping"]),
+    "memory-tier-copied-not-staged": ("tiered_ckpt/saving.py", "staged_here = self._staged_on(tier)",
+                                      "staged_here = False", ["tests/unit/test_save_semantics.py", "-k",
+                                                              "memory_tier_copy"]),
+    "retired-file-rewritten-under-a-reader": (
+        "tiered_ckpt/mapped.py", "                    fcntl.flock(fd, fcntl.LOCK_EX)", "                    pass",
+        ["tests/unit/test_memory_tier_reads.py", "-k", "waits_for_a_reader"]),
+    "verify-holds-the-checkpoint": ("tiered_ckpt/verify.py", "slots = asyncio.Semaphore(VERIFY_PARTS)",
+                                    "slots = asyncio.Semaphore(10**6)",
+                                    ["tests/integration/test_corruption.py", "-k", "few_parts"]),
 }
 
 
