@@ -116,8 +116,6 @@ async def test_gc_and_delete_beside_a_running_trainer_on_the_redis_index(tmp_pat
     removes step 5, which an earlier run began two hours ago; a dry run changes nothing in Redis or on the
     tiers; `tiered-ckpt delete` refuses the step in flight and deletes a complete one; the trainer is never
     fenced: its save completes and its next save commits."""
-    import redis
-
     server = redis_server()
     config = toml(tmp_path / "redis.toml", server.url,
                   f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
@@ -125,10 +123,10 @@ async def test_gc_and_delete_beside_a_running_trainer_on_the_redis_index(tmp_pat
     async with tc.Engine.from_toml(config) as trainer:
         for step in (1, 3):
             await (await trainer.save(step, state(step))).wait()
-        await trainer.index.begin("crash", 5, ["disk"])  # an earlier run's save, cut short two hours ago
-        client = redis.Redis.from_url(server.url)
-        client.hset("tiered_ckpt:idx:crash:step:5", "created", repr(time.time() - 7200))
-        client.close()
+        real_time = time.time
+        with monkeypatch.context() as clock:  # an earlier run's save, cut short two hours ago
+            clock.setattr(time, "time", lambda: real_time() - 7200)
+            await trainer.index.begin("crash", 5, ["disk"])
         old_session = incarnation_dir(trainer.index.identity, new_session())
         await trainer.tiers["disk"].write(PartKey("crash", 5, 0, 0, old_session).path, memoryview(bytes(5000)))
         disk, release = trainer.tiers["disk"], asyncio.Event()

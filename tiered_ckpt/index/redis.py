@@ -1,9 +1,15 @@
 """The Redis index: where checkpoints are and which are complete, shared by every node of a job.
 
-Keys (prefix `tiered_ckpt:idx:<job>:`): `epoch` (the fencing epoch), `steps` (a sorted set of steps), and
-one hash per step with fields `created`, `target:<tier>` (its position, fastest first), `info` (msgpack {nbytes,
-metadata}, rank 0), `manifest`, `rank:<r>` (checksums), `durable:<tier>:<session>:<rank>`, `count:<tier>:<session>`,
-`complete:<tier>`, `failed:<tier>:<rank>:<session>`.
+Keys (prefix `tiered_ckpt:idx:<job>:`; on a Redis Cluster `tiered_ckpt:idx:{<job>}:`, so that every key of a
+job is in one hash slot): `epoch` (the fencing epoch), `steps` (a sorted set of steps), `tombstones`, one hash
+per step with fields `created`, `target:<tier>` (its position, fastest first), `info` (msgpack {nbytes,
+metadata}, rank 0), `manifest`, `rank:<r>` (checksums), `done:<tier>:<session>` (a bitmap of the ranks that
+marked the tier, bit r of byte r // 8, most significant first), `count:<tier>:<session>`, `complete:<tier>`,
+`failed:<tier>:<rank>:<session>` and `fail:<tier>:<session>` (the first failure), and `list`: one hash for the
+job mapping each step to a summary of what `list()` reports (msgpack {c: created, t: {tier: position},
+i: info, k: {tier: 1} complete, f: {tier: "rank r: reason"}}), kept by the same scripts, so listing reads two
+keys whatever the number of checkpoints and ranks. Releases before 0.2 wrote one `durable:<tier>:<session>:
+<rank>` field per rank and no summary: their steps are still listed, from the step hash.
 
 Every write is a Lua script that first checks the fencing epoch: `fence()` increments it when a job
 (re)starts, so a zombie rank of an earlier incarnation can neither commit nor delete anything. The
@@ -32,39 +38,87 @@ end
 # The last write of every script: it always reaches the replicas (a no-op write would not), so the WAIT after
 # a repeated attempt (a retry through a failover) also covers whatever an earlier attempt wrote on this master.
 _REPLICATED = "redis.call('INCRBY', KEYS[1], 0)\n"
-# KEYS: epoch, step hash, steps zset. ARGV: epoch, step, field, value [, field, value ...]
-_HSET = _CHECK + """
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+# The summary of a step in the job's `list` hash (KEYS[n]): read, changed, written back by the scripts below.
+# Only begin() (a `created` field) starts one: a step an earlier release wrote keeps none and is listed from
+# its hash, never from a partial summary.
+_SUMMARY = """
+local function summary(key, step, create)
+  local raw = redis.call('HGET', key, step)
+  if raw then return cmsgpack.unpack(raw) end
+  if create then return {} end
+  return nil
+end
+local function store(key, step, s) redis.call('HSET', key, step, cmsgpack.pack(s)) end
+"""
+# KEYS: epoch, step hash, steps zset, list hash. ARGV: epoch, step, field, value [, field, value ...]
+_HSET = _CHECK + _SUMMARY + """
+local s = nil
+for i = 3, #ARGV, 2 do
+  local f, v = ARGV[i], ARGV[i + 1]
+  redis.call('HSET', KEYS[2], f, v)
+  local kind = string.match(f, '^(%a+)')
+  if kind == 'created' or kind == 'target' or kind == 'info' or kind == 'failed' then
+    s = s or summary(KEYS[4], ARGV[2], kind == 'created')
+    local tier, rank, session = string.match(f, '^failed:([^:]*):(%d+):(.*)$')
+    if tier then
+      redis.call('HSETNX', KEYS[2], 'fail:' .. tier .. ':' .. session, 'rank ' .. rank .. ': ' .. v)
+    end
+    if s then
+      if kind == 'created' then s.c = v
+      elseif kind == 'info' then s.i = v
+      elseif kind == 'target' then s.t = s.t or {}; s.t[string.sub(f, 8)] = tonumber(v)
+      elseif tier then s.f = s.f or {}; if not s.f[tier] then s.f[tier] = 'rank ' .. rank .. ': ' .. v end
+      end
+    end
+  end
+end
+if s then store(KEYS[4], ARGV[2], s) end
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[2])
 """ + _REPLICATED + "return 1"
-# KEYS: epoch, step hash. ARGV: epoch, tier, session, rank, world
-_COMMIT = _CHECK + """
-local count_field = 'count:' .. ARGV[2] .. ':' .. ARGV[3]
+# KEYS: epoch, step hash, list hash. ARGV: epoch, tier, session, rank, world, step. This rank's bit in the
+# tier's bitmap of this session; the marker that completes the set commits the tier, atomically.
+_COMMIT = _CHECK + _SUMMARY + """
+local tier, session, rank = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local count_field, bits_field = 'count:' .. tier .. ':' .. session, 'done:' .. tier .. ':' .. session
+local bits = redis.call('HGET', KEYS[2], bits_field) or ''
+local at, mask = math.floor(rank / 8) + 1, 2 ^ (7 - rank % 8)
+if #bits < at then bits = bits .. string.rep('\\0', at - #bits) end
+local byte = string.byte(bits, at)
 local n
-if redis.call('HSETNX', KEYS[2], 'durable:' .. ARGV[2] .. ':' .. ARGV[3] .. ':' .. ARGV[4], '1') == 1 then
+if math.floor(byte / mask) % 2 == 0 then
+  redis.call('HSET', KEYS[2], bits_field, string.sub(bits, 1, at - 1) .. string.char(byte + mask) .. string.sub(bits, at + 1))
   n = redis.call('HINCRBY', KEYS[2], count_field, 1)
 else
   n = tonumber(redis.call('HGET', KEYS[2], count_field))
 end
 local done = 0
 if n >= tonumber(ARGV[5]) then
-  redis.call('HSET', KEYS[2], 'complete:' .. ARGV[2], '1')
+  redis.call('HSET', KEYS[2], 'complete:' .. tier, '1')
+  local s = summary(KEYS[3], ARGV[6], false)
+  if s then s.k = s.k or {}; s.k[tier] = 1; store(KEYS[3], ARGV[6], s) end
   done = 1
 end
 """ + _REPLICATED + "return done"
-# KEYS: epoch, step hash. ARGV: epoch, tier. Drops every record of one tier (before its data is deleted).
-_UNMARK = _CHECK + """
+# KEYS: epoch, step hash, list hash. ARGV: epoch, tier, step. Drops every record of one tier (before its data
+# is deleted).
+_UNMARK = _CHECK + _SUMMARY + """
 for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
   local kind, rest = string.match(f, '^(%a+):(.*)$')
   if kind and kind ~= 'rank' and (rest == ARGV[2] or string.sub(rest, 1, #ARGV[2] + 1) == ARGV[2] .. ':') then
     redis.call('HDEL', KEYS[2], f)
   end
 end
+local s = summary(KEYS[3], ARGV[3], false)
+if s then
+  for _, part in ipairs({'t', 'k', 'f'}) do if s[part] then s[part][ARGV[2]] = nil end end
+  store(KEYS[3], ARGV[3], s)
+end
 """ + _REPLICATED + "return 1"
-# KEYS: epoch, step hash, steps zset. ARGV: epoch, step
+# KEYS: epoch, step hash, steps zset, list hash. ARGV: epoch, step
 _DELETE = _CHECK + """
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('HDEL', KEYS[4], ARGV[2])
 """ + _REPLICATED + "return 1"
 
 
@@ -173,8 +227,8 @@ class RedisIndex:
         """Nothing to release: attach() holds nothing."""
 
     async def _hset(self, job: str, step: int, *pairs: Any) -> None:
-        await self._script(f"write of step {step}", "hset",
-                           [self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "steps")],
+        await self._script(f"write of step {step}", "hset", [self._k(job, "epoch"), self._k(job, "step", step),
+                                                             self._k(job, "steps"), self._k(job, "list")],
                            [self.epoch, step, *pairs])
 
     async def begin(self, job: str, step: int, tiers: Sequence[str], info: Mapping[str, Any] | None = None) -> None:
@@ -206,16 +260,25 @@ class RedisIndex:
 
     async def mark_durable(self, job: str, step: int, tier: str, rank: int, world_size: int, session: str) -> bool:
         done = await self._script(f"commit of step {step} on {tier}", "commit",
-                                  [self._k(job, "epoch"), self._k(job, "step", step)],
-                                  [self.epoch, tier, session, rank, world_size])
+                                  [self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "list")],
+                                  [self.epoch, tier, session, rank, world_size, step])
         return bool(done)
 
     async def mark_failed(self, job: str, step: int, tier: str, rank: int, session: str, reason: str) -> None:
         await self._hset(job, step, f"failed:{tier}:{rank}:{session}", reason)
 
     async def tier_state(self, job: str, step: int, tier: str, session: str) -> TierState:
-        fields = await self._small_fields(job, [step], info=False)
-        return _tier_state(fields[0], tier, session)
+        """Three fields, whatever the number of ranks: every rank polls this while it waits for a commit."""
+        assert self._client is not None
+        key = self._k(job, "step", step)
+        complete, bits, failure = await self._call("read of the index", lambda: self._client.hmget(
+            key, [f"complete:{tier}", f"done:{tier}:{session}", f"fail:{tier}:{session}"]))
+        done = _ranks(bits or b"")
+        if complete is not None:
+            return TierState("complete", "", done)
+        if failure is not None:
+            return TierState("failed", failure.decode(errors="replace"), done)
+        return TierState("pending", "", done)
 
     async def _small_fields(self, job: str, steps: list[int], *, info: bool = True) -> list[dict[str, bytes]]:
         """The bookkeeping fields of each step's hash, without the manifest and checksum records: this
@@ -246,13 +309,38 @@ class RedisIndex:
 
     async def unmark(self, job: str, step: int, tier: str) -> None:
         await self._script(f"retention of step {step} on {tier}", "unmark",
-                           [self._k(job, "epoch"), self._k(job, "step", step)], [self.epoch, tier])
+                           [self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "list")],
+                           [self.epoch, tier, step])
 
     async def list(self, job: str) -> list[CheckpointStatus]:
+        """Two keys in one round trip: the steps and the job's summaries (steps an earlier release wrote, which
+        have none, from their hashes)."""
         assert self._client is not None
-        steps = [int(s) for s in await self._call("listing", lambda: self._client.zrange(self._k(job, "steps"), 0, -1))]
+        steps_key, list_key = self._k(job, "steps"), self._k(job, "list")
+
+        async def read() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.zrange(steps_key, 0, -1)
+            pipe.hgetall(list_key)
+            return await pipe.execute()
+
+        names, summaries = await self._call("listing", read)
+        older = [int(n) for n in names if n not in summaries]
+        statuses = dict(zip(older, self._statuses(older, await self._small_fields(job, older)), strict=True)) \
+            if older else {}
         out = []
-        for step, fields in zip(steps, await self._small_fields(job, steps) if steps else [], strict=True):
+        for name in names:
+            raw = summaries.get(name)
+            status = _from_summary(int(name), raw) if raw is not None else statuses[int(name)]
+            if status is not None:
+                out.append(status)
+        return out
+
+    @staticmethod
+    def _statuses(steps: list[int], step_fields: list[dict[str, bytes]]) -> list[CheckpointStatus | None]:
+        """Statuses from steps' hashes (steps without a summary: written by an earlier release)."""
+        out: list[CheckpointStatus | None] = []
+        for step, fields in zip(steps, step_fields, strict=True):
             targets = [(int(v), f.split(":", 1)[1]) for f, v in fields.items() if f.startswith("target:")]
             tiers = tuple(name for _, name in sorted(targets))
             complete = frozenset(f.split(":", 1)[1] for f in fields if f.startswith("complete:"))
@@ -267,6 +355,8 @@ class RedisIndex:
                 info = _info(fields.get("info"))
                 out.append(CheckpointStatus(step, tiers or tuple(failed), complete, failed, created,
                                             nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}))
+            else:
+                out.append(None)
         return out
 
     async def bury(self, job: str, step: int) -> None:
@@ -283,8 +373,9 @@ class RedisIndex:
                            [self.epoch, step, 0])
 
     async def delete(self, job: str, step: int) -> None:
-        await self._script(f"deletion of step {step}", "delete",
-                           [self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "steps")], [self.epoch, step])
+        await self._script(f"deletion of step {step}", "delete", [self._k(job, "epoch"), self._k(job, "step", step),
+                                                                  self._k(job, "steps"), self._k(job, "list")],
+                           [self.epoch, step])
 
 
 def _info(data: bytes | None) -> dict[str, Any]:
@@ -298,11 +389,27 @@ def _info(data: bytes | None) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
-def _tier_state(fields: dict[str, bytes], tier: str, session: str) -> TierState:
-    done = frozenset(int(f.rsplit(":", 1)[1]) for f in fields if f.startswith(f"durable:{tier}:{session}:"))
-    if f"complete:{tier}" in fields:
-        return TierState("complete", "", done)
-    for f, value in sorted(fields.items()):
-        if f.startswith(f"failed:{tier}:") and f.endswith(f":{session}"):
-            return TierState("failed", f"rank {f.split(':')[-2]}: {value.decode(errors='replace')}", done)
-    return TierState("pending", "", done)
+def _from_summary(step: int, raw: bytes) -> CheckpointStatus | None:
+    """A step's status from its summary in the job's `list` hash (see the module's docstring)."""
+    try:
+        summary = msgpack.unpackb(raw, raw=True)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return CheckpointStatus(step, (), failed={"index": "unreadable summary in the index"})
+    targets, complete, failures = summary.get(b"t") or {}, summary.get(b"k") or {}, summary.get(b"f") or {}
+    tiers = tuple(t.decode() for t, _ in sorted(targets.items(), key=lambda item: item[1])) if targets else ()
+    done = frozenset(t.decode() for t in complete) if complete else frozenset()
+    failed = {t.decode(): r.decode(errors="replace") for t, r in failures.items() if t.decode() not in done} \
+        if failures else {}
+    if not tiers and not failed:
+        return None
+    info = _info(summary.get(b"i"))
+    return CheckpointStatus(step, tiers or tuple(failed), done, failed, float(summary.get(b"c") or 0),
+                            nbytes=info.get("nbytes"), metadata=info.get("metadata") or {})
+
+
+_BITS = [tuple(j for j in range(8) if byte & (0x80 >> j)) for byte in range(256)]
+
+
+def _ranks(bits: bytes) -> frozenset[int]:
+    """The ranks a `done:` bitmap holds."""
+    return frozenset(8 * i + j for i, byte in enumerate(bits) if byte for j in _BITS[byte])

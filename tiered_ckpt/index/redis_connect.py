@@ -18,7 +18,8 @@ Options, in the query string (taken out before the URL reaches redis-py, which w
     failover_timeout=S  how long one operation is retried while the deployment fails over (connection refused
                         or reset, no master, CLUSTERDOWN, TRYAGAIN, MASTERDOWN, LOADING, READONLY, too few
                         replicas acknowledging); default 30 with Sentinel or a cluster, 0 with one server
-    max_connections=N   operations in flight at once through this client (default: unbounded)
+    max_connections=N   operations of the index in flight at once through this client, each on its own
+                        connection (default 64; more wait for a free one)
     sentinel_username=U, sentinel_password=P
                         the sentinels' own credentials, if they have some (the URL's are the master's)
 """
@@ -58,7 +59,7 @@ class RedisURL:
     wait: int = 0
     wait_timeout: float = 2.0
     failover_timeout: float = 0.0
-    max_connections: int | None = None
+    max_connections: int = 64
     sentinel_username: str | None = None
     sentinel_password: str | None = None
 
@@ -89,7 +90,7 @@ def parse_url(url: str, *, key: str) -> RedisURL:
         wait=number("wait", int, 1 if kind == "sentinel" else 0, 0),
         wait_timeout=number("wait_timeout", float, 2.0, 0.001),
         failover_timeout=number("failover_timeout", float, 0.0 if kind == "single" else 30.0, 0),
-        max_connections=number("max_connections", int, None, 1),
+        max_connections=number("max_connections", int, 64, 1),
         sentinel_username=ours.get("sentinel_username"), sentinel_password=ours.get("sentinel_password"))
     if kind == "single":
         plain = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(rest), parts.fragment))
@@ -199,6 +200,9 @@ def classify(e: BaseException, deployment: str) -> Problem:
         return Problem("transient", f"the server is a replica now (READONLY: {e}): a failover is under way")
     if isinstance(e, rexc.BusyLoadingError):
         return Problem("transient", f"the server is loading its data set (LOADING: {e})")
+    if isinstance(e, rexc.MaxConnectionsError):
+        return Problem("error", f"every connection of the client's pool is in use ({e}): lower the concurrency, or "
+                                f"raise max_connections")
     if isinstance(e, rexc.OutOfMemoryError) or (isinstance(e, rexc.ResponseError) and str(e).startswith("OOM")):
         return Problem("oom", f"the server is out of memory (maxmemory): {e}")
     if isinstance(e, rexc.ResponseError):
@@ -224,7 +228,9 @@ class RedisDeployment:
         self.socket_timeout, self.connect_timeout = socket_timeout, connect_timeout
         self.client: Any = None
         self._sentinel: Any = None
-        self._slots = asyncio.Semaphore(self.url.max_connections) if self.url.max_connections else None
+        # call() bounds the operations in flight (and so the connections in use): redis-py's pools refuse more
+        # than their size (MaxConnectionsError) instead of waiting
+        self._slots = asyncio.Semaphore(self.url.max_connections)
         self._shas: dict[str, str] = {}
 
     @property
@@ -234,8 +240,9 @@ class RedisDeployment:
     def open(self) -> Any:
         """Create the client (connections are made on first use); returns it."""
         u, common = self.url, dict(socket_timeout=self.socket_timeout, socket_connect_timeout=self.connect_timeout)
+        pool = max(u.max_connections + 8, 100)  # room for call()'s operations and anything else run beside them
         if u.kind == "single":
-            self.client = aioredis.Redis.from_url(u.plain, **common)
+            self.client = aioredis.Redis.from_url(u.plain, max_connections=pool, **common)
         elif u.kind == "cluster":
             from redis.asyncio.cluster import ClusterNode, RedisCluster
 
@@ -248,7 +255,7 @@ class RedisDeployment:
                 self.connect_timeout, 5.0), username=u.sentinel_username, password=u.sentinel_password)
             self._sentinel = Sentinel(list(u.hosts), sentinel_kwargs=sentinel_kwargs)
             self.client = self._sentinel.master_for(u.service, db=u.db, username=u.username, password=u.password,
-                                                    ssl=u.ssl, **common)
+                                                    ssl=u.ssl, max_connections=2**16, **common)
         return self.client
 
     async def connect(self) -> None:
@@ -279,8 +286,6 @@ class RedisDeployment:
         delay = 0.05
         while True:
             try:
-                if self._slots is None:
-                    return await fn()
                 async with self._slots:
                     return await fn()
             except ERRORS as e:
