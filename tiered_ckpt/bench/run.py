@@ -42,9 +42,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also save and load a state of this many 16-float tensors (0 skips it)")
     p.add_argument("--nproc", type=int, default=1,
                    help="with N > 1: N local ranks holding a replicated state, tiered_ckpt beside DCP")
+    p.add_argument("--index-storm", metavar="N[,N...]",
+                   help="only the Redis index commit storm of N simulated ranks (e.g. 1024,4096), against a local "
+                        "redis-server and a local 3-master cluster, or --redis URL (bench/index_storm.py)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.index_storm:
+        from .index_storm import run_cli
+
+        urls = [args.redis] if args.redis not in ("auto", "off") else []
+        return run_cli([int(n) for n in args.index_storm.split(",")], urls, 64, 10_000)
     nbytes = parse_size(args.size)
     base = Path(args.dir) if args.dir else Path(".bench")
     base.mkdir(parents=True, exist_ok=True)
