@@ -62,9 +62,7 @@ MUTANTS = {
                            'self.incarnation = ""',
                            ["tests/integration/test_redis_index.py", "-k", "never_overwrites"]),
     "retention-deletes-other-indexes": (
-        "tiered_ckpt/retention.py",
-        'if all(p is None or not p.incarnation or p.incarnation.startswith(mine + "/") for _, p in parsed):',
-        "if True:",
+        "tiered_ckpt/retention.py", 'await driver.delete(f"{prefix}{mine}/")', "await driver.delete(prefix)",
         ["tests/unit/test_save_semantics.py", "-k", "unrelated_runs"]),
     "older-save-supersedes-newer": ("tiered_ckpt/pipeline.py", "if newest is not None and newest > step:",
                                     "if False:", ["tests/unit/test_pipeline.py", "-k", "newest_waiting"]),

@@ -93,8 +93,9 @@ class Engine:
         self.retention.complete = {s.step for s in await self.catalog.statuses() if s.is_complete}
         commit = Committer(self.index, self.job, rank=self.rank, world_size=self.world_size,
                            session=self.coordinator.session, timeout=self.config.engine.commit_timeout)
-        self._services = SaveServices(self.io, commit, self.retention, self.pool,
-                                      resolve_checksum(self.config.engine.checksum))
+        # one algorithm for every rank ("auto" could resolve differently where xxhash is missing on a rank)
+        algorithm = await self.coordinator.broadcast_object(resolve_checksum(self.config.engine.checksum))
+        self._services = SaveServices(self.io, commit, self.retention, self.pool, algorithm)
         self._state = "open"
         return self
 
@@ -106,11 +107,8 @@ class Engine:
                 and first.keep_last is not None and mapped_supported(engine.part_size)):
             return None
         tier = self.tiers[first.name]
-        arena = Arena(first.name, tier, Arena.home_for(tier, self.job, self.session, self.rank), engine.part_size,
-                      first.keep_last)
-        if arena.clean_stale(self.job):
-            log.info("removed the staging buffers of earlier processes of job %r that are gone", self.job)
-        return arena
+        return Arena(first.name, tier, Arena.home_for(tier, self.job, self.session, self.rank), engine.part_size,
+                     first.keep_last, self.job)  # nothing on the tier changes before the first save
 
     async def close(self, *, raise_errors: bool = True) -> None:
         """Wait for every save in flight, close tiers and index; raise an unobserved background error."""
@@ -122,7 +120,7 @@ class Engine:
         await self.io.close()
         await self.index.close()
         await self.coordinator.destroy()
-        self.pool.clear()
+        await self.pool.clear()
         self._state = "closed"
         unobserved = [h for h in self._unobserved if not h.observed]
         if unobserved and raise_errors:

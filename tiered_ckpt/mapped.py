@@ -15,6 +15,7 @@ import fcntl
 import mmap
 import os
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -38,8 +39,29 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
+def _lock_exclusive(fd: int, path: Path, wait: float) -> None:
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} stayed locked by a reader for {wait}s") from None
+            time.sleep(0.005)
+
+
 def _round_up(n: int) -> int:
     return -(-n // PAGE) * PAGE
+
+
+def _register(address: int, length: int) -> bool:
+    cudart = torch.cuda.cudart()
+    status = cudart.cudaHostRegister(address, length, 0)
+    if int(getattr(status, "value", status)) != 0:
+        cudart.cudaGetLastError()  # clear it, so it does not surface at an unrelated CUDA call
+        return False
+    return True
 
 
 def _unmap(libc: ctypes.CDLL, address: int, length: int, pinned: bool) -> None:
@@ -72,7 +94,7 @@ class MappedParts:
         try:
             for p, length in enumerate(lengths):
                 path = folder / f"part-{p:06d}"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
                     os.ftruncate(fd, length)
                     if length:
@@ -90,24 +112,25 @@ class MappedParts:
             for path in self.paths:
                 path.unlink(missing_ok=True)
             raise
-        if pin:
-            torch.cuda.cudart().cudaHostRegister(base, span, 0)  # D2H copies are DMA straight into the tier
+        if pin:  # D2H copies are DMA straight into the tier; if CUDA refuses, the buffer works unpinned
+            pin = _register(base, span)
         memory = (ctypes.c_ubyte * max(nbytes, 1)).from_address(base)
         weakref.finalize(memory, _unmap, libc, base, span, pin)
         self.tensor = torch.frombuffer(memory, dtype=torch.uint8)
         self.pinned = pin
 
-    def move(self, targets: list[Path], *, exclusive: bool = False) -> None:
+    def move(self, targets: list[Path], *, exclusive: bool = False, wait: float = 10.0) -> None:
         """Rename the part files to `targets` (same file system), creating their folders. `exclusive`: each
-        under an exclusive flock, which waits for readers that map the file in place (they hold a shared
-        one while they verify and copy it; see tiers/memory.py), so none of them sees it rewritten."""
+        under an exclusive flock, which waits (up to `wait` seconds, then TimeoutError) for readers that map
+        the file in place (they hold a shared one while they verify and copy it; see tiers/memory.py), so
+        none of them sees it rewritten."""
         for folder in {t.parent for t in targets}:
             folder.mkdir(parents=True, exist_ok=True)
         for p, target in enumerate(targets):
             fd = os.open(self.paths[p], os.O_RDONLY) if exclusive else -1
             try:
                 if exclusive:
-                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    _lock_exclusive(fd, self.paths[p], wait)
                 os.replace(self.paths[p], target)
             finally:
                 if fd >= 0:

@@ -11,11 +11,12 @@ import asyncio
 import logging
 from collections import Counter
 from contextlib import contextmanager
-from typing import Awaitable, Callable, Iterator, Mapping, Protocol
+from typing import Any, Awaitable, Callable, Iterator, Mapping, Protocol
 
-from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable
+from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, TierError, TierNotFound
 from .index import CheckpointStatus, Index
-from .layout import index_dir, parse_key, step_prefix
+from .layout import index_dir, manifest_key, parse_key, step_prefix
+from .manifest import Manifest
 from .tier_io import TierIO
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class Retention:
         self._lock = asyncio.Lock()
         self._next_pass: dict[str, asyncio.Future[None]] = {}  # per tier: the pass that has not started yet
         self._finishing: dict[str, set[int]] = {}  # per tier: saves waiting for that pass (not busy for it)
+        self._deferred: set[str] = set()  # tiers whose last pass spared a busy step it would have removed
 
     async def clear_crashed_attempt(self, step: int) -> None:
         """Before saving `step` (single rank): remove what a crashed earlier attempt at it left. With several
@@ -111,10 +113,20 @@ class Retention:
                 oldest_kept = complete[-keep_last:][0]
                 busy = self.busy.steps(finishing_on=tier, finishing=finishing)
                 for s in statuses:
-                    if tier in s.tiers and s.step < oldest_kept and s.step not in busy:
-                        await self.drop(s, tier)
+                    if tier in s.tiers and s.step < oldest_kept:
+                        if s.step in busy:
+                            self._deferred.add(tier)  # look again once that save or load is done (revisit)
+                        else:
+                            await self.drop(s, tier)
             except Exception as e:  # retention must never fail a save
                 log.error("retention on tier %s failed: %s: %s", tier, type(e).__name__, e)
+
+    async def revisit(self) -> None:
+        """A save finished: apply keep_last again on the tiers where a pass spared a step only because it was
+        busy, so a burst does not leave a tier above keep_last (or a full memory tier) until the next save."""
+        deferred, self._deferred = self._deferred, set()
+        for tier in deferred:
+            await self.apply(tier)
 
     async def delete(self, step: int) -> None:
         """Delete checkpoint `step` everywhere; refused while it is busy."""
@@ -163,21 +175,32 @@ class Retention:
             await self._remove_from_tier(name, step)
 
     async def _remove_from_tier(self, tier: str, step: int) -> None:
-        """Every folder this index's incarnations wrote for `step` (and the folder-less keys of formats 1
-        and 2). Another index's folders stay: an unrelated run sharing the tier's path and job name."""
+        """Every folder this index's incarnations wrote for `step`, and its folder-less keys of formats 1 and
+        2 unless their manifest names another index. Nothing else under the step folder: another index's
+        folders (an unrelated run sharing the tier's path and job name), a write in progress that a listing
+        does not show. An emptied step folder stays until `tiered-ckpt gc`."""
         if self.reclaim is not None:
             await self.reclaim(tier, step)
-        prefix = step_prefix(self.job, step)
-        keys = await self.tiers[tier].list(prefix)
-        mine = index_dir(self.index.identity)
-        parsed = [(key, parse_key(key)) for key in keys]
-        if all(p is None or not p.incarnation or p.incarnation.startswith(mine + "/") for _, p in parsed):
-            await self.tiers[tier].delete(prefix)  # the usual case: one call removes the step folder
-            return
-        await self.tiers[tier].delete(f"{prefix}{mine}/")
-        for key, p in parsed:
-            if p is not None and not p.incarnation:
-                await self.tiers[tier].delete(key)
+        driver = self.tiers[tier]
+        prefix, mine = step_prefix(self.job, step), index_dir(self.index.identity)
+        parsed = [(k, parse_key(k)) for k in await driver.list(prefix)]
+        await driver.delete(f"{prefix}{mine}/")
+        legacy = [k for k, p in parsed if p is not None and not p.incarnation]
+        ours = any(p is not None and p.incarnation.startswith(mine + "/") for _, p in parsed)
+        # without a folder of this index, the step this index lists is the folder-less one
+        if legacy and (not ours or await self._legacy_is_mine(driver, step)):
+            for key in legacy:
+                await driver.delete(key)
+
+    async def _legacy_is_mine(self, driver: Any, step: int) -> bool:
+        """Folder-less (format 1-2) keys beside this index's folder: this index's only if their manifest says so."""
+        try:
+            manifest = Manifest.from_bytes(await driver.read(manifest_key(self.job, step)))
+        except TierNotFound:
+            return True  # no manifest (a crashed save of an earlier release): nothing says it is another's
+        except TierError:
+            return False
+        return manifest.index in ("", self.index.identity)
 
     async def drop(self, status: CheckpointStatus, tier: str) -> None:
         """Remove `status.step` from one tier: the index record first (rank 0 keeps the books), then the

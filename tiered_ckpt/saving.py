@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable, Mapping
 
 from .checksum import checksum
 from .commit import Committer, Superseded
-from .errors import IntegrityError, SaveError, TierError, TierNotFound
+from .errors import IntegrityError, SaveError, TierError, TierFull, TierNotFound
 from .layout import PartKey, manifest_key, rank_meta_key, rank_prefix
 from .manifest import Manifest, RankMeta
 from .plan import Plan
@@ -206,6 +206,8 @@ class SaveJob:
                 return
             await asyncio.gather(*(self._persist_tier(t) for t in self.tiers))
             await self._remove_from_failed_tiers()
+            await self._release_buffer()
+            await self.retention.revisit()
         except asyncio.CancelledError:
             self.handle.cancel()  # nobody waits forever on a save that will never finish
             raise
@@ -304,7 +306,11 @@ class SaveJob:
         assert self.pool.arena is not None and self.buffer is not None
         keys = [self._part_key(p) for p in range(self.plan.num_parts)]
         try:
-            await self.io.run_blocking(self.pool.arena.publish, self.buffer, keys)
+            try:
+                await self.io.run_blocking(self.pool.arena.publish, self.buffer, keys)
+            except TierFull:  # the tier's older checkpoints may be retirable now: make room once, then retry
+                await self.retention.apply(tier, finishing=self.step)
+                await self.io.run_blocking(self.pool.arena.publish, self.buffer, keys)
         except OSError as e:
             raise TierError(f"publishing the staged parts of step {self.step}: {e}", tier=tier) from e
         for p in range(self.plan.num_parts):
@@ -359,6 +365,10 @@ class SaveJob:
             return
         except Exception as e:
             error = await self.commit.fail_tier(self.step, tier, e)
+            if staged_here and tier in self._marked and self.buffer is not None:
+                # another rank's marker may still complete the tier with these very files: they stay, with the
+                # buffer, until retention retires the step
+                await self.pool.retain(self.buffer, self.step)
         handle.durable_at[tier] = time.perf_counter() - handle.started
         if error is None:
             await self.retention.apply(tier, finishing=self.step)

@@ -142,9 +142,9 @@ async def test_the_staging_buffer_is_the_memory_tier_copy_and_retired_checkpoint
 
 
 async def test_a_memory_tier_too_small_for_its_staging_buffers_is_refused(make_config):
-    async with tc.Engine(make_config(tiers=[{"keep_last": 2, "capacity": "500KiB"}])) as engine:
-        with pytest.raises(tc.ConfigError, match=r"tiers.host.capacity.*keep_last \+ max_inflight = 2 \+ 1"):
-            await engine.save(1, state_of(1.0))  # 3 x ~200 KB
+    async with tc.Engine(make_config(tiers=[{"keep_last": 2, "capacity": "700KiB"}])) as engine:
+        with pytest.raises(tc.ConfigError, match=r"tiers.host.capacity.*keep_last \+ 1 \+ max_inflight = 2 \+ 1 \+ 1"):
+            await engine.save(1, state_of(1.0))  # 4 x ~200 KB
         assert [c async for c in engine.list()] == []
 
 
@@ -441,20 +441,25 @@ async def test_part_checksums_are_the_same_whether_hashed_during_or_after_the_co
 
 
 async def test_staging_buffers_of_a_dead_process_are_removed_at_the_next_open(make_config, shm_dir):
-    """A process killed mid-save leaves its staging files in the memory tier's .staging folder (RAM): the next
-    engine of the job on this host removes those of processes that are gone, and keeps a live one's."""
-    import socket
-    import subprocess
-    import sys
+    """A process killed mid-save leaves its staging files in the memory tier's .staging folder (RAM). A live
+    process holds a flock on its folder's .owner file; the next engine of the job removes, at its first save,
+    the folders nobody holds (whatever their PIDs say: PIDs are reused), and keeps a live one's."""
+    import fcntl
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     staging = shm_dir / "host" / ".staging"
-    host = socket.gethostname()
-    gone = staging / f"test-0123456789abcdef-r0-{host}-p{dead.stdout.strip()}"
-    alive = staging / f"test-fedcba9876543210-r0-{host}-p{os.getppid()}"
+    gone, alive = staging / "test-0123456789abcdef-r0-somehost-p2", staging / "test-fedcba9876543210-r0-somehost-p2"
     for folder in (gone, alive):
         (folder / "buf-0").mkdir(parents=True)
         (folder / "buf-0" / "part-000000").write_bytes(b"x" * 4096)
-    async with tc.Engine(make_config()) as engine:
-        await (await engine.save(1, state_of(1.0))).wait()
-        assert not gone.exists() and alive.exists()
+        (folder / ".owner").touch()
+    holder = os.open(alive / ".owner", os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # as its (live) process does
+    try:
+        async with tc.Engine(make_config()) as engine:
+            assert gone.exists()  # opening changes nothing on the tier
+            await (await engine.save(1, state_of(1.0))).wait()
+            assert not gone.exists() and alive.exists()
+            assert any(staging.glob("test-*-p*/.owner")) and len(list(staging.iterdir())) == 2
+        assert len(list(staging.iterdir())) == 1  # close() removed this engine's own folder
+    finally:
+        os.close(holder)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class LocalTier(Tier):
         super().__init__(name, options)
         self.root = Path(options.path)
         self._used: int | None = None  # bytes stored; counted at open() when a capacity is set
+        self._used_lock = threading.Lock()  # account() runs in worker threads, the rest on the event loop
 
     async def open(self) -> None:
         """Check that the directory exists or can be created; it is created at the first write, so a
@@ -52,10 +54,16 @@ class LocalTier(Tier):
         memory tier's staging files, published and taken back by rename. Past the capacity: TierFull."""
         if self._used is None:
             return
-        if nbytes > 0 and self._used + nbytes > self.options.capacity:
-            raise TierFull(f"capacity {self.options.capacity} bytes exceeded: {self._used} used, adding {nbytes} "
-                           f"more ({what}); raise `capacity` or lower `keep_last`", tier=self.name)
-        self._used += nbytes
+        with self._used_lock:
+            if nbytes > 0 and self._used + nbytes > self.options.capacity:
+                raise TierFull(f"capacity {self.options.capacity} bytes exceeded: {self._used} used, adding "
+                               f"{nbytes} more ({what}); raise `capacity` or lower `keep_last`", tier=self.name)
+            self._used += nbytes
+
+    def _add_used(self, nbytes: int) -> None:
+        if self._used is not None:
+            with self._used_lock:
+                self._used += nbytes
 
     def path_of(self, key: str) -> Path:
         """The file that holds `key`."""
@@ -73,8 +81,7 @@ class LocalTier(Tier):
         try:
             await self.run_blocking(self._write_sync, path, data)
         except OSError as e:
-            if self._used is not None:
-                self._used -= len(data)
+            self._add_used(-len(data))
             if e.errno == errno.ENOSPC:
                 raise TierFull(f"no space left writing {path}", tier=self.name) from e
             raise TierError(f"writing {path}: {e}", tier=self.name) from e
@@ -82,11 +89,12 @@ class LocalTier(Tier):
     async def _reserve(self, path: Path, nbytes: int) -> None:
         assert self._used is not None, "open() counts the used bytes of a tier with a capacity"
         old = await self.run_blocking(_size_or_zero, path)
-        if self._used - old + nbytes > self.options.capacity:
-            raise TierFull(
-                f"capacity {self.options.capacity} bytes exceeded: {self._used} used, writing {nbytes} more "
-                f"({path}); raise `capacity` or lower `keep_last`", tier=self.name)
-        self._used += nbytes - old
+        with self._used_lock:
+            if self._used - old + nbytes > self.options.capacity:
+                raise TierFull(
+                    f"capacity {self.options.capacity} bytes exceeded: {self._used} used, writing {nbytes} more "
+                    f"({path}); raise `capacity` or lower `keep_last`", tier=self.name)
+            self._used += nbytes - old
 
     def _write_sync(self, path: Path, data: memoryview) -> None:
         tmp = path.with_name(f"{TMP}{path.name}.{uuid.uuid4().hex[:8]}")
@@ -133,8 +141,7 @@ class LocalTier(Tier):
 
     async def delete(self, prefix: str) -> None:
         freed = await self.run_blocking(self._delete_sync, self._path(prefix.rstrip("/")))
-        if self._used is not None:
-            self._used -= freed
+        self._add_used(-freed)
 
     def _delete_sync(self, path: Path) -> int:
         if path.is_dir():
@@ -145,6 +152,13 @@ class LocalTier(Tier):
             path.unlink(missing_ok=True)
         if self.options.fsync and path.parent.exists():
             _fsync_dir(path.parent)
+        parent = path.parent  # folders left empty (a step's, once its last incarnation folder went) go too;
+        while parent != self.root and self.root in parent.parents:  # a writer racing with this retries its mkdir
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
         return freed
 
     async def missing(self, keys: Sequence[str]) -> list[str]:
@@ -208,8 +222,7 @@ class LocalTier(Tier):
 
     async def remove_debris(self, names: Sequence[str], older_than: float) -> int:
         freed = await self.run_blocking(self._remove_debris_sync, list(names), time.time() - older_than)
-        if self._used is not None:
-            self._used -= freed
+        self._add_used(-freed)
         return freed
 
     def _remove_debris_sync(self, names: list[str], cutoff: float) -> int:
