@@ -416,6 +416,9 @@ async def test_a_tier_that_cannot_keep_up_skips_to_the_newest_and_retention_hold
         assert all(c.skipped["disk"] > c.step for c in listing if "disk" in c.tiers and "disk" not in c.complete)
         _, out = await load_values(engine, tiers=["disk"])
         assert torch.all(out["w"] == 30.0)
+        # once the burst is over, no tier holds more than keep_last (passes that spared busy steps came back)
+        statuses = await engine.statuses()
+        assert all(sum(t in c.complete for c in statuses) <= 2 for t in ("host", "disk")), statuses
 
 
 @pytest.mark.parametrize("while_staging", [False, True])
@@ -463,3 +466,38 @@ async def test_staging_buffers_of_a_dead_process_are_removed_at_the_next_open(ma
         assert len(list(staging.iterdir())) == 1  # close() removed this engine's own folder
     finally:
         os.close(holder)
+
+
+async def test_a_full_tmpfs_stages_in_anonymous_memory_and_the_save_goes_on(make_config, monkeypatch):
+    """Preallocating the memory tier's staging files fails (tmpfs full): save() does not raise; it stages in
+    anonymous memory and both tiers still get the checkpoint."""
+    import errno
+
+    import tiered_ckpt.mapped as mapped
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(mapped.os, "posix_fallocate", full)
+    async with tc.Engine(make_config()) as engine:
+        handle = await engine.save(1, state_of(1.0))
+        await handle.wait()
+        assert engine.pool.arena is not None and not engine.pool._retained  # the fallback buffer is anonymous
+        for tier in ("host", "disk"):
+            _, out = await load_values(engine, tiers=[tier])
+            assert torch.all(out["w"] == 1.0)
+
+
+async def test_retention_never_removes_another_runs_write_in_progress(tmp_path, make_config):
+    """Another run (another index) is writing step 1 under the same memory-tier path and job: its temp file,
+    which listings do not show, survives this run's retention of its own step 1."""
+    other = make_config(index=f"file://{tmp_path}/other-index")
+    async with tc.Engine(other) as engine:
+        theirs = engine.tiers["host"].path_of(f"test/{step_dir(1)}/{engine.incarnation}/rank-00000/.tmp-part-000000.x")
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(b"half a part")
+    async with tc.Engine(make_config(tiers=[{"keep_last": 1}])) as engine:
+        for step in (1, 2):
+            await (await engine.save(step, state_of(float(step)))).wait()
+        assert [c.step for c in await engine.statuses() if "host" in c.complete] == [2]
+    assert theirs.read_bytes() == b"half a part"
