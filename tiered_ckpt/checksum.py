@@ -46,6 +46,11 @@ def _xxh3_of(views: Views) -> int:
 _ALGORITHMS: dict[str, Callable[[Views], int]] = {"crc32c": _crc32c_of, "xxh3": _xxh3_of}
 
 
+def known() -> list[str]:
+    """Every algorithm a manifest may name (available here or not)."""
+    return list(_ALGORITHMS)
+
+
 def available() -> list[str]:
     return [name for name in _ALGORITHMS if name != "xxh3" or _xxhash is not None]
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,16 @@ from .layout import part_count, part_range
 FORMAT_VERSION = 3  # 2: sealed records (checksummed), per-rank skeletons, the index id; 3: incarnation folders,
 # tensors stored as columns (a state of 100k small tensors: 2.4 MB of manifest instead of 12 MB, and fast to code)
 READABLE_VERSIONS = (1, 2, 3)
-_DECODE_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, msgpack.UnpackException)
+_DECODE_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError,
+                  msgpack.UnpackException)
+_INCARNATION = re.compile(r"(ix-[0-9a-f]{8}/[0-9a-f]{6,})?")
+
+
+def _blob(value: object) -> bytes:
+    """A bytes field as stored (never bytes(n) of a number: that would allocate n bytes)."""
+    if not isinstance(value, bytes):
+        raise TypeError(f"expected bytes, got {type(value).__name__}")
+    return value
 
 
 def _body(data: bytes, source: str) -> bytes:
@@ -75,7 +85,7 @@ class RankMeta:
                 raise ValueError(f"unknown format version {version!r}")
             _check_sealed(data, version, source)
             return cls(int(raw["rank"]), int(raw["nbytes"]), tuple(map(int, raw["checksums"])),
-                       bytes(raw.get("skeleton", b"")))
+                       _blob(raw.get("skeleton", b"")))
         except IntegrityError:
             raise
         except _DECODE_ERRORS as e:
@@ -119,6 +129,30 @@ class Manifest:
         start, end = part_range(self.ranks[rank].nbytes, self.part_size, index)
         return end - start
 
+    def _checked(self, source: str) -> "Manifest":
+        """What the rest of the library relies on, checked once: a sealed record can still be one that a bug
+        or a hand wrote wrong, and it must fail here, naming the record, not deep inside a load."""
+        from .checksum import known
+
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise IntegrityError(f"{source} is not a valid manifest: {what}")
+
+        ints = (self.world_size, self.part_size, self.step)
+        need(all(type(v) is int for v in ints) and self.world_size >= 1 and self.part_size >= 1 and self.step >= 0,
+             f"world_size {self.world_size!r}, part_size {self.part_size!r}, step {self.step!r}")
+        need(isinstance(self.checksum, str) and self.checksum in known(), f"checksum {self.checksum!r}")
+        need([r.rank for r in self.ranks] == list(range(self.world_size)), "ranks do not match world_size")
+        need(all(type(r.nbytes) is int and r.nbytes >= 0 for r in self.ranks), "a rank's nbytes")
+        need(isinstance(self.incarnation, str) and _INCARNATION.fullmatch(self.incarnation) is not None,
+             f"incarnation {self.incarnation!r}")
+        for t in self.tensors:
+            for c in t.chunks:
+                need(0 <= c.rank < self.world_size and c.byte_offset >= 0 and c.nbytes >= 0
+                     and c.byte_offset + c.nbytes <= self.ranks[c.rank].nbytes
+                     and len(c.offsets) == len(c.sizes) == len(t.shape), f"a chunk of {t.path!r}")
+        return self
+
     def to_bytes(self) -> bytes:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         body["tensors"] = _columns(self.tensors)
@@ -143,9 +177,12 @@ class Manifest:
                                tuple(ChunkMeta(tuple(c["offsets"]), tuple(c["sizes"]), c["rank"], c["byte_offset"],
                                                c["nbytes"]) for c in t["chunks"]))
                     for t in raw["tensors"])
-            raw["ranks"] = tuple(RankMeta(r["rank"], r["nbytes"], tuple(r["checksums"]), bytes(r.get("skeleton", b"")))
+            raw["ranks"] = tuple(RankMeta(r["rank"], r["nbytes"], tuple(r["checksums"]), _blob(r.get("skeleton", b"")))
                                  for r in raw["ranks"])
-            return cls(**raw)
+            raw["skeleton"] = _blob(raw.get("skeleton", b""))
+            if not isinstance(raw.get("metadata", {}), dict):
+                raise TypeError("metadata is not a map")
+            return cls(**raw)._checked(source)
         except IntegrityError:
             raise
         except _DECODE_ERRORS as e:

@@ -165,3 +165,21 @@ async def test_verify_holds_a_few_parts_in_memory_not_the_checkpoint(make_config
             tracemalloc.stop()
         assert all(r.ok for r in reports) and sum(r.parts for r in reports) == 2 * 128
         assert peak < (VERIFY_PARTS + 4) * 64 * 1024, peak  # the whole checkpoint is 8 MiB
+
+
+@pytest.mark.parametrize("field, value", [("part_size", 0), ("world_size", "2"), ("checksum", "md5"),
+                                          ("incarnation", "../../etc"), ("skeleton", 10**12), ("step", -1)])
+async def test_a_sealed_manifest_with_impossible_fields_is_an_integrity_error(engine, field, value):
+    """A record whose seal is intact (re-sealed by a bug or by hand) but whose fields are impossible fails
+    when it is read, naming the record, instead of failing later inside a load (or allocating 1 TB)."""
+    import msgpack
+
+    from tiered_ckpt.checksum import seal, unseal
+    from tiered_ckpt.manifest import Manifest
+
+    await saved(engine)
+    data = await engine.index.get_manifest("test", 1)
+    body = msgpack.unpackb(unseal(data, "m"), strict_map_key=False)
+    body[field] = value
+    with pytest.raises(tc.IntegrityError, match="not a valid manifest"):
+        Manifest.from_bytes(seal(msgpack.packb(body)), source="the test's manifest")
