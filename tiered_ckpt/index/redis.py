@@ -20,6 +20,7 @@ trainer is not fenced out, and a trainer that starts meanwhile fences the cleane
 """
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any, Mapping, Sequence
 
@@ -329,11 +330,17 @@ class RedisIndex:
         statuses = dict(zip(older, self._statuses(older, await self._small_fields(job, older)), strict=True)) \
             if older else {}
         out = []
-        for name in names:
-            raw = summaries.get(name)
-            status = _from_summary(int(name), raw) if raw is not None else statuses[int(name)]
-            if status is not None:
-                out.append(status)
+        collecting = gc.isenabled()
+        gc.disable()  # ten thousand statuses allocate enough to set off full collections (2-3x the time)
+        try:
+            for name in names:
+                raw = summaries.get(name)
+                status = _from_summary(int(name), raw) if raw is not None else statuses[int(name)]
+                if status is not None:
+                    out.append(status)
+        finally:
+            if collecting:
+                gc.enable()
         return out
 
     @staticmethod
