@@ -7,6 +7,7 @@ import subprocess
 import time
 
 import pytest
+import redis.asyncio as aioredis
 import torch
 
 import tiered_ckpt as tc
@@ -135,3 +136,31 @@ async def test_a_failover_in_the_middle_of_saves_loses_no_acknowledged_save(tmp_
     assert ok[-3:] == [step - 2, step - 1, step], failed  # saves continue after the failover
     for reason in failed.values():  # a save in flight during the failover may fail, naming why
         assert "index redis+sentinel://" in reason and ("unreachable" in reason or "replica" in reason), reason
+
+
+async def test_a_plain_url_retries_through_a_failover_of_its_endpoint(redis_server):
+    """A managed service's endpoint (one redis:// URL) moves to the promoted replica; until it does, the old
+    primary answers READONLY. With failover_timeout the index retries (on new connections) until writes go
+    through; without it the error names READONLY at once."""
+    primary = redis_server()
+    replica = redis_server("--replicaof", "127.0.0.1", str(primary.port))
+    impatient = RedisIndex(replica.url)
+    await impatient.open()
+    with pytest.raises(IndexUnavailable, match="READONLY"):
+        await impatient.fence("job")
+    await impatient.close()
+    index = RedisIndex(replica.url + "?failover_timeout=10")
+    await index.open()
+
+    async def promote() -> None:
+        await asyncio.sleep(0.5)
+        client = aioredis.Redis(port=replica.port)
+        await client.execute_command("REPLICAOF", "NO", "ONE")
+        await client.aclose()
+
+    promoting = asyncio.create_task(promote())
+    started = time.monotonic()
+    assert await index.fence("job") == 1
+    assert time.monotonic() - started >= 0.4
+    await promoting
+    await index.close()

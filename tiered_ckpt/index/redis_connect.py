@@ -194,9 +194,10 @@ def classify(e: BaseException, deployment: str) -> Problem:
     if isinstance(e, (rexc.ClusterError, rexc.RedisClusterException)):
         return Problem("transient", f"the cluster cannot serve the request ({text})")
     if isinstance(e, rexc.ReadOnlyError):
-        if deployment == "single":
-            return Problem("config", f"the server is a read-only replica (READONLY: {e}); point the URL at the "
-                                     f"master, or use redis+sentinel:// to follow failovers")
+        if deployment == "single":  # a managed service's endpoint moving to the new primary, or a wrong URL
+            return Problem("transient", f"the server is a read-only replica (READONLY: {e}): a failover under way "
+                                        f"(failover_timeout retries through it), or the URL names a replica (use the "
+                                        f"primary's, or redis+sentinel://)")
         return Problem("transient", f"the server is a replica now (READONLY: {e}): a failover is under way")
     if isinstance(e, rexc.BusyLoadingError):
         return Problem("transient", f"the server is loading its data set (LOADING: {e})")
@@ -292,6 +293,10 @@ class RedisDeployment:
                 problem = classify(e, self.url.kind)
                 if problem.kind != "transient" or time.monotonic() + delay > deadline:
                     raise on_error(e, problem) from (e if problem.kind in ("error", "transient") else None)
+                if isinstance(e, rexc.ReadOnlyError) and self.url.kind == "single":
+                    # the old primary, demoted: new connections resolve the endpoint again (a managed service
+                    # points its name at the new primary)
+                    await self.client.connection_pool.disconnect()
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 1.0)
 
