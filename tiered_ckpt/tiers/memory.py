@@ -16,6 +16,8 @@ from ..errors import TierError, TierNotFound
 from .local import LocalTier
 
 T = TypeVar("T")
+# page tables filled in one call, not one fault per page while the part is hashed and copied
+MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 SIZE = {"size": True}
 
@@ -53,7 +55,7 @@ class MemoryTier(LocalTier):
                     return False, None
                 if st.st_size == 0:
                     return True, use(memoryview(b""))
-                with mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ) as mapped:
+                with mmap.mmap(fd, st.st_size, flags=MAP_FLAGS, prot=mmap.PROT_READ) as mapped:
                     view = memoryview(mapped)
                     try:
                         return True, use(view)
