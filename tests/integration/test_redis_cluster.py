@@ -11,7 +11,7 @@ import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt.config import parse_config
-from tiered_ckpt.errors import IndexUnavailable
+from tiered_ckpt.errors import IndexUnavailable, TierUnavailable
 from tiered_ckpt.index.redis import RedisIndex
 from tiered_ckpt.testing import IndexConformance, TierConformance
 from tiered_ckpt.tiers.redis_peer import RedisOptions, RedisPeerTier
@@ -138,6 +138,11 @@ async def test_a_down_slot_is_named_clusterdown_and_the_index_recovers(redis_clu
         message = str(err.value)
         assert "CLUSTERDOWN" in message and "cluster is down" in message and "retried for 1s" in message
         assert cluster_url.split("?")[0].split("//")[1].split(",")[0] in index.identity
+        tier = RedisPeerTier("peer", RedisOptions(urls=(cluster_url,)))  # the peer tier names it too, retryable
+        await tier.open()
+        with pytest.raises(TierUnavailable, match="CLUSTERDOWN"):
+            await tier.write(f"{{{job}}}/x", memoryview(b"1"))
+        await tier.close()
     finally:
         victim.start()
         redis_cluster.wait_state("ok", timeout=30)
@@ -152,3 +157,27 @@ async def test_wait_for_replicas_a_cluster_without_replicas_cannot_give(cluster_
     with pytest.raises(IndexUnavailable, match="acknowledged by 0 of the 1 replica"):
         await index.fence("job")
     await index.close()
+
+
+async def test_cluster_credentials_work_and_a_wrong_password_is_never_shown(tmp_path):
+    from tiered_ckpt.bench.redis_local import LocalCluster
+
+    with LocalCluster(3, base=tmp_path, password="right-pw") as cluster:
+        good = RedisIndex(cluster.url.replace("redis+cluster://", "redis+cluster://:right-pw@"))
+        await good.open()
+        await good.fence("job")
+        await good.begin("job", 1, ["disk"])
+        assert [s.step for s in await good.list("job")] == [1]
+        await good.close()
+        wrong = cluster.url.replace("redis+cluster://", "redis+cluster://:wrong-pw@")
+        with pytest.raises(tc.TieredCkptError) as err:
+            index = RedisIndex(wrong)
+            await index.open()
+            await index.fence("job")
+        assert "refused the credentials" in str(err.value) and "wrong-pw" not in str(err.value)
+        tier = RedisPeerTier("peer", RedisOptions(urls=(wrong,)))
+        await tier.open()
+        with pytest.raises(tc.TieredCkptError) as err:
+            await tier.write("job/x", memoryview(b"1"))
+        assert "credentials" in str(err.value) and "wrong-pw" not in str(err.value) and "***" in str(err.value)
+        await tier.close()

@@ -43,9 +43,10 @@ def _start(argv: Callable[[int], list[str]], *, bus: bool = False, log: Path | N
     raise RuntimeError(f"{argv(0)[0]}: found no free port")
 
 
-def _cli(port: int, *args: str, timeout: float = 30) -> str:
-    out = subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args], capture_output=True, text=True,
-                         timeout=timeout)
+def _cli(port: int, *args: str, timeout: float = 30, password: str | None = None) -> str:
+    auth = ["-a", password, "--no-auth-warning"] if password else []
+    out = subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", str(port), *auth, *args], capture_output=True,
+                         text=True, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"redis-cli -p {port} {' '.join(args)}: {out.stderr.strip() or out.stdout.strip()}")
     return out.stdout
@@ -116,11 +117,16 @@ class LocalServer:
 
 
 class LocalCluster:
-    """A Redis Cluster of `masters` masters (no replicas) on this machine: `url` is its redis+cluster:// URL."""
+    """A Redis Cluster of `masters` masters (no replicas) on this machine: `url` is its redis+cluster:// URL
+    (without the `password`, if the nodes require one)."""
 
-    def __init__(self, masters: int = 3, *extra: str, node_timeout_ms: int = 2000, base: Path | None = None):
+    def __init__(self, masters: int = 3, *extra: str, node_timeout_ms: int = 2000, base: Path | None = None,
+                 password: str | None = None):
         self.dir = Path(tempfile.mkdtemp(prefix="tiered_ckpt-cluster-", dir=base))
         self.nodes: list[Process] = []
+        self.password = password
+        if password:
+            extra = (*extra, "--requirepass", password, "--masterauth", password)
         try:
             for i in range(masters):
                 d = self.dir / f"node{i}"
@@ -129,14 +135,15 @@ class LocalCluster:
                     d, "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
                     "--cluster-node-timeout", str(node_timeout_ms), *extra), bus=True).start())
             _cli(self.nodes[0].port, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                 "--cluster-replicas", "0", "--cluster-yes", timeout=60)
+                 "--cluster-replicas", "0", "--cluster-yes", timeout=60, password=password)
             _wait_for("cluster_state:ok on every node", self._ok, 30)
         except BaseException:
             self.stop()
             raise
 
     def _ok(self) -> bool:
-        return all("cluster_state:ok" in _cli(n.port, "cluster", "info") for n in self.nodes if n.alive)
+        return all("cluster_state:ok" in _cli(n.port, "cluster", "info", password=self.password)
+                   for n in self.nodes if n.alive)
 
     @property
     def url(self) -> str:
@@ -145,8 +152,8 @@ class LocalCluster:
     def node_of(self, key: str) -> Process:
         """The node that serves `key`'s slot."""
         live = next(n for n in self.nodes if n.alive)
-        slot = int(_cli(live.port, "cluster", "keyslot", key))
-        for line in _cli(live.port, "cluster", "nodes").splitlines():
+        slot = int(_cli(live.port, "cluster", "keyslot", key, password=self.password))
+        for line in _cli(live.port, "cluster", "nodes", password=self.password).splitlines():
             fields = line.split()
             if "master" not in fields[2]:
                 continue
@@ -160,7 +167,8 @@ class LocalCluster:
     def wait_state(self, state: str, timeout: float = 30) -> None:
         """Wait until every live node reports cluster_state:`state` (ok, fail)."""
         _wait_for(f"cluster_state:{state}", lambda: all(
-            f"cluster_state:{state}" in _cli(n.port, "cluster", "info") for n in self.nodes if n.alive), timeout)
+            f"cluster_state:{state}" in _cli(n.port, "cluster", "info", password=self.password)
+            for n in self.nodes if n.alive), timeout)
 
     def stop(self) -> None:
         for node in self.nodes:

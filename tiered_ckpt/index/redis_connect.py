@@ -169,8 +169,11 @@ def classify(e: BaseException, deployment: str) -> Problem:
     text = f"{type(e).__name__}: {e}"
     if isinstance(e, NotReplicated):
         return Problem("transient", str(e))
-    if isinstance(e, (rexc.AuthenticationError, rexc.AuthorizationError)):
-        return Problem("auth", f"the server refused the credentials ({text})")
+    refused, seen = e, 0
+    while refused is not None and seen < 8:  # a cluster client wraps it: "Redis Cluster cannot be connected"
+        if isinstance(refused, (rexc.AuthenticationError, rexc.AuthorizationError)):
+            return Problem("auth", f"the server refused the credentials ({type(refused).__name__}: {refused})")
+        refused, seen = refused.__cause__ or refused.__context__, seen + 1
     if isinstance(e, rexc.ResponseError) and "FENCED" in str(e):
         return Problem("fenced", str(e))
     if isinstance(e, rexc.AskError):  # MOVED and ASK: "<slot> <host>:<port>"
