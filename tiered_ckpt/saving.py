@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable, Mapping
 
 from .checksum import checksum
 from .commit import Committer, Superseded
-from .errors import IntegrityError, SaveError, TierError, TierFull, TierNotFound
+from .errors import IndexUnavailable, IntegrityError, SaveError, TierError, TierFull, TierNotFound
 from .layout import PartKey, manifest_key, rank_meta_key, rank_prefix
 from .manifest import Manifest, RankMeta
 from .plan import Plan
@@ -352,7 +352,11 @@ class SaveJob:
             if gone:  # e.g. a cache that restarted empty mid-save: never commit what is no longer there
                 raise TierNotFound(f"step {self.step}: {len(gone)} value(s) vanished before the commit, "
                                    f"first {gone[0]}", tier=tier)
-            await self.commit.mark_durable(self.step, tier)
+            try:
+                await self.commit.mark_durable(self.step, tier)
+            except IndexUnavailable:  # the commit may have run before the connection failed: keep the parts
+                self._marked.add(tier)
+                raise
             self._marked.add(tier)  # from here another rank's marker may still complete the tier: keep the parts
             await self.commit.wait_complete(self.step, tier)
             self.retention.complete.add(self.step)  # saving this step again is refused from now on

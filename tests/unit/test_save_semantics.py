@@ -501,3 +501,25 @@ async def test_retention_never_removes_another_runs_write_in_progress(tmp_path, 
             await (await engine.save(step, state_of(float(step)))).wait()
         assert [c.step for c in await engine.statuses() if "host" in c.complete] == [2]
     assert theirs.read_bytes() == b"half a part"
+
+
+async def test_a_commit_whose_reply_was_lost_keeps_its_parts(make_config, monkeypatch):
+    """The index runs the commit, then the connection fails before the reply (IndexUnavailable): the save
+    fails on that tier, but the tier may be complete in the index, so its parts must stay and load."""
+    from tiered_ckpt.errors import IndexUnavailable
+
+    async with tc.Engine(make_config(stage_in_memory_tier=False)) as engine:
+        real = engine.index.mark_durable
+
+        async def reply_lost(job, step, tier, *args):
+            await real(job, step, tier, *args)
+            if tier == "disk":
+                raise IndexUnavailable("connection reset after the commit ran")
+            return True
+
+        monkeypatch.setattr(engine.index, "mark_durable", reply_lost)
+        with pytest.raises(tc.SaveError, match="disk"):
+            await (await engine.save(1, state_of(1.0))).wait()
+        assert [sorted(c.complete) for c in await engine.statuses()] == [["disk", "host"]]
+        _, out = await load_values(engine, tiers=["disk"])
+        assert torch.all(out["w"] == 1.0)
