@@ -73,7 +73,7 @@ MUTANTS = {
                                       "staged_here = False", ["tests/unit/test_save_semantics.py", "-k",
                                                               "memory_tier_copy"]),
     "retired-file-rewritten-under-a-reader": (
-        "tiered_ckpt/mapped.py", "                    fcntl.flock(fd, fcntl.LOCK_EX)", "                    pass",
+        "tiered_ckpt/mapped.py", "                    _lock_exclusive(fd, self.paths[p], wait)", "                    pass",
         ["tests/unit/test_memory_tier_reads.py", "-k", "waits_for_a_reader"]),
     "verify-holds-the-checkpoint": ("tiered_ckpt/verify.py", "slots = asyncio.Semaphore(VERIFY_PARTS)",
                                     "slots = asyncio.Semaphore(10**6)",

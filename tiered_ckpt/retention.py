@@ -178,7 +178,7 @@ class Retention:
         """Every folder this index's incarnations wrote for `step`, and its folder-less keys of formats 1 and
         2 unless their manifest names another index. Nothing else under the step folder: another index's
         folders (an unrelated run sharing the tier's path and job name), a write in progress that a listing
-        does not show. An emptied step folder stays until `tiered-ckpt gc`."""
+        does not show. (File tiers remove a folder left empty.)"""
         if self.reclaim is not None:
             await self.reclaim(tier, step)
         driver = self.tiers[tier]

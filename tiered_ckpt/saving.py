@@ -311,6 +311,8 @@ class SaveJob:
             except TierFull:  # the tier's older checkpoints may be retirable now: make room once, then retry
                 await self.retention.apply(tier, finishing=self.step)
                 await self.io.run_blocking(self.pool.arena.publish, self.buffer, keys)
+        except TierError:
+            raise
         except OSError as e:
             raise TierError(f"publishing the staged parts of step {self.step}: {e}", tier=tier) from e
         for p in range(self.plan.num_parts):

@@ -46,6 +46,11 @@ class SyncSaveHandle:
         return self._handle.done()
 
     @property
+    def skipped(self) -> dict[str, int]:
+        """Tiers that skipped this save because a newer one superseded it there → that newer step."""
+        return dict(self._handle.skipped)
+
+    @property
     def future(self) -> concurrent.futures.Future[None]:
         if self._future is None:
             self._future = asyncio.run_coroutine_threadsafe(self._handle.wait(), self._ckpt._loop)

@@ -43,3 +43,21 @@ def test_checkpointer_close_raises_unobserved_errors(make_config):
 def test_checkpointer_from_toml_with_bad_file(tmp_path):
     with pytest.raises(tc.ConfigError):
         tc.Checkpointer.from_toml(tmp_path / "missing.toml")
+
+
+def test_checkpointer_handles_report_skipped_tiers(make_config, monkeypatch):
+    """A Checkpointer handle says which tiers skipped its save, as the async handle does."""
+    with tc.Checkpointer(make_config()) as ckpt:
+        disk = ckpt.engine.tiers["disk"]
+        real_write = disk.write
+
+        async def slow(key, data):
+            import asyncio
+            await asyncio.sleep(0.05)
+            return await real_write(key, data)
+
+        monkeypatch.setattr(disk, "write", slow)
+        handles = [ckpt.save(step, {"w": torch.full((40_000,), float(step))}) for step in range(1, 6)]
+        for h in handles:
+            h.wait()
+        assert any("disk" in h.skipped for h in handles) and handles[-1].skipped == {}
