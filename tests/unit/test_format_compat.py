@@ -1,5 +1,6 @@
-"""Checkpoints written by an earlier release (format 2: no incarnation folders) still list, load, verify and
-delete. tests/data/format2 was saved by the release before format 3 (see the state below)."""
+"""Checkpoints written by earlier releases (formats 1 and 2: no incarnation folders; format 1 also unsealed
+records and one skeleton) still list, load, verify and delete. tests/data/format1 and format2 were saved by
+those releases (see the state below)."""
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import tiered_ckpt as tc
 from tiered_ckpt.config import parse_config
 from tiered_ckpt.verify import verify
 
-DATA = Path(__file__).parent.parent / "data" / "format2"
+DATA = Path(__file__).parent.parent / "data"
 
 
 def saved_state() -> dict:
@@ -18,10 +19,10 @@ def saved_state() -> dict:
     return {"w": torch.randn(40_000, generator=g), "b": torch.arange(10, dtype=torch.int64), "extra": {"lr": 0.5}}
 
 
-@pytest.fixture
-def old_checkpoint(tmp_path):
-    root = tmp_path / "format2"
-    shutil.copytree(DATA, root)
+@pytest.fixture(params=[1, 2])
+def old_checkpoint(tmp_path, request):
+    root = tmp_path / f"format{request.param}"
+    shutil.copytree(DATA / f"format{request.param}", root)
     return root
 
 
@@ -34,7 +35,7 @@ def zeros() -> dict:
     return {"w": torch.zeros(40_000), "b": torch.zeros(10, dtype=torch.int64), "extra": {"lr": None}}
 
 
-async def test_a_format_2_checkpoint_loads_verifies_and_deletes(old_checkpoint):
+async def test_an_old_format_checkpoint_loads_verifies_and_deletes(old_checkpoint):
     async with tc.Engine(config(old_checkpoint)) as engine:
         out = zeros()
         info = await engine.load(out)
@@ -42,7 +43,7 @@ async def test_a_format_2_checkpoint_loads_verifies_and_deletes(old_checkpoint):
         assert info.step == 3 and torch.equal(out["w"], expected["w"]) and torch.equal(out["b"], expected["b"])
         assert out["extra"] == {"lr": 0.5}
         manifest = await engine.read_manifest(3)
-        assert manifest.version == 2 and manifest.incarnation == ""
+        assert manifest.version == int(old_checkpoint.name[-1]) and manifest.incarnation == ""
         assert all(r.ok for r in await verify(engine.io, await engine.status(3), manifest))
         await (await engine.save(4, saved_state())).wait()  # new saves beside it use the new layout
         await engine.delete(3)
@@ -50,8 +51,8 @@ async def test_a_format_2_checkpoint_loads_verifies_and_deletes(old_checkpoint):
         assert [c.step async for c in engine.list()] == [4]
 
 
-async def test_a_format_2_checkpoint_loads_from_the_tier_alone(old_checkpoint):
+async def test_an_old_format_checkpoint_loads_from_the_tier_alone(old_checkpoint):
     shutil.rmtree(old_checkpoint / "index")
-    async with tc.Engine(config(old_checkpoint, adopt=True)) as engine:  # format 2 named the old index's path
+    async with tc.Engine(config(old_checkpoint, adopt=True)) as engine:  # it names the old index (format 2) or none (1)
         out = zeros()
         assert (await engine.load(out)).step == 3 and torch.equal(out["w"], saved_state()["w"])
