@@ -167,6 +167,8 @@ class SaveJob:
         self._encoded_skeleton: bytes | None = None
         self._failed: dict[str, BaseException] = {}  # tier → this save's error there
         self._marked: set[str] = set()  # tiers on which this rank marked its parts durable
+        self._staged_tier: str | None = None  # the memory tier whose files the staging buffer is (see _persist_tier)
+        self._staged_marked = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -204,6 +206,7 @@ class SaveJob:
                 for tier in self.tiers:
                     self.handle.set_done(tier, e)
                 return
+            self._staged_tier = next((t for t in self.tiers if self._staged_on(t)), None)
             await asyncio.gather(*(self._persist_tier(t) for t in self.tiers))
             await self._remove_from_failed_tiers()
             await self._release_buffer()
@@ -268,6 +271,21 @@ class SaveJob:
         return data
 
     async def _persist_tier(self, tier: str) -> None:
+        """With the staging buffer being the memory tier's files, the other tiers start once this rank has
+        marked the memory tier durable (tens of ms): else its index writes (fsync on a file index) queue
+        behind their writeback on the same file system, and the memory tier commits 3-5x later."""
+        if self._staged_tier is None:
+            await self._take_turn_and_write(tier)
+        elif tier == self._staged_tier:
+            try:
+                await self._take_turn_and_write(tier)
+            finally:
+                self._staged_marked.set()
+        else:
+            await self._staged_marked.wait()
+            await self._take_turn_and_write(tier)
+
+    async def _take_turn_and_write(self, tier: str) -> None:
         """Wait for this save's turn on the tier; a newer save may supersede it meanwhile (or another rank
         may have skipped it), and then the tier skips it. Else write it; the turn passes on once this rank's
         parts and records are written, so the next save writes while this one waits for its commit."""
@@ -360,6 +378,8 @@ class SaveJob:
                 self._marked.add(tier)
                 raise
             self._marked.add(tier)  # from here another rank's marker may still complete the tier: keep the parts
+            if tier == self._staged_tier:
+                self._staged_marked.set()
             await self.commit.wait_complete(self.step, tier)
             self.retention.complete.add(self.step)  # saving this step again is refused from now on
             if staged_here:

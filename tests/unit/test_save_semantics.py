@@ -523,3 +523,24 @@ async def test_a_commit_whose_reply_was_lost_keeps_its_parts(make_config, monkey
         assert [sorted(c.complete) for c in await engine.statuses()] == [["disk", "host"]]
         _, out = await load_values(engine, tiers=["disk"])
         assert torch.all(out["w"] == 1.0)
+
+
+async def test_slower_tiers_start_once_the_staging_memory_tier_is_marked_durable(make_config, monkeypatch):
+    """When the staging buffer is the memory tier's files, the disk writes start only after this rank marked
+    the memory tier durable: a file index's fsyncs would otherwise queue behind the disk's writeback."""
+    async with tc.Engine(make_config()) as engine:
+        order = []
+        real_mark, real_write = engine.index.mark_durable, engine.tiers["disk"].write
+
+        async def mark(job, step, tier, *args):
+            order.append(f"mark {tier}")
+            return await real_mark(job, step, tier, *args)
+
+        async def write(key, data):
+            order.append("disk write")
+            return await real_write(key, data)
+
+        monkeypatch.setattr(engine.index, "mark_durable", mark)
+        monkeypatch.setattr(engine.tiers["disk"], "write", write)
+        await (await engine.save(1, state_of(1.0))).wait()
+        assert order.index("mark host") < order.index("disk write"), order
