@@ -27,18 +27,29 @@ def memcpy(state: dict[str, torch.Tensor], repeats: int) -> float:
     return median_time(copy, repeats)
 
 
-def raw_write_once(directory: Path, nbytes: int) -> float:
-    """One sequential write of `nbytes` (16 MiB os.write calls) + fsync, into a fresh file."""
-    path = directory / "raw-once.bin"
-    path.unlink(missing_ok=True)
-    buf = memoryview(os.urandom(CHUNK))
-    t = time.perf_counter()
+def _write_file(path: Path, nbytes: int, buf: memoryview) -> None:
+    """`nbytes` into a fresh file in 16 MiB os.write calls, then fsync: the raw disk baseline."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     left = nbytes
     while left > 0:
         left -= os.write(fd, buf[: min(CHUNK, left)])
     os.fsync(fd)
     os.close(fd)
+
+
+def _read_file(path: Path, out: memoryview) -> None:
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(out):
+            pass
+
+
+def raw_write_once(directory: Path, nbytes: int) -> float:
+    """One sequential write of `nbytes` + fsync, into a fresh file."""
+    path = directory / "raw-once.bin"
+    path.unlink(missing_ok=True)
+    buf = memoryview(os.urandom(CHUNK))
+    t = time.perf_counter()
+    _write_file(path, nbytes, buf)
     seconds = time.perf_counter() - t
     path.unlink()
     return seconds
@@ -48,18 +59,11 @@ def raw_read_once(directory: Path, nbytes: int) -> float:
     """One cold sequential read of an `nbytes` file (written once, then dropped from the page cache)."""
     path = directory / "raw-read.bin"
     if not path.exists() or path.stat().st_size != nbytes:
-        chunk = os.urandom(CHUNK)
-        with open(path, "wb") as f:
-            for start in range(0, nbytes, CHUNK):
-                f.write(chunk[: min(CHUNK, nbytes - start)])
-            f.flush()
-            os.fsync(f.fileno())
+        _write_file(path, nbytes, memoryview(os.urandom(CHUNK)))
     drop_cache(path)
     out = memoryview(bytearray(CHUNK))
     t = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(out):
-            pass
+    _read_file(path, out)
     return time.perf_counter() - t
 
 
@@ -68,23 +72,9 @@ def raw_write_read(directory: Path, nbytes: int, repeats: int) -> tuple[float, f
     path = directory / "raw.bin"
     buf = memoryview(os.urandom(CHUNK))
 
-    def write() -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, buf[: min(CHUNK, left)])
-        os.fsync(fd)
-        os.close(fd)
-
-    write_s = median_time(write, repeats, setup=lambda: path.unlink(missing_ok=True))
+    write_s = median_time(lambda: _write_file(path, nbytes, buf), repeats, setup=lambda: path.unlink(missing_ok=True))
     out = memoryview(bytearray(CHUNK))
-
-    def read() -> None:
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(out):
-                pass
-
-    read_s = median_time(read, repeats, setup=lambda: drop_cache(path))
+    read_s = median_time(lambda: _read_file(path, out), repeats, setup=lambda: drop_cache(path))
     path.unlink()
     return write_s, read_s
 
