@@ -30,6 +30,7 @@ import msgpack
 from ..checksum import seal, unseal
 from ..errors import IncompleteCheckpoint, IntegrityError, TieredCkptError
 from ..layout import parse_step_dir, step_dir
+from ..tiers.base import check_creatable
 from .base import CheckpointStatus, TierState
 
 T = TypeVar("T")
@@ -47,7 +48,7 @@ class FileIndex:
 
     async def open(self) -> None:
         """Check that the directory exists or can be created; it is created at the first write."""
-        await self._io(_check_creatable, self.root)
+        await self._io(check_creatable, self.root)
 
     async def close(self) -> None:
         for fd in self._leases.values():
@@ -282,17 +283,6 @@ def _lease_free(path: Path) -> bool:
         return False
     finally:
         os.close(fd)  # drops the shared lock, if taken
-
-
-def _check_creatable(root: Path) -> None:
-    """Raise the OSError that creating `root` would raise (a file in the way, no permission); create nothing."""
-    path = root.absolute()
-    while not path.exists():
-        path = path.parent
-    if not path.is_dir():
-        raise NotADirectoryError(f"{path} is not a directory")
-    if path != root.absolute() and not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"cannot create folders in {path}")
 
 
 def _read_info(path: Path) -> dict[str, Any]:

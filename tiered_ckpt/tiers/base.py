@@ -9,9 +9,11 @@ loop, then `close()`.
 from __future__ import annotations
 
 import asyncio
+import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -129,3 +131,15 @@ def redact(url: str) -> str:
     userinfo, _, hostpart = rest.partition("@")
     user = userinfo.split(":", 1)[0]
     return f"{scheme}://{user + ':' if user else ':'}***@{hostpart}"
+
+
+def check_creatable(root: Path) -> None:
+    """Raise the OSError that creating `root` would raise (a file in the way, no permission); create nothing.
+    A process that only reads (a listing, `tiered-ckpt ls`) checks its folders this way instead of making them."""
+    path = root.absolute()
+    while not path.exists():
+        path = path.parent
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is not a directory")
+    if path != root.absolute() and not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot create folders in {path}")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import TierError, TierFull, TierNotFound
-from .base import Tier
+from .base import Tier, check_creatable
 
 SIZE = {"size": True}
 TMP = ".tmp-"
@@ -43,7 +43,7 @@ class LocalTier(Tier):
         """Check that the directory exists or can be created; it is created at the first write, so a
         process that only reads (`tiered-ckpt ls`, `show`, `verify`) never brings back a removed one."""
         try:
-            await self.run_blocking(_check_creatable, self.root)
+            await self.run_blocking(check_creatable, self.root)
         except OSError as e:
             raise TierError(f"cannot create directory {self.root}: {e}", tier=self.name) from e
         if self.options.capacity is not None:  # count what earlier processes left here, once
@@ -244,17 +244,6 @@ class LocalTier(Tier):
                 except OSError:
                     break
         return freed
-
-
-def _check_creatable(root: Path) -> None:
-    """Raise the OSError that creating `root` would raise (a file in the way, no permission); create nothing."""
-    path = root.absolute()
-    while not path.exists():
-        path = path.parent
-    if not path.is_dir():
-        raise NotADirectoryError(f"{path} is not a directory")
-    if path != root.absolute() and not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"cannot create folders in {path}")
 
 
 def _mtime(path: Path) -> float:
