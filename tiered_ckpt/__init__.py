@@ -3,12 +3,12 @@ from .config import Config, EngineConfig, TierConfig, load_config
 from .engine import Engine
 from .errors import (CheckpointExists, ConfigError, IncompleteCheckpoint, IntegrityError, RankFailed, SaveError,
                      StateError, TieredCkptError, TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable)
-from .index import CheckpointStatus
-from .loading import LoadInfo
-from .saving import SaveHandle
+from .storage.index import CheckpointStatus
+from .load.reads import LoadInfo
+from .save.job import SaveHandle
 from .state import PerRank
 from .sync import Checkpointer, SyncSaveHandle
-from .tier_io import Fallback
+from .storage.tier_io import Fallback
 from .train_state import TrainState
 
 __version__ = "0.1.0"

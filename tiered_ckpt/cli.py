@@ -14,10 +14,10 @@ from typing import Any, Awaitable, Callable
 from .config import load_config
 from .engine import Engine
 from .errors import ConfigError, TieredCkptError
-from .gc import GRACE, in_flight
+from .lifecycle.gc import GRACE, in_flight
 from .sizes import format_size
 from .state import PerRankMark, Pickled, TensorAlias, TensorRef, decode_skeleton, path_str
-from .tiers.base import redact
+from .storage.tiers.base import redact
 
 DEFAULT_CONFIG = os.environ.get("TIERED_CKPT_CONFIG", "tiers/local.toml")
 
@@ -256,7 +256,7 @@ def _short(value: Any, limit: int = 100) -> str:
 async def cmd_verify(engine: Engine, args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .verify import verify
+    from .load.verify import verify
 
     steps = [args.step] if args.step is not None else [c.step async for c in engine.list()]
     failures = 0

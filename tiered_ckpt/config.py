@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 from .sizes import parse_size
-from .tiers.registry import driver_class
+from .storage.tiers.registry import driver_class
 
 SIZE = {"size": True}  # field metadata: accept "64MiB"-style strings
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline slips through

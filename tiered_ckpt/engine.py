@@ -21,25 +21,25 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import msgpack
 
-from .catalog import Catalog
-from .commit import Committer
+from .load.catalog import Catalog
+from .save.commit import Committer
 from .config import Config, check_config, load_config
 from .distributed.coordinator import Coordinator
 from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, RankFailed, StateError
-from .export import ExportInfo
-from .export import export as export_checkpoint
-from .gc import GRACE, GcReport, collect
-from .index import CheckpointStatus, Index, open_index
-from .loading import LoadInfo, Reads, plan_reads, read_parts
+from .load.export import ExportInfo
+from .load.export import export as export_checkpoint
+from .lifecycle.gc import GRACE, GcReport, collect
+from .storage.index import CheckpointStatus, Index, open_index
+from .load.reads import LoadInfo, Reads, plan_reads, read_parts
 from .manifest import Manifest
-from .plan import Planner
-from .retention import Retention
-from .saving import SaveHandle, SaveJob, SaveServices
+from .save.plan import Planner
+from .lifecycle.retention import Retention
+from .save.job import SaveHandle, SaveJob, SaveServices
 from .checksum import resolve as resolve_checksum
-from .mapped import supported as mapped_supported
-from .staging import Arena, StagingPool, producer_events
+from .save.mapped import supported as mapped_supported
+from .save.pool import Arena, StagingPool, producer_events
 from .state import LoadTarget, SavedTensor, decode_skeleton, flatten, match
-from .tier_io import TierIO
+from .storage.tier_io import TierIO
 
 log = logging.getLogger(__name__)
 MAX_STEP = 2**53

@@ -15,13 +15,13 @@ import uvloop
 
 from .config import Config, load_config
 from .engine import Engine
-from .export import ExportInfo
-from .gc import GRACE, GcReport
-from .index import CheckpointStatus
-from .loading import LoadInfo
+from .load.export import ExportInfo
+from .lifecycle.gc import GRACE, GcReport
+from .storage.index import CheckpointStatus
+from .load.reads import LoadInfo
 from .manifest import Manifest
-from .saving import SaveHandle
-from .staging import producer_events
+from .save.job import SaveHandle
+from .save.pool import producer_events
 
 T = TypeVar("T")
 

@@ -8,10 +8,10 @@ import time
 import torch
 
 import tiered_ckpt as tc
-import tiered_ckpt.index.file as file_index
-import tiered_ckpt.saving as saving
-from tiered_ckpt.retention import Retention
-from tiered_ckpt.tiers.local import LocalTier
+import tiered_ckpt.storage.index.file as file_index
+import tiered_ckpt.save.job as saving
+from tiered_ckpt.lifecycle.retention import Retention
+from tiered_ckpt.storage.tiers.local import LocalTier
 
 STEP2 = "step-000000000002/"
 

@@ -136,7 +136,7 @@ async def test_no_intact_manifest_anywhere_is_an_error_naming_every_copy(engine,
 
 
 async def test_verify_reports_a_corrupt_manifest_copy(engine):
-    from tiered_ckpt.verify import verify
+    from tiered_ckpt.load.verify import verify
 
     await saved(engine)
     path = Path(engine.tiers["disk"].root) / manifest_key("test", 1, engine.incarnation)
@@ -152,7 +152,7 @@ async def test_verify_holds_a_few_parts_in_memory_not_the_checkpoint(make_config
     """8 MiB of parts (64 KiB each) on two tiers: verify's peak Python allocation stays a few parts."""
     import tracemalloc
 
-    from tiered_ckpt.verify import VERIFY_PARTS, verify
+    from tiered_ckpt.load.verify import VERIFY_PARTS, verify
 
     async with tc.Engine(make_config()) as engine:
         await (await engine.save(1, {"w": torch.randn(2 << 20)})).wait()

@@ -2,8 +2,8 @@
 redis-server."""
 import pytest
 
-from tiered_ckpt.index.file import FileIndex
-from tiered_ckpt.index.redis import RedisIndex
+from tiered_ckpt.storage.index.file import FileIndex
+from tiered_ckpt.storage.index.redis import RedisIndex
 from tiered_ckpt.testing import IndexConformance
 
 

@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tiered_ckpt.bench.index_storm import list_many, storm
-from tiered_ckpt.index.redis import RedisIndex
+from tiered_ckpt.storage.index.redis import RedisIndex
 
 
 @pytest.fixture

@@ -108,7 +108,7 @@ async def test_server_restarted_empty_mid_save_never_commits_that_tier(tmp_path,
 
 
 async def test_missing_reports_lost_headers_and_chunks(redis_server):
-    from tiered_ckpt.tiers.redis_peer import RedisOptions, RedisPeerTier
+    from tiered_ckpt.storage.tiers.redis_peer import RedisOptions, RedisPeerTier
 
     tier = RedisPeerTier("peer", RedisOptions(urls=(redis_server().url,), chunk_size=100))
     await tier.open()

@@ -13,9 +13,9 @@ import torch
 import tiered_ckpt as tc
 from tiered_ckpt.config import parse_config
 from tiered_ckpt.errors import IndexUnavailable
-from tiered_ckpt.index.redis import RedisIndex
+from tiered_ckpt.storage.index.redis import RedisIndex
 from tiered_ckpt.testing import IndexConformance, TierConformance
-from tiered_ckpt.tiers.redis_peer import RedisOptions, RedisPeerTier
+from tiered_ckpt.storage.tiers.redis_peer import RedisOptions, RedisPeerTier
 
 from .redis_deploy import sentinel_deployment  # noqa: F401  (fixture)
 

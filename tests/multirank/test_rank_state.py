@@ -150,7 +150,7 @@ async def _save_a_plain_tensor_that_differs(rank: int, world: int, root: str) ->
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("tiered_ckpt.plan").addHandler(handler)
+    logging.getLogger("tiered_ckpt.save.plan").addHandler(handler)
     async with tc.Engine(config(root)) as engine:
         state = {"rng": torch.full((8,), float(rank)), "same": torch.ones(100), "own": tc.PerRank(torch.ones(3) * rank)}
         await (await engine.save(1, state)).wait()

@@ -64,7 +64,7 @@ def test_replicated_state_is_written_once_and_balanced_at_dp4(tmp_path):
 
 
 async def _staging_fails_on_rank_1(rank: int, world: int, root: str) -> dict:
-    import tiered_ckpt.saving as saving
+    import tiered_ckpt.save.job as saving
 
     async with tc.Engine(config(root, commit_timeout=60)) as engine:
         await (await engine.save(1, replicated_state(1.0))).wait()

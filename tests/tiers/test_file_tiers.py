@@ -6,8 +6,8 @@ import pytest
 
 from tiered_ckpt.errors import TierError, TierFull, TierNotFound
 from tiered_ckpt.testing import TierConformance
-from tiered_ckpt.tiers.local import LocalOptions, LocalTier
-from tiered_ckpt.tiers.memory import MemoryOptions, MemoryTier
+from tiered_ckpt.storage.tiers.local import LocalOptions, LocalTier
+from tiered_ckpt.storage.tiers.memory import MemoryOptions, MemoryTier
 
 
 class TestLocalTier(TierConformance):

@@ -4,7 +4,7 @@ import pytest
 from tiered_ckpt.errors import ConfigError, TierFull, TierNotFound, TierUnavailable
 from tiered_ckpt.layout import PartKey
 from tiered_ckpt.testing import TierConformance, payload
-from tiered_ckpt.tiers.redis_peer import RedisOptions, RedisPeerTier
+from tiered_ckpt.storage.tiers.redis_peer import RedisOptions, RedisPeerTier
 
 
 async def connect(urls, **kw):

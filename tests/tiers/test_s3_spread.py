@@ -10,7 +10,7 @@ from tiered_ckpt.config import parse_config
 from tiered_ckpt.errors import ConfigError
 from tiered_ckpt.layout import PartKey
 from tiered_ckpt.testing import TierConformance
-from tiered_ckpt.tiers.s3 import S3Options, S3Tier
+from tiered_ckpt.storage.tiers.s3 import S3Options, S3Tier
 
 
 class TestS3SpreadTier(TierConformance):

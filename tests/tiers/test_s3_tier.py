@@ -3,7 +3,7 @@ import pytest
 
 from tiered_ckpt.errors import ConfigError, TierNotFound, TierUnavailable
 from tiered_ckpt.testing import TierConformance, payload
-from tiered_ckpt.tiers.s3 import S3Options, S3Tier
+from tiered_ckpt.storage.tiers.s3 import S3Options, S3Tier
 
 
 async def connect(endpoint, bucket, **kw):

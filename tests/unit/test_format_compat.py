@@ -9,7 +9,7 @@ import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt.config import parse_config
-from tiered_ckpt.verify import verify
+from tiered_ckpt.load.verify import verify
 
 DATA = Path(__file__).parent.parent / "data"
 

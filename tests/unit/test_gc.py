@@ -166,7 +166,7 @@ async def test_gc_beside_a_live_writer_keeps_its_save_in_flight_and_removes_old_
 
 
 async def test_gc_holds_the_lease_while_it_runs_and_a_writer_waits_for_it(make_config):
-    from tiered_ckpt.index.file import FileIndex
+    from tiered_ckpt.storage.index.file import FileIndex
 
     async with tc.Engine(make_config()) as first:
         await (await first.save(1, state(1))).wait()

@@ -3,7 +3,7 @@ import asyncio
 import pytest
 
 from tiered_ckpt.errors import TierFull, TierTimeout, TierUnavailable
-from tiered_ckpt.pipeline import TierPipeline
+from tiered_ckpt.storage.pipeline import TierPipeline
 
 
 def pipeline(**kw):
@@ -95,7 +95,7 @@ async def test_workers_bound_operations_in_flight():
 
 
 def test_bounce_buffers_are_reused_by_identity():
-    from tiered_ckpt.tier_io import BouncePool
+    from tiered_ckpt.storage.tier_io import BouncePool
 
     pool = BouncePool(2)
     a, b = pool.take(65536), pool.take(4000)
@@ -107,7 +107,7 @@ def test_bounce_buffers_are_reused_by_identity():
 
 
 async def test_save_turns_keep_the_newest_waiting_save_whatever_the_order_of_arrival():
-    from tiered_ckpt.pipeline import SaveTurns
+    from tiered_ckpt.storage.pipeline import SaveTurns
 
     turns = SaveTurns()
     assert await turns.take(1) is None  # writing
@@ -124,7 +124,7 @@ async def test_save_turns_keep_the_newest_waiting_save_whatever_the_order_of_arr
 
 
 async def test_save_turns_without_skipping_queue_every_save_in_order():
-    from tiered_ckpt.pipeline import SaveTurns
+    from tiered_ckpt.storage.pipeline import SaveTurns
 
     turns = SaveTurns(skip=False)
     assert await turns.take(1) is None

@@ -2,13 +2,13 @@
 import pytest
 import torch
 
-from tiered_ckpt import loading
+from tiered_ckpt.load import reads as loading
 from tiered_ckpt.errors import StateError
 from tiered_ckpt.layout import part_count
-from tiered_ckpt.loading import plan_reads
+from tiered_ckpt.load.reads import plan_reads
 from tiered_ckpt.manifest import Manifest, RankMeta
-from tiered_ckpt.plan import ALIGN, build_plan
-from tiered_ckpt.staging import tensor_bytes
+from tiered_ckpt.save.plan import ALIGN, build_plan
+from tiered_ckpt.save.pool import tensor_bytes
 
 
 def descriptor(path, shape, offsets=None, sizes=None, dtype="torch.float32", itemsize=4):

@@ -426,7 +426,7 @@ async def test_part_checksums_are_the_same_whether_hashed_during_or_after_the_co
                                                                                     while_staging):
     """Parts are hashed as soon as they are staged on machines with spare cores, after the copy elsewhere:
     the recorded checksums are those of the staged bytes either way (many chunks, several parts)."""
-    import tiered_ckpt.saving as saving
+    import tiered_ckpt.save.job as saving
     from tiered_ckpt.checksum import checksum
 
     monkeypatch.setattr(saving, "HASH_WHILE_STAGING", while_staging)
@@ -473,7 +473,7 @@ async def test_a_full_tmpfs_stages_in_anonymous_memory_and_the_save_goes_on(make
     anonymous memory and both tiers still get the checkpoint."""
     import errno
 
-    import tiered_ckpt.mapped as mapped
+    import tiered_ckpt.save.mapped as mapped
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -4,8 +4,8 @@ be read half-done), and staging returns only once every copy finished. The real 
 steps happens where a GPU is available (docs/benchmarks.md)."""
 import torch
 
-from tiered_ckpt.plan import build_plan
-from tiered_ckpt.staging import StagingBuffer, stage, stream_steps
+from tiered_ckpt.save.plan import build_plan
+from tiered_ckpt.save.pool import StagingBuffer, stage, stream_steps
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 

@@ -25,8 +25,8 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-from ..commit import Committer
-from ..index.redis import RedisIndex
+from ..save.commit import Committer
+from ..storage.index.redis import RedisIndex
 from ..layout import new_session
 
 TIERS = ("host", "disk")

@@ -12,8 +12,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from ..pipeline import TierPipeline
-from ..tiers.redis_peer import RedisOptions, RedisPeerTier
+from ..storage.pipeline import TierPipeline
+from ..storage.tiers.redis_peer import RedisOptions, RedisPeerTier
 from .measure import start_local_server
 
 

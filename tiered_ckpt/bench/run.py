@@ -17,7 +17,7 @@ import uvloop
 
 from .. import Engine
 from ..config import parse_config
-from ..plan import Planner
+from ..save.plan import Planner
 from ..sizes import format_size, parse_size
 from . import baselines
 from .measure import PeakRSS, drop_cache, mixed_state, state_nbytes

@@ -10,8 +10,8 @@ import time
 import uuid
 from typing import Any
 
-from ..pipeline import TierPipeline
-from ..tiers.s3 import S3Options, S3Tier
+from ..storage.pipeline import TierPipeline
+from ..storage.tiers.s3 import S3Options, S3Tier
 from .measure import start_local_server
 
 

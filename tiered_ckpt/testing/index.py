@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Callable
 import pytest
 
 from ..errors import IncompleteCheckpoint
-from ..index import Index
+from ..storage.index import Index
 
 JOB = "job"
 

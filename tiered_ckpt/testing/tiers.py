@@ -25,7 +25,7 @@ import pytest
 
 from ..errors import TierError, TierNotFound
 from ..layout import PartKey, manifest_key, rank_meta_key, step_prefix
-from ..tiers.base import Tier, start_tier
+from ..storage.tiers.base import Tier, start_tier
 
 
 def payload(n: int, seed: int = 0) -> bytes:

@@ -33,13 +33,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from .errors import IncompleteCheckpoint, IntegrityError, TierError
-from .index import CheckpointStatus
-from .layout import checkpoint_prefix, index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
-from .manifest import Manifest
+from ..errors import IncompleteCheckpoint, IntegrityError, TierError
+from ..storage.index import CheckpointStatus
+from ..layout import checkpoint_prefix, index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
+from ..manifest import Manifest
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 log = logging.getLogger(__name__)
 GRACE = 3600.0  # seconds: a save that began longer ago is taken for dead when a writer may be running

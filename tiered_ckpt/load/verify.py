@@ -6,11 +6,11 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import IntegrityError, TierError
-from .index import CheckpointStatus
-from .layout import PartKey, manifest_key, rank_meta_key
-from .manifest import Manifest, RankMeta
-from .tier_io import PartRead, ReadLog, TierIO
+from ..errors import IntegrityError, TierError
+from ..storage.index import CheckpointStatus
+from ..layout import PartKey, manifest_key, rank_meta_key
+from ..manifest import Manifest, RankMeta
+from ..storage.tier_io import PartRead, ReadLog, TierIO
 
 
 VERIFY_PARTS = 4  # parts read at once (each tier's pipeline bounds its own concurrency too)

@@ -15,10 +15,10 @@ import logging
 import time
 from typing import Any, Mapping, Sequence
 
-from .errors import RankFailed, TierTimeout
-from .index import Index
-from .index.base import SKIPPED, superseded_by
-from .layout import incarnation_dir
+from ..errors import RankFailed, TierTimeout
+from ..storage.index import Index
+from ..storage.index.base import SKIPPED, superseded_by
+from ..layout import incarnation_dir
 
 log = logging.getLogger(__name__)
 

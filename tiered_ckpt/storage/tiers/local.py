@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import TierError, TierFull, TierNotFound
+from ...errors import TierError, TierFull, TierNotFound
 from .base import Tier, check_creatable
 
 SIZE = {"size": True}

@@ -18,16 +18,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping
 
-from .checksum import checksum
+from ..checksum import checksum
 from .commit import Committer, Superseded
-from .errors import IndexUnavailable, IntegrityError, SaveError, TierError, TierFull, TierNotFound
-from .layout import PartKey, manifest_key, rank_meta_key, rank_prefix
-from .manifest import Manifest, RankMeta
+from ..errors import IndexUnavailable, IntegrityError, SaveError, TierError, TierFull, TierNotFound
+from ..layout import PartKey, manifest_key, rank_meta_key, rank_prefix
+from ..manifest import Manifest, RankMeta
 from .plan import Plan
-from .retention import Retention
-from .staging import StagingBuffer, StagingPool, stage
-from .state import FlatState, encode_skeleton
-from .tier_io import PartRead, ReadLog, TierIO
+from ..lifecycle.retention import Retention
+from .pool import StagingBuffer, StagingPool, stage
+from ..state import FlatState, encode_skeleton
+from ..storage.tier_io import PartRead, ReadLog, TierIO
 
 
 # Checksum parts while later ones are still being copied, when the machine has cores to spare. With two

@@ -1,8 +1,8 @@
 """Where checkpoints are and on which tiers they are complete."""
 from __future__ import annotations
 
-from ..config import index_path
-from ..errors import ConfigError
+from ...config import index_path
+from ...errors import ConfigError
 from .base import CheckpointStatus, Index
 
 # one server, a Redis Cluster, or the master a Sentinel names (index/redis_connect.py); rediss: with TLS

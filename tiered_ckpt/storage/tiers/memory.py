@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-from ..errors import TierError, TierNotFound
+from ...errors import TierError, TierNotFound
 from .local import LocalTier
 
 T = TypeVar("T")

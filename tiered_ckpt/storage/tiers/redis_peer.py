@@ -26,8 +26,8 @@ from typing import Any, Sequence
 
 import redis.asyncio as aioredis
 
-from ..errors import ConfigError, TierError, TierFull, TierNotFound, TierUnavailable
-from ..index.redis_connect import ERRORS, RedisDeployment, classify
+from ...errors import ConfigError, TierError, TierFull, TierNotFound, TierUnavailable
+from ..redis_connect import ERRORS, RedisDeployment, classify
 from .base import Tier, redact, scatter
 
 SIZE = {"size": True}

@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from .distributed.coordinator import Coordinator
-from .checksum import checksum
-from .distributed.dtensor import is_dtensor, layout_key, local_box
-from .errors import RankFailed, StateError
-from .layout import part_count, part_range
-from .manifest import ChunkMeta, TensorMeta
-from .staging import tensor_bytes
+from ..distributed.coordinator import Coordinator
+from ..checksum import checksum
+from ..distributed.dtensor import is_dtensor, layout_key, local_box
+from ..errors import RankFailed, StateError
+from ..layout import part_count, part_range
+from ..manifest import ChunkMeta, TensorMeta
+from .pool import tensor_bytes
 
 log = logging.getLogger(__name__)
 ALIGN = 64  # every chunk starts 64-byte aligned, so byte views can be re-viewed as any dtype

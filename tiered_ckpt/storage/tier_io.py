@@ -16,11 +16,11 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 
-from .checksum import ALGORITHM, checksum, describe
-from .config import TierConfig
-from .errors import IntegrityError, TierError
+from ..checksum import ALGORITHM, checksum, describe
+from ..config import TierConfig
+from ..errors import IntegrityError, TierError
 from .pipeline import TierPipeline
-from .staging import tensor_bytes
+from ..save.pool import tensor_bytes
 from .tiers.base import Tier, scatter, start_tier
 from .tiers.registry import driver_class
 

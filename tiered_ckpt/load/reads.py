@@ -16,13 +16,13 @@ from typing import Sequence
 
 import torch
 
-from .distributed.broadcast import read_with_broadcast
-from .distributed.coordinator import Coordinator
-from .distributed.dtensor import local_box, local_tensor
-from .layout import PartKey
-from .manifest import Manifest
-from .staging import tensor_bytes
-from .tier_io import Fallback, PartRead, TierIO
+from .broadcast import read_with_broadcast
+from ..distributed.coordinator import Coordinator
+from ..distributed.dtensor import local_box, local_tensor
+from ..layout import PartKey
+from ..manifest import Manifest
+from ..save.pool import tensor_bytes
+from ..storage.tier_io import Fallback, PartRead, TierIO
 
 
 @dataclass

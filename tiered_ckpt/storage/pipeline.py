@@ -14,7 +14,7 @@ import random
 from collections import deque
 from typing import Awaitable, Callable, TypeVar
 
-from .errors import TierError, TierTimeout
+from ..errors import TierError, TierTimeout
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

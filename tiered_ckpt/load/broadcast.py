@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from ..errors import IntegrityError
-from ..staging import tensor_bytes
-from ..tier_io import PartRead, TierIO
-from ..tiers.base import scatter
-from .coordinator import Coordinator
+from ..save.pool import tensor_bytes
+from ..storage.tier_io import PartRead, TierIO
+from ..storage.tiers.base import scatter
+from ..distributed.coordinator import Coordinator
 
 if TYPE_CHECKING:
-    from ..loading import LoadInfo
+    from .reads import LoadInfo
 
 PartId = tuple[int, int]  # (saved rank, part index)
 

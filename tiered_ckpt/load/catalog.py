@@ -11,11 +11,11 @@ import dataclasses
 import logging
 from typing import Awaitable, Callable, Sequence, TypeVar
 
-from .errors import IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
-from .index import CheckpointStatus, Index
-from .layout import index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
-from .manifest import Manifest, RankMeta
-from .tier_io import TierIO
+from ..errors import IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
+from ..storage.index import CheckpointStatus, Index
+from ..layout import index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
+from ..manifest import Manifest, RankMeta
+from ..storage.tier_io import TierIO
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import IncompleteCheckpoint, IntegrityError, StateError
-from .layout import PartKey
-from .loading import Reads, part_views
-from .manifest import Manifest, TensorMeta
-from .staging import tensor_bytes
-from .state import (
+from ...errors import IncompleteCheckpoint, IntegrityError, StateError
+from ...layout import PartKey
+from ..reads import Reads, part_views
+from ...manifest import Manifest, TensorMeta
+from ...save.pool import tensor_bytes
+from ...state import (
     PerRankMark,
     Pickled,
     TensorAlias,
@@ -49,10 +49,10 @@ from .state import (
     path_str,
     per_rank_name,
 )
-from .tier_io import Fallback, PartRead, ReadLog
+from ...storage.tier_io import Fallback, PartRead, ReadLog
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ...engine import Engine
 
 log = logging.getLogger(__name__)
 FORMATS = ("safetensors", "torch", "dcp")

@@ -26,10 +26,10 @@ from typing import Any, Mapping, Sequence
 
 import msgpack
 
-from ..errors import ConfigError, IncompleteCheckpoint, IndexUnavailable, TieredCkptError
+from ...errors import ConfigError, IncompleteCheckpoint, IndexUnavailable, TieredCkptError
 from .base import CheckpointStatus, TierState
-from .redis_connect import ERRORS, Problem, RedisDeployment
-from .redis_connect import classify as _problem
+from ..redis_connect import ERRORS, Problem, RedisDeployment
+from ..redis_connect import classify as _problem
 
 _CHECK = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') ~= tonumber(ARGV[1]) then

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
-from .distributed.dtensor import local_tensor
-from .errors import ConfigError
+from ..distributed.dtensor import local_tensor
+from ..errors import ConfigError
 from .mapped import MappedParts
 
 log = logging.getLogger(__name__)

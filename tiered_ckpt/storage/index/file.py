@@ -27,9 +27,9 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import msgpack
 
-from ..checksum import seal, unseal
-from ..errors import IncompleteCheckpoint, IntegrityError, TieredCkptError
-from ..layout import parse_step_dir, step_dir
+from ...checksum import seal, unseal
+from ...errors import IncompleteCheckpoint, IntegrityError, TieredCkptError
+from ...layout import parse_step_dir, step_dir
 from ..tiers.base import check_creatable
 from .base import CheckpointStatus, TierState
 

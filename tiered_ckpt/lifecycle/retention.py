@@ -13,11 +13,11 @@ from collections import Counter
 from contextlib import contextmanager
 from typing import Any, Awaitable, Callable, Iterator, Mapping, Protocol
 
-from .errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, TierError, TierNotFound
-from .index import CheckpointStatus, Index
-from .layout import index_dir, manifest_key, parse_key, step_prefix
-from .manifest import Manifest
-from .tier_io import TierIO
+from ..errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, TierError, TierNotFound
+from ..storage.index import CheckpointStatus, Index
+from ..layout import index_dir, manifest_key, parse_key, step_prefix
+from ..manifest import Manifest
+from ..storage.tier_io import TierIO
 
 log = logging.getLogger(__name__)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 BUILTIN = {
-    "memory": "tiered_ckpt.tiers.memory:MemoryTier",
-    "local": "tiered_ckpt.tiers.local:LocalTier",
-    "redis": "tiered_ckpt.tiers.redis_peer:RedisPeerTier",
-    "s3": "tiered_ckpt.tiers.s3:S3Tier",
+    "memory": "tiered_ckpt.storage.tiers.memory:MemoryTier",
+    "local": "tiered_ckpt.storage.tiers.local:LocalTier",
+    "redis": "tiered_ckpt.storage.tiers.redis_peer:RedisPeerTier",
+    "s3": "tiered_ckpt.storage.tiers.s3:S3Tier",
 }
 
 

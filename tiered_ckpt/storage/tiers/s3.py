@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..errors import ConfigError, TierError, TierNotFound, TierUnavailable
+from ...errors import ConfigError, TierError, TierNotFound, TierUnavailable
 from .base import Tier, scatter
 
 SIZE = {"size": True}
