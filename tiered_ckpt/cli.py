@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import datetime
 import os
-import re
 import sys
 from typing import Any, Awaitable, Callable
 
@@ -17,7 +16,7 @@ from .errors import ConfigError, TieredCkptError
 from .lifecycle.gc import GRACE, in_flight
 from .sizes import format_size
 from .state import PerRankMark, Pickled, TensorAlias, TensorRef, decode_skeleton, path_str
-from .storage.tiers.base import redact
+from .storage.redis_connect import redact
 
 DEFAULT_CONFIG = os.environ.get("TIERED_CKPT_CONFIG", "tiers/local.toml")
 
@@ -120,18 +119,13 @@ def _keys(obj: Any) -> list[tuple[str, str]]:
         elif isinstance(value, bool):
             text = str(value).lower()
         elif isinstance(value, str):
-            text = _secretless(value)
+            text = redact(value)
         elif isinstance(value, (tuple, list)):
-            text = ", ".join(_secretless(v) if isinstance(v, str) else str(v) for v in value)
+            text = ", ".join(redact(v) if isinstance(v, str) else str(v) for v in value)
         else:
             text = str(value)
         out.append((f.name, text))
     return out
-
-
-def _secretless(text: str) -> str:
-    """A URL without its password, in the user part or in the query (sentinel_password=...)."""
-    return re.sub(r"([?&][^=&]*password=)[^&]*", r"\1***", redact(text))
 
 
 def _print_keys(items: list[tuple[str, str]]) -> None:

@@ -47,6 +47,7 @@ class TierConfig:
     workers: int = 4
     inflight: int = field(default=256 * 2**20, metadata=SIZE)
     retries: int = 3
+    backoff: float = 0.2  # seconds before the first retry; doubled for each next one (at most 10 s), with jitter
     timeout: float = 300.0
     skip_when_behind: bool = True  # a save still waiting for the tier when a newer one arrives is skipped there
     options: Any = None  # the driver's own frozen Options dataclass

@@ -30,10 +30,6 @@ class TierError(TieredCkptError):
         self.tier = tier
 
 
-class RankFailed(TierError):
-    """Another rank (named in the message) failed this save on this tier; every rank raises the same."""
-
-
 class TierNotFound(TierError, LookupError):
     """The key is not on the tier."""
 
@@ -60,6 +56,27 @@ class IntegrityError(TierError):
 
 class IndexUnavailable(TieredCkptError, ConnectionError):
     """The index server cannot be reached; the message names it."""
+
+
+class Fenced(TieredCkptError, PermissionError):
+    """A newer incarnation of the job fenced this process: it must not commit or delete any more."""
+
+
+class WriterConflict(TieredCkptError, BlockingIOError):
+    """Another process holds the job's writer lease (one writer per job; readers may run at any time)."""
+
+
+class AuthenticationError(TieredCkptError, PermissionError):
+    """A server refused the credentials (the message names the server, never the password)."""
+
+
+class RankFailed(TieredCkptError):
+    """Another rank (named in the message) failed a save, a plan or an agreement that every rank takes part
+    in; every rank raises the same. `tier` names the tier when the failure was one tier's."""
+
+    def __init__(self, message: str, *, tier: str | None = None):
+        super().__init__(f"tier {tier!r}: {message}" if tier else message)
+        self.tier = tier
 
 
 class IncompleteCheckpoint(TieredCkptError, LookupError):

@@ -21,7 +21,7 @@ from .storage.index import CheckpointStatus
 from .load.reads import LoadInfo
 from .manifest import Manifest
 from .save.job import SaveHandle
-from .save.pool import producer_events
+from .save.copy import producer_events
 
 T = TypeVar("T")
 

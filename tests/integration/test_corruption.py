@@ -10,7 +10,7 @@ from tiered_ckpt.layout import PartKey, manifest_key
 
 
 def part_file(engine, tier, index):
-    return Path(engine.tiers[tier].root) / PartKey("test", 1, 0, index, engine.incarnation).path
+    return Path(engine.io.driver(tier).root) / PartKey("test", 1, 0, index, engine.incarnation).path
 
 
 async def saved(engine):
@@ -126,7 +126,7 @@ async def test_bit_flips_in_metadata_never_load_wrong_data(engine, tmp_path):
 async def test_no_intact_manifest_anywhere_is_an_error_naming_every_copy(engine, tmp_path):
     state = await saved(engine)
     copies = [next((tmp_path / "index").rglob("manifest"))] + [
-        Path(engine.tiers[t].root) / manifest_key("test", 1, engine.incarnation) for t in ("host", "disk")]
+        Path(engine.io.driver(t).root) / manifest_key("test", 1, engine.incarnation) for t in ("host", "disk")]
     for path in copies:
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x10
@@ -139,7 +139,7 @@ async def test_verify_reports_a_corrupt_manifest_copy(engine):
     from tiered_ckpt.load.verify import verify
 
     await saved(engine)
-    path = Path(engine.tiers["disk"].root) / manifest_key("test", 1, engine.incarnation)
+    path = Path(engine.io.driver("disk").root) / manifest_key("test", 1, engine.incarnation)
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01
     path.write_bytes(bytes(data))

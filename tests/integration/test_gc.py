@@ -128,8 +128,8 @@ async def test_gc_and_delete_beside_a_running_trainer_on_the_redis_index(tmp_pat
             clock.setattr(time, "time", lambda: real_time() - 7200)
             await trainer.index.begin("crash", 5, ["disk"])
         old_session = incarnation_dir(trainer.index.identity, new_session())
-        await trainer.tiers["disk"].write(PartKey("crash", 5, 0, 0, old_session).path, memoryview(bytes(5000)))
-        disk, release = trainer.tiers["disk"], asyncio.Event()
+        await trainer.io.driver("disk").write(PartKey("crash", 5, 0, 0, old_session).path, memoryview(bytes(5000)))
+        disk, release = trainer.io.driver("disk"), asyncio.Event()
         real_write = disk.write
 
         async def held(key, data):

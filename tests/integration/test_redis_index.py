@@ -116,7 +116,7 @@ async def test_readers_beside_a_trainer_fence_nothing_and_delete_nothing(tmp_pat
     url = redis_server().url
     async with tc.Engine(stack(tmp_path, shm_dir, url)) as trainer:
         await (await trainer.save(1, state(1.0))).wait()
-        disk = trainer.tiers["disk"]
+        disk = trainer.io.driver("disk")
         real_write, release = disk.write, asyncio.Event()
 
         async def held(key, data):

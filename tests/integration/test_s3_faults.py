@@ -14,7 +14,8 @@ def stack(tmp_path, endpoint, bucket, **s3):
         "engine": {"job": "faults", "index": f"file://{tmp_path}/index", "part_size": "64KiB"},
         "tiers": [
             {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")},
-            {"name": "s3", "kind": "s3", "bucket": bucket, "endpoint_url": endpoint, "retries": 4, **s3},
+            {"name": "s3", "kind": "s3", "bucket": bucket, "endpoint_url": endpoint, "retries": 4,
+             "backoff": 0.01, **s3},
         ]})
 
 
@@ -27,13 +28,12 @@ async def test_retries_recover_from_503_bursts_and_resets(tmp_path, s3_bucket):
     proxy = FaultProxy(upstream)
     async with proxy as url:
         async with tc.Engine(stack(tmp_path, url, bucket)) as engine:
-            engine.pipelines["s3"].backoff = 0.01
             proxy.inject("slowdown", 3, method="PUT")
             proxy.inject("drop", 2, method="PUT")
             await (await engine.save(1, state(1.0))).wait()
             assert proxy.hits == {"slowdown": 3, "drop": 2}
             # every SlowDown is retried by the pipeline (a reset on a pooled connection may be retried below it)
-            assert engine.pipelines["s3"].retried >= proxy.hits["slowdown"]
+            assert engine.io.retried("s3") >= proxy.hits["slowdown"]
             out = state(0.0)
             info = await engine.load(out, tiers=["s3"])
             assert info.tier == "s3" and torch.all(out["w"] == 1.0)
@@ -44,7 +44,6 @@ async def test_persistent_throttling_fails_within_bounds_and_commits_nothing(tmp
     proxy = FaultProxy(upstream)
     async with proxy as url:
         async with tc.Engine(stack(tmp_path, url, bucket)) as engine:
-            engine.pipelines["s3"].backoff = 0.01
             proxy.inject("slowdown", -1, method="PUT")
             handle = await engine.save(1, state(1.0))
             await handle.wait("disk")
@@ -53,7 +52,7 @@ async def test_persistent_throttling_fails_within_bounds_and_commits_nothing(tmp
             assert "gave up after 5 attempts" in "".join(getattr(err.value, "__notes__", []))
             status = await engine.status(1)
             assert status.complete == {"disk"} and "s3" in status.failed
-            keys = await engine.tiers["s3"].list("faults/")
+            keys = await engine.io.driver("s3").list("faults/")
             assert not [k for k in keys if k.endswith("manifest.msgpack")]  # never looks complete on S3
 
 
@@ -63,7 +62,6 @@ async def test_stalled_responses_time_out_and_are_bounded(tmp_path, s3_bucket):
     async with proxy as url:
         config = stack(tmp_path, url, bucket, timeout=0.5, retries=1)
         async with tc.Engine(config) as engine:
-            engine.pipelines["s3"].backoff = 0.01
             proxy.inject("slow", -1, method="PUT", delay=5.0)
             handle = await engine.save(1, state(1.0))
             with pytest.raises(tc.TierTimeout, match="longer than 0.5s"):

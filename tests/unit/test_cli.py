@@ -118,7 +118,7 @@ def test_config_check_prints_every_effective_key_with_human_sizes_and_no_passwor
     assert set(engine) >= {"job", "index", "part_size", "max_inflight", "allow_pickle", "adopt", "io_threads",
                            "collective_timeout", "commit_timeout"}
     assert engine["part_size"] == "8 MiB (8388608 bytes)"
-    common = {"keep_last", "every", "workers", "inflight", "retries", "timeout", "skip_when_behind"}
+    common = {"keep_last", "every", "workers", "inflight", "retries", "backoff", "timeout", "skip_when_behind"}
     assert set(host) == common | {"path", "capacity", "fsync"}
     assert set(peer) >= common | {"urls", "node", "prefix", "chunk_size", "connections", "socket_timeout"}
     assert host["capacity"] == "1.50 GiB (1610612736 bytes)" and host["keep_last"] == "2"

@@ -236,14 +236,14 @@ async def test_export_is_read_only_beside_a_writer(make_config, tmp_path):
         before = tree_digest(tmp_path / "index")
         async with tc.Engine(make_config()) as reader:
             info = await reader.export(tmp_path / "out.safetensors", to="safetensors", select="model")
-            assert info.step == 1 and not reader._writer
+            assert info.step == 1 and not reader.is_writer
         assert tree_digest(tmp_path / "index") == before
         await (await trainer.save(2, {"model": model, "optim": optim})).wait()  # still the writer
         assert [s.step for s in [c async for c in trainer.list()] if s.is_complete] == [1, 2]
 
 
 def part_files(engine, tier: str, step: int) -> list[Path]:
-    root = Path(engine.tiers[tier].root)
+    root = Path(engine.io.driver(tier).root)
     return sorted(p for p in root.rglob("part-*") if f"step-{step:012d}" in str(p))
 
 

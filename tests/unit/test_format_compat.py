@@ -47,7 +47,7 @@ async def test_an_old_format_checkpoint_loads_verifies_and_deletes(old_checkpoin
         assert all(r.ok for r in await verify(engine.io, await engine.status(3), manifest))
         await (await engine.save(4, saved_state())).wait()  # new saves beside it use the new layout
         await engine.delete(3)
-        assert not [k for k in await engine.tiers["disk"].list("old/") if "step-000000000003" in k]
+        assert not [k for k in await engine.io.driver("disk").list("old/") if "step-000000000003" in k]
         assert [c.step async for c in engine.list()] == [4]
 
 

@@ -18,6 +18,8 @@ from tiered_ckpt.checksum import seal, unseal
 from tiered_ckpt.config import parse_config
 from tiered_ckpt.layout import PartKey, incarnation_dir, manifest_key, new_session, step_dir
 
+from .common import wait_until
+
 DATA = Path(__file__).parent.parent / "data" / "format2"
 
 
@@ -52,10 +54,10 @@ async def test_gc_removes_zombie_folders_old_temp_files_and_empty_folders_and_dr
         identity = engine.index.identity
         zombie = incarnation_dir(identity, new_session())  # a fenced writer that kept writing step 1
         for tier, size in (("host", 3000), ("disk", 5000)):
-            await engine.tiers[tier].write(PartKey("test", 1, 0, 0, zombie).path, memoryview(bytes(size)))
-            await engine.tiers[tier].write(manifest_key("test", 1, zombie), memoryview(b"m" * 10))
+            await engine.io.driver(tier).write(PartKey("test", 1, 0, 0, zombie).path, memoryview(bytes(size)))
+            await engine.io.driver(tier).write(manifest_key("test", 1, zombie), memoryview(b"m" * 10))
         other = "ix-0badcafe/" + new_session()  # an unrelated run (its own index) sharing the path and job
-        await engine.tiers["host"].write(PartKey("test", 1, 0, 0, other).path, memoryview(bytes(700)))
+        await engine.io.driver("host").write(PartKey("test", 1, 0, 0, other).path, memoryview(bytes(700)))
     host, disk, index = shm_dir / "host", tmp_path / "disk", tmp_path / "index"
     committed = next(p for p in (host / "test" / step_dir(2)).rglob("part-000000"))
     old = time.time() - 7200
@@ -107,11 +109,11 @@ async def test_gc_finishes_removals_cut_short_removes_partial_orphans_and_keeps_
         await engine.index.delete("test", 2)
         await engine.index.delete("test", 3)  # a lost record: the tiers hold the only copy
         lost = incarnation_dir(engine.index.identity, new_session())
-        await engine.tiers["disk"].write(PartKey("test", 7, 0, 0, lost).path, memoryview(bytes(321)))  # no manifest
+        await engine.io.driver("disk").write(PartKey("test", 7, 0, 0, lost).path, memoryview(bytes(321)))  # no manifest
         report = await engine.gc()  # this engine is the writer: no other writer can run
         assert report.exclusive and report.checkpoints == [2] and not report.errors
         assert await engine.index.buried("test") == set()
-        keys = {t: await engine.tiers[t].list("test/") for t in ("host", "disk")}
+        keys = {t: await engine.io.driver(t).list("test/") for t in ("host", "disk")}
         assert not [k for ks in keys.values() for k in ks if step_dir(2) in k or step_dir(7) in k]
         assert [k for k in keys["disk"] if step_dir(3) in k]
         assert any("step 3" in line and "load(step=3)" in line for line in report.kept)
@@ -135,8 +137,8 @@ async def test_gc_beside_a_live_writer_keeps_its_save_in_flight_and_removes_old_
         await writer.index.begin("test", 5, ["host", "disk"])  # a save of an earlier run that crashed 2 h ago
         age_begun_record(tmp_path / "index", "test", 5, 7200)
         crashed = incarnation_dir(writer.index.identity, new_session())
-        await writer.tiers["host"].write(PartKey("test", 5, 0, 0, crashed).path, memoryview(bytes(4096)))
-        disk, release = writer.tiers["disk"], asyncio.Event()
+        await writer.io.driver("host").write(PartKey("test", 5, 0, 0, crashed).path, memoryview(bytes(4096)))
+        disk, release = writer.io.driver("disk"), asyncio.Event()
         real_write = disk.write
 
         async def held(key, data):
@@ -154,7 +156,7 @@ async def test_gc_beside_a_live_writer_keeps_its_save_in_flight_and_removes_old_
         assert not report.exclusive and report.checkpoints == [5] and not report.errors
         assert any(line.startswith("step 2 on disk") for line in report.kept)
         assert all(r.step != 2 for r in report.removed)
-        assert not [k for k in await writer.tiers["host"].list("test/") if step_dir(5) in k]
+        assert not [k for k in await writer.io.driver("host").list("test/") if step_dir(5) in k]
         release.set()
         await in_flight.wait()
         await (await writer.save(3, state(3))).wait()
@@ -182,7 +184,7 @@ async def test_gc_holds_the_lease_while_it_runs_and_a_writer_waits_for_it(make_c
     second = FileIndex(root)
     await second.open()
     fencing = asyncio.create_task(second.fence("test"))
-    await asyncio.sleep(0.5)
+    await wait_until(lambda: second.waiting_for_cleaner, what="the writer's fence meeting the cleaner's lease")
     assert not fencing.done()  # the writer's first save waits for the cleaner ...
     await cleaner.detach("test")
     await asyncio.wait_for(fencing, 10)  # ... and goes on once it is done

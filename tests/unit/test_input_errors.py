@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.storage.tiers.base import redact
+from tiered_ckpt.storage.redis_connect import redact
 
 
 @pytest.mark.parametrize("job", ["../../x", "ok\n", "a/b", ""])

@@ -11,6 +11,8 @@ import torch
 import tiered_ckpt as tc
 from tiered_ckpt.layout import PartKey
 
+from .common import wait_until
+
 
 def state_of(value: float) -> dict:
     return {"w": torch.full((50_000,), value), "b": torch.arange(7, dtype=torch.int64) + int(value)}
@@ -19,7 +21,7 @@ def state_of(value: float) -> dict:
 async def test_a_load_from_the_memory_tier_maps_parts_instead_of_copying_them_out(make_config, monkeypatch):
     async with tc.Engine(make_config()) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
-        host = engine.tiers["host"]
+        host = engine.io.driver("host")
 
         async def no_copies(key, out):
             raise AssertionError(f"read_into({key}): the memory tier should be read in place")
@@ -36,11 +38,11 @@ async def test_a_part_file_locked_by_its_staging_buffer_is_read_as_a_copy(make_c
     it: it reads a copy, which its checksum then judges like any other read."""
     async with tc.Engine(make_config()) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
-        path = engine.tiers["host"].path_of(PartKey("test", 1, 0, 0, engine.incarnation).path)
+        path = engine.io.driver("host").path_of(PartKey("test", 1, 0, 0, engine.incarnation).path)
         fd = os.open(path, os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            mapped, _ = await engine.tiers["host"].read_mapped(PartKey("test", 1, 0, 0, engine.incarnation).path,
+            mapped, _ = await engine.io.driver("host").read_mapped(PartKey("test", 1, 0, 0, engine.incarnation).path,
                                                                lambda view: None)
             assert not mapped
             out = state_of(0.0)
@@ -56,7 +58,7 @@ async def test_taking_back_a_retired_buffer_waits_for_a_reader_that_maps_its_fil
     async with tc.Engine(make_config(tiers=[{"keep_last": 1}])) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
         key = PartKey("test", 1, 0, 0, engine.incarnation).path
-        host = engine.tiers["host"]
+        host = engine.io.driver("host")
         inside, leave = threading.Event(), threading.Event()
 
         def slow_reader(view):
@@ -68,7 +70,7 @@ async def test_taking_back_a_retired_buffer_waits_for_a_reader_that_maps_its_fil
         reading = asyncio.ensure_future(host.read_mapped(key, slow_reader))
         await asyncio.to_thread(inside.wait, 10)
         saving = asyncio.ensure_future((await engine.save(2, state_of(2.0))).wait())
-        await asyncio.sleep(0.5)
+        await wait_until(lambda: engine.pool.taking_back == 1, what="retention taking back step 1's files")
         assert not saving.done()  # retention's take-back of step 1's files waits for the reader's lock
         leave.set()
         mapped, (before, after) = await reading

@@ -8,7 +8,7 @@ from tiered_ckpt.layout import part_count
 from tiered_ckpt.load.reads import plan_reads
 from tiered_ckpt.manifest import Manifest, RankMeta
 from tiered_ckpt.save.plan import ALIGN, build_plan
-from tiered_ckpt.save.pool import tensor_bytes
+from tiered_ckpt.buffers import tensor_bytes
 
 
 def descriptor(path, shape, offsets=None, sizes=None, dtype="torch.float32", itemsize=4):

@@ -5,7 +5,8 @@ steps happens where a GPU is available (docs/benchmarks.md)."""
 import torch
 
 from tiered_ckpt.save.plan import build_plan
-from tiered_ckpt.save.pool import StagingBuffer, stage, stream_steps
+from tiered_ckpt.save.copy import stage, stream_steps
+from tiered_ckpt.save.pool import StagingBuffer
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 

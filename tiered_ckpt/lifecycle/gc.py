@@ -31,15 +31,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from ..errors import IncompleteCheckpoint, IntegrityError, TierError
-from ..storage.index import CheckpointStatus
 from ..layout import checkpoint_prefix, index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
 from ..manifest import Manifest
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from ..storage.index import CheckpointStatus, Index
+from ..storage.tier_io import TierIO
+from .busy import BusySteps
+from .removal import remove_checkpoint
+from .writer import Writer
 
 log = logging.getLogger(__name__)
 GRACE = 3600.0  # seconds: a save that began longer ago is taken for dead when a writer may be running
@@ -82,8 +83,20 @@ def in_flight(status: CheckpointStatus, *, exclusive: bool, grace: float, now: f
     nor failed, its save began less than `grace` seconds ago, and a writer may be running."""
     if exclusive:
         return False
-    pending = [t for t in status.tiers if t not in status.complete and t not in status.failed]
+    pending = [t for t in status.tiers if t not in status.settled]
     return bool(pending) and (now if now is not None else time.time()) - status.created < grace
+
+
+@dataclass(frozen=True)
+class GcScope:
+    """What gc works on: one job's index records and tiers, this process's busy steps, and its writer role
+    (gc attaches as a cleaner)."""
+
+    job: str
+    index: Index
+    io: TierIO
+    busy: BusySteps
+    writer: Writer
 
 
 @dataclass
@@ -98,9 +111,9 @@ class _Plan:
     """What gc will do, in order. A tier's removal that fails is reported and the next goes on; any other
     error (the index refused or is down) stops gc there."""
 
-    def __init__(self, engine: "Engine", report: GcReport):
-        self.engine = engine
-        self.job = engine.job
+    def __init__(self, scope: GcScope, report: GcReport):
+        self.scope = scope
+        self.job = scope.job
         self.report = report
         self.actions: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
         self._group: list[tuple[str, Callable[[], Awaitable[Any]]]] | None = None
@@ -124,42 +137,31 @@ class _Group:
 
     def __exit__(self, *exc: Any) -> None:
         removals, self.plan._group = self.plan._group or [], None
-        index, job, step, report = self.plan.engine.index, self.plan.job, self.step, self.plan.report
+        scope, step, report = self.plan.scope, self.step, self.plan.report
 
         async def run() -> None:
-            if self.bury:
-                await index.bury(job, step)
-            if self.forget:
-                await index.delete(job, step)
-            failed = 0
-            for what, op in removals:
-                try:
-                    await op()
-                except TierError as e:
-                    report.errors.append(f"{what}: {e}; the checkpoint stays buried until a later gc removes it")
-                    failed += 1
-            if not failed:
-                await index.unbury(job, step)
+            failed = await remove_checkpoint(scope.index, scope.job, step, removals, bury=self.bury, forget=self.forget)
+            report.errors.extend(f"{f}; the checkpoint stays buried until a later gc removes it" for f in failed)
 
         self.plan.add(f"removal of checkpoint {step}", run)
 
 
-async def collect(engine: "Engine", dry_run: bool = False, *, grace: float = GRACE, other_indexes: bool = False,
+async def collect(scope: GcScope, dry_run: bool = False, *, grace: float = GRACE, other_indexes: bool = False,
                   progress: Callable[[int, int], None] | None = None) -> GcReport:
-    """Remove (with dry_run, only report) what crashed runs left for `engine`'s job on every configured tier
+    """Remove (with dry_run, only report) what crashed runs left for the job on every configured tier
     and in the index; see the module docstring for what goes and what stays. Runs in this process only (no
     collectives): run it once per node for node-local tiers. `progress(done, total)` counts removals."""
-    if grace < 0:
-        raise ValueError(f"grace must be >= 0 seconds, got {grace}")
-    exclusive = await engine.attach(hold=not dry_run)
+    if not grace >= 0:  # (nan too)
+        raise ValueError(f"grace must be a number of seconds >= 0, got {grace}")
+    exclusive = await scope.writer.attach(hold=not dry_run)
     report = GcReport(dry_run, exclusive, grace)
-    plan = _Plan(engine, report)
-    tiers = await _snapshot(engine, report)  # before the index: see the module docstring
-    statuses = {s.step: s for s in await engine.index.list(engine.job)}
-    buried = await engine.index.buried(engine.job)
-    busy = engine.retention.busy.steps()
+    plan = _Plan(scope, report)
+    tiers = await _snapshot(scope, report)  # before the index: see the module docstring
+    statuses = {s.step: s for s in await scope.index.list(scope.job)}
+    buried = await scope.index.buried(scope.job)
+    busy = scope.busy.steps()
     now = time.time()
-    mine = index_dir(engine.index.identity) + "/"
+    mine = index_dir(scope.index.identity) + "/"
     steps = sorted(set(statuses) | buried | {s for t in tiers for s in t.steps})
     for step in steps:
         status = statuses.get(step)
@@ -180,10 +182,10 @@ async def collect(engine: "Engine", dry_run: bool = False, *, grace: float = GRA
                 foreign = [f for f in t.steps.get(step, {}) if f and not f.startswith(mine)]
                 _remove_folders(plan, t, step, foreign, "another index's folder")
     _note_foreign(report, tiers, mine, other_indexes)
-    for name in engine.io:  # temp files and empty folders: removed after everything above
-        driver = engine.io[name]
+    io = scope.io
+    for name in io:  # temp files and empty folders: removed after everything above
         try:
-            debris = await driver.debris(job_prefix(engine.job), grace)
+            debris = await io.debris(name, job_prefix(scope.job), grace)
         except (TierError, OSError) as e:
             report.errors.append(f"tier {name}: cannot look for temp files: {e}")
             continue
@@ -192,26 +194,26 @@ async def collect(engine: "Engine", dry_run: bool = False, *, grace: float = GRA
             report.removed.append(Removal(name, _step_of(item), item, what, nbytes))
         if debris:
             names = [item for item, _ in debris]
-            plan.add(f"debris on {name}", lambda d=driver, n=names: d.remove_debris(n, grace))
+            plan.add(f"debris on {name}", lambda t=name, n=names: io.remove_debris(t, n, grace))
     if not dry_run:
         await _run(plan, progress)
     return report
 
 
-async def _snapshot(engine: "Engine", report: GcReport) -> list[_Tier]:
+async def _snapshot(scope: GcScope, report: GcReport) -> list[_Tier]:
     out = []
-    for name in engine.io:
-        driver, snap = engine.io[name], _Tier(name)
+    for name in scope.io:
+        snap = _Tier(name)
         try:
-            sizes = await driver.usage(job_prefix(engine.job))
+            sizes = await scope.io.usage(name, job_prefix(scope.job))
             if sizes is None:
-                sizes = dict.fromkeys(await driver.list(job_prefix(engine.job)))
+                sizes = dict.fromkeys(await scope.io.list(name, job_prefix(scope.job)))
         except (TierError, OSError) as e:
             report.errors.append(f"tier {name} cannot be listed: {e}")
             continue
         for key, nbytes in sizes.items():
             parsed = parse_key(key)
-            if parsed is None or parsed.job != engine.job:
+            if parsed is None or parsed.job != scope.job:
                 continue  # not a checkpoint's key (temp files are debris, below)
             snap.steps.setdefault(parsed.step, {}).setdefault(parsed.incarnation, {})[key] = nbytes
         out.append(snap)
@@ -236,7 +238,8 @@ async def _known(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine
                             "an earlier attempt's folder (a crashed run's or a zombie's)")
         return
     try:
-        committed = Manifest.from_bytes(await plan.engine.index.get_manifest(plan.job, step)).incarnation
+        committed = (await _manifest(plan, await plan.scope.index.get_manifest(plan.job, step), f"index manifest of "
+                                                                                                 f"step {step}")).incarnation
     except (IncompleteCheckpoint, IntegrityError) as e:
         report.kept.append(f"step {step}: complete, but its manifest in the index cannot be read ({e}); "
                            f"nothing of it removed")
@@ -246,7 +249,7 @@ async def _known(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine
         if t.name in status.complete:
             _remove_folders(plan, t, step, [f for f in folders if f != committed],
                             "not the committed folder (a zombie's or a crashed attempt's)")
-        elif t.name in status.tiers and t.name not in status.failed:  # targeted, never completed
+        elif t.name in status.tiers and t.name not in status.settled:  # targeted, never completed
             if flight:
                 report.kept.append(f"step {step} on {t.name}: its save began {_age(now - status.created)} ago and "
                                    f"may still be writing there")
@@ -267,19 +270,19 @@ async def _orphan(plan: _Plan, tiers: list[_Tier], step: int, mine: str, other_i
         for folder in sorted(folders):
             if folder and not folder.startswith(mine):
                 continue  # another index's: see _note_foreign
-            driver = plan.engine.io[t.name]
             manifest = None
-            if manifest_key(plan.job, step, folder) in folders[folder]:
+            key = manifest_key(plan.job, step, folder)
+            if key in folders[folder]:
                 try:
-                    manifest = Manifest.from_bytes(await driver.read(manifest_key(plan.job, step, folder)))
-                except (TierError, IntegrityError):
+                    manifest = await _manifest(plan, await plan.scope.io.read(t.name, key), f"{key} on tier {t.name}")
+                except TierError:
                     manifest = None
-            if not folder and (manifest is None or manifest.index != plan.engine.index.identity):
+            if not folder and (manifest is None or manifest.index != plan.scope.index.identity):
                 if not other_indexes:
                     plan.report.kept.append(f"step {step} on {t.name}: keys of an earlier release's format that "
                                             f"the index does not list and no manifest of this index names")
                     continue
-            if manifest is not None and manifest.index == plan.engine.index.identity and all(
+            if manifest is not None and manifest.index == plan.scope.index.identity and all(
                     rank_meta_key(plan.job, step, r.rank, folder) in folders[folder] for r in manifest.ranks):
                 plan.report.kept.append(f"step {step} on {t.name}: a whole checkpoint of this index that the index "
                                         f"does not list (a lost record?); load(step={step}) can restore it")
@@ -301,7 +304,7 @@ def _remove_checkpoint(plan: _Plan, tiers: list[_Tier], step: int, mine: str, wh
 
 
 def _unmark(plan: _Plan, step: int, tier: str) -> None:
-    index, job = plan.engine.index, plan.job
+    index, job = plan.scope.index, plan.job
     plan.report.removed.append(Removal(None, step, f"index record of tier {tier}", "never completed there", None))
     plan.add(f"unmark {step} on {tier}", lambda: index.unmark(job, step, tier))
 
@@ -320,11 +323,10 @@ def _remove_folders(plan: _Plan, t: _Tier, step: int, folders: list[str], what: 
         nbytes = None if any(n is None for n in sizes) else sum(n or 0 for n in sizes)
         name = checkpoint_prefix(plan.job, step, f) if f else f"{step_prefix(plan.job, step)} ({len(keys)} keys)"
         plan.report.removed.append(Removal(t.name, step, name, what, nbytes))
-    driver, pipeline = plan.engine.io[t.name], plan.engine.io.pipelines[t.name]
+    io = plan.scope.io
 
     def delete(prefix: str) -> None:
-        plan.add(f"delete {prefix} on {t.name}", lambda: pipeline.attempt(lambda: driver.delete(prefix),
-                                                                          f"delete {prefix}"))
+        plan.add(f"delete {prefix} on {t.name}", lambda: io.delete(t.name, prefix))
 
     if set(folders) == set(present):
         delete(step_prefix(plan.job, step))
@@ -376,6 +378,11 @@ async def _run(plan: _Plan, progress: Callable[[int, int], None] | None) -> None
         finally:
             if progress is not None:
                 progress(done, total)
+
+
+async def _manifest(plan: _Plan, data: bytes, source: str) -> Manifest:
+    """Decode a manifest off the event loop (IntegrityError, a TierError, when it is damaged)."""
+    return await plan.scope.io.run_blocking(lambda: Manifest.from_bytes(data, source=source))
 
 
 def _step_of(name: str) -> int | None:

@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from ..errors import IntegrityError
-from ..save.pool import tensor_bytes
-from ..storage.tier_io import PartRead, TierIO
+from ..buffers import tensor_bytes
+from ..storage.tier_io import PartRead, ReadLog, TierIO
 from ..storage.tiers.base import scatter
 from ..distributed.coordinator import Coordinator
-
-if TYPE_CHECKING:
-    from .reads import LoadInfo
 
 PartId = tuple[int, int]  # (saved rank, part index)
 
@@ -49,7 +46,7 @@ def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]]) -> tuple[lis
 
 
 async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Sequence[str],
-                              parts: dict[PartId, PartRead], info: "LoadInfo", *, ready: bool = True) -> None:
+                              parts: dict[PartId, PartRead], log: ReadLog, *, ready: bool = True) -> None:
     """Collective: every rank calls it once per load, with the parts it needs (none if it is not `ready`).
     Reads nothing on any rank when one rank was not ready. Every rank walks the whole broadcast
     plan, failure or not, so no rank leaves a collective early; the first error is raised at the end."""
@@ -64,7 +61,7 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
         groups[members] = await coordinator.subgroup(members)  # every rank creates every group, in order
 
     def read(part: PartRead) -> asyncio.Task[str]:
-        return asyncio.create_task(io.read_verified(part, order, info))
+        return asyncio.create_task(io.read_verified(part, order, log))
 
     me = coordinator.rank
     solo = [read(p) for k, p in parts.items() if k not in shared]
@@ -98,9 +95,9 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
                 continue
             await coordinator.broadcast_tensor(buffers[key], reader, groups[members])
             if reader != me:
-                info.bytes_received += lengths[key]
+                log.bytes_received += lengths[key]
             await io.run_blocking(scatter, [tensor_bytes(buffers.pop(key))], parts[key].views)  # verified by its reader
-            info.overwritten.update(parts[key].targets)
+            log.overwritten.update(parts[key].targets)
         for outcome in await asyncio.gather(*solo, return_exceptions=True):
             if isinstance(outcome, BaseException):
                 errors.append(outcome)

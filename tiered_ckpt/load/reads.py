@@ -21,19 +21,32 @@ from ..distributed.coordinator import Coordinator
 from ..distributed.dtensor import local_box, local_tensor
 from ..layout import PartKey
 from ..manifest import Manifest
-from ..save.pool import tensor_bytes
-from ..storage.tier_io import Fallback, PartRead, TierIO
+from ..buffers import tensor_bytes
+from ..storage.tier_io import Fallback, PartRead, ReadLog, TierIO
 
 
 @dataclass
 class LoadInfo:
+    """What a load did: which step, which tier served the most bytes, and what its reads report."""
+
     step: int
     tier: str | None  # the tier that served the most bytes
-    bytes_by_tier: dict[str, int] = field(default_factory=dict)
-    fallbacks: list[Fallback] = field(default_factory=list)
+    reads: ReadLog = field(default_factory=ReadLog)
     seconds: float = 0.0
-    bytes_received: int = 0  # bytes this rank got by broadcast from the reader of its replica group
-    overwritten: set[str] = field(default_factory=set)  # entries of the given state already written
+
+    @property
+    def bytes_by_tier(self) -> dict[str, int]:
+        return self.reads.bytes_by_tier
+
+    @property
+    def fallbacks(self) -> list[Fallback]:
+        """Parts that the preferred tier could not serve intact, and why."""
+        return self.reads.fallbacks
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes this rank got by broadcast from the reader of its replica group."""
+        return self.reads.bytes_received
 
 
 @dataclass
@@ -55,6 +68,9 @@ class Reads:
 
 
 def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]]) -> Reads:
+    """Where each saved chunk that overlaps a target goes. A chunk that lies wholly inside a contiguous CPU
+    target of its dtype, on a contiguous stretch of it (the same box, a Shard(0) piece of a full tensor, any
+    piece of a 1-d one), is read straight into that memory; any other into scratch, then copied."""
     reads = Reads()
     scratch: dict[tuple[int, int], torch.Tensor] = {}
     for index, (where, target) in targets.items():
@@ -67,8 +83,11 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
             if overlap is None or chunk.nbytes == 0:
                 continue
             key = (chunk.rank, chunk.byte_offset)
-            if direct and chunk.offsets == box_offsets and chunk.sizes == box_sizes:
-                reads.dests[key] = tensor_bytes(local)
+            lo, hi = overlap
+            dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box_offsets))]
+            inside = lo == tuple(chunk.offsets) and hi == tuple(o + n for o, n in zip(chunk.offsets, chunk.sizes))
+            if direct and inside and dst.is_contiguous():
+                reads.dests[key] = tensor_bytes(dst)
                 reads.direct[key] = where
                 continue
             if key not in scratch:
@@ -76,9 +95,7 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
                 reads.dests[key] = tensor_bytes(scratch[key])
                 reads.keep.append(scratch[key])
             src = scratch[key].view(meta.torch_dtype).view(chunk.sizes)
-            lo, hi = overlap
             src = src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, chunk.offsets))]
-            dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box_offsets))]
             reads.copies.append((src, dst))
     return reads
 
@@ -129,32 +146,37 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
     return (views, tuple(targets)) if wanted else None
 
 
-def parts_to_read(manifest: Manifest, reads: Reads) -> dict[tuple[int, int], PartRead]:
-    """Every part (saved rank, index) that holds a chunk this rank needs, with the buffers it fills."""
+def parts_to_read(manifest: Manifest, reads: Reads, only: set[tuple[int, int]] | None = None,
+                  spans: dict[int, list[tuple[int, int]]] | None = None) -> dict[tuple[int, int], PartRead]:
+    """Every part (saved rank, index) that holds a chunk this rank needs, with the buffers it fills; `only`
+    restricts the parts looked at (an export reads a few tensors at a time), `spans` caches rank_spans."""
     parts: dict[tuple[int, int], PartRead] = {}
     for rank_meta in manifest.ranks:
-        spans = rank_spans(manifest, rank_meta.rank)
-        for p, expected in enumerate(rank_meta.checksums):
-            found = part_views(manifest, rank_meta.rank, p, spans, reads)
+        rank = rank_meta.rank
+        candidates = range(len(rank_meta.checksums)) if only is None else sorted(p for r, p in only if r == rank)
+        if not candidates:
+            continue
+        rank_spans_ = spans[rank] if spans is not None else rank_spans(manifest, rank)
+        for p in candidates:
+            found = part_views(manifest, rank, p, rank_spans_, reads)
             if found is not None:
-                key = PartKey(manifest.job, manifest.step, rank_meta.rank, p, manifest.incarnation).path
-                length = manifest.part_length(rank_meta.rank, p)
-                parts[(rank_meta.rank, p)] = PartRead(key, found[0], length, expected, found[1], bounce=True,
-                                                      algorithm=manifest.checksum)
+                key = PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path
+                parts[(rank, p)] = PartRead(key, found[0], manifest.part_length(rank, p), rank_meta.checksums[p],
+                                            found[1], bounce=True, algorithm=manifest.checksum)
     return parts
 
 
 async def read_parts(io: TierIO, coordinator: Coordinator, manifest: Manifest | None, order: Sequence[str],
-                     reads: Reads | None, info: LoadInfo) -> None:
+                     reads: Reads | None, log: ReadLog) -> None:
     """Read every part that holds a wanted chunk into its destinations, from the tiers in `order`. A rank
     that failed before (no manifest or reads) still takes part, so the ranks' collectives stay in step;
     then no rank reads anything."""
     ready = manifest is not None and reads is not None
     parts = await asyncio.to_thread(parts_to_read, manifest, reads) if ready else {}  # type: ignore[arg-type]
     if coordinator.distributed:
-        await read_with_broadcast(coordinator, io, order, parts, info, ready=ready)
+        await read_with_broadcast(coordinator, io, order, parts, log, ready=ready)
     elif ready:
-        outcomes = await asyncio.gather(*(io.read_verified(p, order, info) for p in parts.values()),
+        outcomes = await asyncio.gather(*(io.read_verified(p, order, log) for p in parts.values()),
                                         return_exceptions=True)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         if failed:

@@ -8,6 +8,7 @@ from typing import Callable
 
 from ..errors import IntegrityError, TierError
 from ..storage.index import CheckpointStatus
+from ..buffers import empty_bytes
 from ..layout import PartKey, manifest_key, rank_meta_key
 from ..manifest import Manifest, RankMeta
 from ..storage.tier_io import PartRead, ReadLog, TierIO
@@ -41,8 +42,9 @@ async def verify(io: TierIO, status: CheckpointStatus, manifest: Manifest,
         async def check(rank: int, p: int, expected: int) -> None:
             length = manifest.part_length(rank, p)
             async with slots:
+                buffer = await io.run_blocking(empty_bytes, length)
                 part = PartRead(PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path,
-                                [memoryview(bytearray(length))], length, expected, algorithm=manifest.checksum)
+                                [buffer], length, expected, algorithm=manifest.checksum)
                 log = ReadLog()
                 try:
                     await io.read_verified(part, [tier], log)
@@ -68,7 +70,8 @@ async def _check_records(io: TierIO, tier: str, manifest: Manifest) -> list[str]
                  lambda data, src: RankMeta.from_bytes(data, source=src)) for r in manifest.ranks]
     for key, parse in records:
         try:
-            parse(await io[tier].read(key), key)
+            data = await io.read(tier, key)
+            await io.run_blocking(parse, data, key)
         except TierError as e:  # IntegrityError (corrupt) or TierNotFound
             bad.append(f"{key}: {type(e).__name__}: {e}")
     return bad

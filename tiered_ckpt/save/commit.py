@@ -15,9 +15,8 @@ import logging
 import time
 from typing import Any, Mapping, Sequence
 
-from ..errors import RankFailed, TierTimeout
+from ..errors import RankFailed, TieredCkptError, TierTimeout
 from ..storage.index import Index
-from ..storage.index.base import SKIPPED, superseded_by
 from ..layout import incarnation_dir
 
 log = logging.getLogger(__name__)
@@ -27,7 +26,7 @@ class Superseded(Exception):
     """A tier skipped this save for a newer one (this rank decided, or another rank did)."""
 
     def __init__(self, newer: int):
-        super().__init__(f"{SKIPPED}{newer}")
+        super().__init__(f"skipped: superseded by step {newer}")
         self.newer = newer
 
 
@@ -69,10 +68,9 @@ class Committer:
             state = await self.index.tier_state(self.job, step, tier, self.session)
             if state.state == "complete":
                 return
+            if state.state == "skipped" and state.newer is not None:
+                raise Superseded(state.newer)
             if state.state == "failed":
-                newer = superseded_by(state.reason)
-                if newer is not None:
-                    raise Superseded(newer)
                 raise RankFailed(f"step {step}: {state.reason}", tier=tier)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - state.ranks_done)
@@ -86,8 +84,8 @@ class Committer:
         wait sees it, so every rank skips the tier for this step too and none waits for a commit."""
         log.info("checkpoint step %d skips tier %s: it cannot keep up, and step %d supersedes it", step, tier, newer)
         try:
-            await self.index.mark_failed(self.job, step, tier, self.rank, self.session, f"{SKIPPED}{newer}")
-        except Exception as e:
+            await self.index.mark_skipped(self.job, step, tier, self.rank, self.session, newer)
+        except TieredCkptError as e:
             log.warning("could not record that tier %s skipped step %d: %s", tier, step, e)
 
     async def skipped(self, step: int, tier: str) -> int | None:
@@ -95,7 +93,7 @@ class Committer:
         if self.world_size == 1:
             return None
         state = await self.index.tier_state(self.job, step, tier, self.session)
-        return superseded_by(state.reason) if state.state == "failed" else None
+        return state.newer if state.state == "skipped" else None
 
     async def fail_tier(self, step: int, tier: str, error: BaseException) -> BaseException:
         """Record this rank's failure on `tier` where every rank sees it; return the error to raise here."""
@@ -105,7 +103,7 @@ class Committer:
         log.error("checkpoint step %d failed on tier %s (rank %d): %s", step, tier, self.rank, reason)
         try:
             await self.index.mark_failed(self.job, step, tier, self.rank, self.session, reason)
-        except Exception as e:  # the index being down must not hide the original error
+        except (TieredCkptError, OSError) as e:  # the index being down must not hide the original error
             log.error("could not record the failure of tier %s in the index: %s", tier, e)
         if self.world_size == 1:
             return error

@@ -29,7 +29,7 @@ from ..distributed.dtensor import is_dtensor, layout_key, local_box
 from ..errors import RankFailed, StateError
 from ..layout import part_count, part_range
 from ..manifest import ChunkMeta, TensorMeta
-from .pool import tensor_bytes
+from ..buffers import tensor_bytes
 
 log = logging.getLogger(__name__)
 ALIGN = 64  # every chunk starts 64-byte aligned, so byte views can be re-viewed as any dtype

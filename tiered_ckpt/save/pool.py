@@ -1,58 +1,40 @@
-"""Host staging buffers, reused across saves, and the copy of a state's tensors into them.
+"""Host staging buffers, reused across saves.
 
 A buffer is one flat uint8 tensor (pinned when CUDA is present, so device-to-host copies are DMA on a
 side stream). Buffers are allocated once, touched once (first-touch page faults cost 4-5x a memcpy), and
 then recycled: a save never allocates host memory proportional to the state after the first one.
 At most `max_inflight` buffers are in flight; a save that needs one waits for a release, it never drops.
-
-With a memory tier first in the stack (an `Arena`), a buffer is the memory tier's files, mapped
-(mapped.py): the staging copy is the tier's copy, committing there is a rename per part, and the buffer
-stays with the checkpoint while the tier keeps it. When retention retires that checkpoint, its files (pages
-already allocated) come back as the next free buffer. Host memory: about keep_last + max_inflight states.
+With an `Arena` (arena.py) a buffer is the memory tier's own files; it stays with the checkpoint it holds
+there (`retain`) until retention retires it (`reclaim`). Host memory: about keep_last + max_inflight states.
 """
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
-import itertools
-import os
-import shutil
-import socket
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..distributed.dtensor import local_tensor
-from ..errors import ConfigError
-from .mapped import MappedParts
+from ..buffers import tensor_bytes
+
+if TYPE_CHECKING:
+    from .arena import Arena
+    from .mapped import MappedParts
+    from .plan import Plan
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:  # plan.py uses tensor_bytes from here
-    from .plan import Plan
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (no copy). The view holds a reference to
-    the tensor's storage (through a uint8 view and its numpy array), so memory can never be freed under a
-    thread that still reads or writes it, e.g. after a timed-out or cancelled read."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("tensor_bytes needs a contiguous CPU tensor")
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
-
 
 class StagingBuffer:
-    def __init__(self, nbytes: int, pin: bool, parts: MappedParts | None = None):
-        self.parts = parts  # the memory tier's files behind this buffer (None: anonymous memory)
-        if parts is None:
+    def __init__(self, nbytes: int, pin: bool, *, files: MappedParts | None = None):
+        self.files = files  # the memory tier's files behind this buffer (None: anonymous memory)
+        if files is None:
             self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
             self.tensor.zero_()  # touch every page now, not during a save
         else:
-            self.tensor = parts.tensor  # preallocated and populated by MappedParts
+            self.tensor = files.tensor  # preallocated and populated by MappedParts
         self.view = tensor_bytes(self.tensor)
-        self.pinned = parts.pinned if parts is not None else pin
+        self.pinned = files.pinned if files is not None else pin
         self.step: int | None = None  # the memory tier's checkpoint these files hold (retained buffers)
         self.published = False  # the files sit under the memory tier's keys
         self.in_use = False  # a save is reading or writing it (between acquire and release)
@@ -70,125 +52,6 @@ class StagingBuffer:
         return self.tensor.numel()
 
 
-STAGING_DIR = ".staging"  # at the memory tier's root, beside the jobs' folders
-LOCK_FILE = ".owner"  # in a process's staging folder, flock-ed while it lives
-TAKE_BACK_WAIT = 10.0  # seconds retention waits for a reader of a retired part file before giving the file up
-
-
-class Arena:
-    """Where mapped buffers live on the memory tier (`tier`, a LocalTier driver): free ones in a folder of
-    this process (`home`, locked while the process lives), retained ones under the checkpoint's keys."""
-
-    def __init__(self, name: str, tier: Any, home: Path, part_size: int, keep_last: int, job: str):
-        self.name = name
-        self.tier = tier
-        self.home = home
-        self.part_size = part_size
-        self.keep_last = keep_last
-        self.job = job
-        self._ids = itertools.count()
-        self._lock_fd: int | None = None
-
-    def start(self) -> None:
-        """At the first buffer: claim `home`, and remove what dead processes of the job left (their RAM)."""
-        if self._lock_fd is not None:
-            return
-        self.claim()
-        freed = self.clean_stale(self.job)
-        if freed:
-            self.tier.account(-freed, "staging buffers of processes that are gone")  # counted at the tier's open
-            log.info("removed %d bytes of staging buffers that processes of job %r left when they died", freed,
-                     self.job)
-
-    @staticmethod
-    def home_for(tier: Any, job: str, session: str, rank: int) -> Path:
-        """This process's folder of free buffers (host and pid in the name are for people; liveness is its lock)."""
-        return tier.path_of(f"{STAGING_DIR}/{job}-{session}-r{rank}-{socket.gethostname()}-p{os.getpid()}")
-
-    def claim(self) -> None:
-        """Create `home` and hold an exclusive flock on its lock file for as long as this process lives: the
-        kernel drops it when the process dies, which is how `clean_stale` tells a dead folder (PIDs are
-        reused and differ between PID namespaces that share one /dev/shm)."""
-        self.home.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.home / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._lock_fd = fd
-
-    def release_claim(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-        shutil.rmtree(self.home, ignore_errors=True)
-
-    def clean_stale(self, job: str) -> int:
-        """Remove the buffer folders of this job's processes that are gone (killed or crashed mid-save: their
-        staging files hold a state's worth of RAM): those whose lock file nobody holds. Returns bytes freed."""
-        freed = 0
-        for folder in self.home.parent.glob(f"{job}-*"):
-            if folder == self.home or not folder.is_dir():
-                continue
-            try:
-                fd = os.open(folder / LOCK_FILE, os.O_RDWR)
-            except FileNotFoundError:
-                continue  # not (yet) claimed: a process between mkdir and its lock
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its process is alive
-            else:
-                freed += sum(_size(f) for f in folder.rglob("*") if f.is_file())
-                shutil.rmtree(folder, ignore_errors=True)
-            finally:
-                os.close(fd)
-        return freed
-
-    def new(self, nbytes: int, pin: bool) -> StagingBuffer:
-        self.start()
-        folder = self.home / f"buf-{next(self._ids)}"
-        return StagingBuffer(nbytes, pin, MappedParts(folder, nbytes, self.part_size, pin=pin))
-
-    def publish(self, buf: StagingBuffer, keys: list[str]) -> None:
-        """The parts become the tier's values under `keys` (a rename each; no byte is copied)."""
-        assert buf.parts is not None and not buf.published
-        self.tier.account(buf.parts.nbytes, f"staged parts of {keys[0] if keys else 'an empty save'}")
-        try:
-            buf.parts.move([self.tier.path_of(k) for k in keys])
-        except BaseException:
-            self.tier.account(-buf.parts.nbytes, "staged parts not published")
-            raise
-        buf.published = True
-
-    def take_back(self, buf: StagingBuffer) -> bool:
-        """Move published part files home (the tier no longer holds that checkpoint); False when the buffer
-        cannot be reused: its files are gone (the tier deleted them: a failed save's cleanup, a deletion by
-        another process), or a reader kept one locked past TAKE_BACK_WAIT seconds (then they are unlinked,
-        and the reader keeps its mapping of the old file)."""
-        assert buf.parts is not None
-        try:
-            if not buf.parts.intact():
-                raise FileNotFoundError("a part file is gone")
-            if buf.published:
-                buf.parts.move([buf.parts.home / p.name for p in buf.parts.paths], exclusive=True,
-                               wait=TAKE_BACK_WAIT)
-        except (OSError, TimeoutError):
-            if buf.published:
-                buf.published = False
-                self.tier.account(-sum(_size(p) for p in buf.parts.paths), "retired staged parts")
-            buf.parts.unlink()
-            return False
-        if buf.published:
-            buf.published = False
-            self.tier.account(-buf.parts.nbytes, "retired staged parts")
-        return True
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
 class StagingPool:
     def __init__(self, max_inflight: int, *, pin: bool | None = None, arena: Arena | None = None):
         self.max_inflight = max_inflight
@@ -196,7 +59,9 @@ class StagingPool:
         self.arena = arena
         self._free: list[StagingBuffer] = []
         self._count = 0  # buffers in flight or free (retained ones do not count)
-        self._retained: dict[int, StagingBuffer] = {}  # step → the buffer whose files hold it on the memory tier
+        self._retained: dict[int, StagingBuffer] = {}
+        self.waiting = 0  # saves waiting for a buffer (backpressure at work)
+        self.taking_back = 0  # retired files being moved home (each waits for readers that map them)  # step → the buffer whose files hold it on the memory tier
         self._cond = asyncio.Condition()
 
     @property
@@ -206,9 +71,13 @@ class StagingPool:
     async def acquire(self, nbytes: int) -> StagingBuffer:
         await self._drop_vanished()
         async with self._cond:
-            await self._cond.wait_for(lambda: self._free or self._count < self.max_inflight)
-            buf = next((b for b in self._free if b.capacity >= nbytes and (b.parts is None or
-                                                                            b.parts.nbytes == nbytes)), None)
+            self.waiting += 1
+            try:
+                await self._cond.wait_for(lambda: self._free or self._count < self.max_inflight)
+            finally:
+                self.waiting -= 1
+            buf = next((b for b in self._free if b.capacity >= nbytes and (b.files is None or
+                                                                            b.files.nbytes == nbytes)), None)
             if buf is not None:
                 self._free.remove(buf)
                 buf.in_use = True
@@ -230,7 +99,7 @@ class StagingPool:
 
     def _new(self, nbytes: int) -> StagingBuffer:
         if self.arena is not None:
-            self._check_fits(nbytes)
+            self.arena.check_fits(nbytes, self.max_inflight)
             try:
                 return self.arena.new(nbytes, self.pin)
             except OSError as e:  # e.g. tmpfs full: the save still goes on, staged in anonymous memory
@@ -271,8 +140,12 @@ class StagingPool:
         dropped (a burst must not leave buffers behind). `counted`: it still counts in `_count`."""
         reusable = True
         try:
-            if buf.parts is not None and self.arena is not None:
-                reusable = await asyncio.to_thread(self.arena.take_back, buf)
+            if buf.files is not None and self.arena is not None:
+                self.taking_back += 1
+                try:
+                    reusable = await asyncio.to_thread(self.arena.take_back, buf)
+                finally:
+                    self.taking_back -= 1
         except Exception as e:
             log.warning("a staging buffer could not be taken back (%s); it is dropped", e)
             reusable = False
@@ -293,22 +166,11 @@ class StagingPool:
         """Retained buffers whose files someone else deleted (e.g. `tiered-ckpt delete` in another process):
         their memory stays mapped until dropped here."""
         gone = [step for step, buf in self._retained.items()
-                if not buf.in_use and buf.parts is not None and not buf.parts.intact()]
+                if not buf.in_use and buf.files is not None and not buf.files.intact()]
         for step in gone:
             buf = self._retained.pop(step)
             buf.step = None
             await self._discard(buf)
-
-    def _check_fits(self, nbytes: int) -> None:
-        assert self.arena is not None
-        capacity = self.arena.tier.options.capacity
-        # keep_last checkpoints, the one retention retires only after the next commits, and those in flight
-        need = (self.arena.keep_last + 1 + self.max_inflight) * nbytes
-        if capacity is not None and need > capacity:
-            raise ConfigError(f"the memory tier holds keep_last + 1 + max_inflight = {self.arena.keep_last} + 1 + "
-                              f"{self.max_inflight} states of {nbytes} bytes ({need} bytes) but its capacity is "
-                              f"{capacity}: raise capacity, or lower keep_last or max_inflight",
-                              key=f"tiers.{self.arena.name}.capacity")
 
     async def _discard(self, buf: StagingBuffer) -> None:
         """Drop a buffer: its files (if not the tier's) go, and its memory is unmapped, in a thread (hundreds of
@@ -328,79 +190,27 @@ class StagingPool:
     def held_bytes(self) -> int:
         return sum(b.capacity for b in self._free)
 
+    @property
+    def buffers(self) -> int:
+        """Buffers in flight or free: what counts against max_inflight (retained ones do not)."""
+        return self._count
+
+    @property
+    def free(self) -> tuple[StagingBuffer, ...]:
+        """Buffers waiting for the next save."""
+        return tuple(self._free)
+
+    @property
+    def retained(self) -> dict[int, StagingBuffer]:
+        """step → the buffer whose files hold that checkpoint on the memory tier (a copy of the mapping)."""
+        return dict(self._retained)
+
 
 def _drop(buf: StagingBuffer) -> None:
-    if buf.parts is not None and not buf.published:
-        buf.parts.unlink()
-    buf.parts = None
+    if buf.files is not None and not buf.published:
+        buf.files.unlink()
+    buf.files = None
     buf.tensor = buf.view = None  # type: ignore[assignment]  # the last references: unmapped here
     buf._views = None
 
 
-def producer_events(tensors: Sequence[torch.Tensor] | None = None) -> dict[torch.device, Any]:
-    """For each CUDA device that `tensors` live on (None: the current device), an event recorded now on the
-    calling thread's current stream: the point after which the tensors hold the values to save. Staging
-    copies wait for it, so a copy can never read a tensor before a pending kernel (the optimizer step, the
-    forward) has written it. Record it in the thread that runs the training step. Empty without CUDA."""
-    if not torch.cuda.is_available():
-        return {}
-    if tensors is None:
-        devices = {torch.device("cuda", torch.cuda.current_device())}
-    else:
-        devices = {local_tensor(t).device for t in tensors if local_tensor(t).is_cuda}
-    return {d: torch.cuda.current_stream(d).record_event() for d in devices}
-
-
-def stream_steps(devices: Sequence[torch.device | None], events: Mapping[torch.device, Any]) -> list[tuple[Any, ...]]:
-    """The order of operations that copies sources on `devices` (None for a CPU source) to host memory:
-    for each CUDA device, a side stream that first waits for the producer (its event, or else the current
-    stream of the copying thread), then the copies (CUDA ones on their device's side stream), then every
-    side stream synchronized, so the buffer holds the data when staging returns. Kept apart from the CUDA
-    calls so that a CPU test can check the ordering."""
-    cuda_devices = sorted({d for d in devices if d is not None}, key=str)
-    steps: list[tuple[Any, ...]] = []
-    for d in cuda_devices:
-        steps.append(("stream", d))
-        steps.append(("wait_event", d, events[d]) if d in events else ("wait_stream", d))
-    steps += [("copy", i, d) for i, d in enumerate(devices)]
-    steps += [("synchronize", d) for d in cuda_devices]
-    return steps
-
-
-def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
-          events: Mapping[torch.device, Any] | None = None, staged_up_to: Callable[[int], None] | None = None) -> None:
-    """Copy this rank's boxes into `buf` at the plan's offsets. Runs in a worker thread (copy_ drops the
-    GIL). CUDA tensors are copied on side streams ordered after `events` (see stream_steps).
-    `staged_up_to(n)`: the first n bytes of the buffer hold their final bytes (called as CPU copies progress,
-    so parts can be checksummed while later ones are still being copied; once more at the end)."""
-    in_order = all(a.offset <= b.offset for a, b in zip(plan.local, plan.local[1:]))
-    report = staged_up_to if in_order else None
-    sources = []
-    for c in plan.local:
-        src = local_tensor(tensors[c.index])
-        sources.append(src if c.dim0 is None else src.narrow(0, *c.dim0))
-    views = buf.views_for(plan)
-    streams: dict[torch.device, Any] = {}
-    with torch.no_grad():
-        for step in stream_steps([s.device if s.is_cuda else None for s in sources], events or {}):
-            op, *args = step
-            if op == "stream":
-                streams[args[0]] = torch.cuda.Stream(device=args[0])
-            elif op == "wait_event":
-                streams[args[0]].wait_event(args[1])
-            elif op == "wait_stream":
-                streams[args[0]].wait_stream(torch.cuda.current_stream(args[0]))
-            elif op == "copy":
-                index, device = args
-                src, dst = sources[index], views[index]
-                if device is None:
-                    dst.copy_(src)
-                    if report is not None and not streams:
-                        report(plan.local[index].offset + plan.local[index].nbytes)
-                else:
-                    with torch.cuda.stream(streams[device]):
-                        dst.copy_(src, non_blocking=True)
-            else:  # synchronize
-                streams[args[0]].synchronize()
-    if staged_up_to is not None:
-        staged_up_to(buf.view.nbytes)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
@@ -68,7 +69,7 @@ def parse_url(url: str, *, key: str) -> RedisURL:
     """Parse a Redis URL of any of the three forms; a ConfigError naming `key` (never the password) if bad."""
     scheme, sep, _ = url.partition("://")
     if not sep or f"{scheme}://" not in SCHEMES:
-        raise ConfigError(f"{_redact(url)}: expected one of {', '.join(s + '…' for s in SCHEMES)}", key=key)
+        raise ConfigError(f"{redact(url)}: expected one of {', '.join(s + '…' for s in SCHEMES)}", key=key)
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
     ours = {k: v for k, v in query if k in OPTIONS}
@@ -83,7 +84,7 @@ def parse_url(url: str, *, key: str) -> RedisURL:
         except ValueError:
             value = None
         if value is None or value < low:
-            raise ConfigError(f"{_redact(url)}: option {name}={ours[name]!r} must be a number >= {low}", key=key)
+            raise ConfigError(f"{redact(url)}: option {name}={ours[name]!r} must be a number >= {low}", key=key)
         return value
 
     options = dict(
@@ -96,7 +97,7 @@ def parse_url(url: str, *, key: str) -> RedisURL:
         plain = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(rest), parts.fragment))
         return RedisURL("single", _single_identity(parts), plain, **options)
     if rest:
-        raise ConfigError(f"{_redact(url)}: unknown option(s) {sorted(k for k, _ in rest)} (known: "
+        raise ConfigError(f"{redact(url)}: unknown option(s) {sorted(k for k, _ in rest)} (known: "
                           f"{', '.join(OPTIONS)})", key=key)
     userinfo, _, hostlist = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":")
@@ -104,17 +105,17 @@ def parse_url(url: str, *, key: str) -> RedisURL:
     for item in hostlist.split(","):
         host, _, port = item.strip().rpartition(":")
         if not host or not port.isdigit():
-            raise ConfigError(f"{_redact(url)}: {item!r} is not host:port", key=key)
+            raise ConfigError(f"{redact(url)}: {item!r} is not host:port", key=key)
         hosts.append((host.strip("[]"), int(port)))
     path = [p for p in parts.path.split("/") if p]
     service, db = None, 0
     if kind == "cluster":
         if len(path) > 1 or (path and path[0] != "0"):
-            raise ConfigError(f"{_redact(url)}: a Redis Cluster has only database 0 (got /{'/'.join(path)})", key=key)
+            raise ConfigError(f"{redact(url)}: a Redis Cluster has only database 0 (got /{'/'.join(path)})", key=key)
         identity = f"{scheme}://{_hostlist(hosts)}"
     else:
         if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
-            raise ConfigError(f"{_redact(url)}: expected {scheme}://host:port[,host:port...]/<master-name>[/db]",
+            raise ConfigError(f"{redact(url)}: expected {scheme}://host:port[,host:port...]/<master-name>[/db]",
                               key=key)
         service, db = path[0], int(path[1]) if len(path) == 2 else 0
         identity = f"{scheme}://{_hostlist(hosts)}/{service}/{db}"
@@ -134,16 +135,23 @@ def _single_identity(parts: Any) -> str:
     return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
 
 
-def _redact(url: str) -> str:
+_SECRET_OPTION = re.compile(r"([?&][^=&?]*password=)[^&]*")
+
+
+def redact(url: str) -> str:
+    """`url` with no secret left: the password of its userinfo (everything from `://` to the last `@` before
+    the host, so a password holding `@`, `:` or `/` is hidden whole) and every `*password=` option. For
+    messages, logs and the CLI. A string that is not a URL comes back unchanged."""
     scheme, sep, rest = url.partition("://")
-    netloc, slash, tail = rest.partition("/")
-    if "@" in netloc:
-        user = netloc.rpartition("@")[0].split(":", 1)[0]
-        netloc = f"{user + ':' if user else ':'}***@{netloc.rpartition('@')[2]}"
-    tail, q, query = tail.partition("?")
-    if query:  # sentinel_password=…
-        query = "&".join(f"{k}=***" if "password" in k else f"{k}={v}" for k, v in parse_qsl(query, True))
-    return f"{scheme}{sep}{netloc}{slash}{tail}{q}{query}"
+    if not sep:
+        return url
+    rest = _SECRET_OPTION.sub(r"\1***", rest)  # first: an option's value may hold an '@' too
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not at:
+        return f"{scheme}{sep}{rest}"
+    user, colon, _ = userinfo.partition(":")
+    shown = f"{user}:***" if colon else "***"  # a lone userinfo may be a password (redis://secret@host)
+    return f"{scheme}{sep}{shown}@{hostpart}"
 
 
 class NotReplicated(Exception):
@@ -362,7 +370,7 @@ class RedisDeployment:
         ConfigErrors naming the right form."""
         mode = str(info.get("redis_mode", "standalone"))
         cluster = str(info.get("cluster_enabled", "0")) == "1" or mode == "cluster"
-        where = f"{_redact(self.identity)} ({address})" if address != self.identity else _redact(self.identity)
+        where = f"{redact(self.identity)} ({address})" if address != self.identity else redact(self.identity)
         if mode == "sentinel":
             raise ConfigError(f"{where} is a Redis Sentinel, not a data server: use redis+sentinel://"
                               f"host:port[,host:port...]/<master-name>/<db>", key=self.key)

@@ -1,7 +1,8 @@
-"""TierIO: the configured tiers, fastest first, each behind its own pipeline and thread pool.
+"""TierIO: the configured tiers, fastest first, each behind its own pipeline and thread pool: the only door
+into a tier driver.
 
-Every byte the engine moves goes through here: part writes, manifest writes, and `read_verified`, the one
-way a part is read back (by load, by a save whose staging buffer was handed on, and by verify). Each read
+Every call the library makes on a tier goes through here, with the tier's timeout and retries: writes,
+reads, listings, deletions, the checks before a commit, and `read_verified`, the one way a part is read back (by load, by a save whose staging buffer was handed on, and by verify). Each read
 has the tier's timeout and retries (and, but for a save's read-back, whose bytes the writing tier's budget
 already counts, its byte budget and worker slots), and its checksum is checked over exactly the bytes read
 before the next tier is tried.
@@ -12,16 +13,16 @@ import asyncio
 import concurrent.futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, AsyncContextManager, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 
 from ..checksum import ALGORITHM, checksum, describe
 from ..config import TierConfig
 from ..errors import IntegrityError, TierError
-from .pipeline import TierPipeline
-from ..save.pool import tensor_bytes
-from .tiers.base import Tier, scatter, start_tier
+from .pipeline import SaveTurns, TierPipeline
+from ..buffers import tensor_bytes
+from .tiers.base import FileTier, Tier, scatter, start_tier
 from .tiers.registry import driver_class
 
 T = TypeVar("T")
@@ -53,10 +54,12 @@ class PartRead:
 
 @dataclass
 class ReadLog:
-    """What reads report: per-part fallbacks, bytes served per tier, caller entries already written."""
+    """What reads report: per-part fallbacks, bytes served per tier, bytes received by broadcast from the
+    reader of a replica group, and the caller's entries already written."""
 
     fallbacks: list[Fallback] = field(default_factory=list)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    bytes_received: int = 0
     overwritten: set[str] = field(default_factory=set)
 
 
@@ -86,12 +89,16 @@ class BouncePool:
 
 
 class TierIO:
+    """The configured tiers, fastest first: the only way into a driver. Every operation has the tier's timeout
+    and retries (its pipeline's); writes and reads also hold the tier's byte budget and a worker slot."""
+
     def __init__(self, configs: Sequence[TierConfig], io_threads: int):
         self.configs = {t.name: t for t in configs}
-        self.drivers: dict[str, Tier] = {t.name: driver_class(t.kind)(t.name, t.options) for t in configs}
-        self.pipelines = {t.name: TierPipeline(t.name, workers=t.workers, inflight=t.inflight, retries=t.retries,
-                                               timeout=t.timeout, skip_when_behind=t.skip_when_behind)
-                          for t in configs}
+        self._drivers: dict[str, Tier] = {t.name: driver_class(t.kind)(t.name, t.options) for t in configs}
+        self._pipelines = {t.name: TierPipeline(t.name, workers=t.workers, inflight=t.inflight, retries=t.retries,
+                                                timeout=t.timeout, backoff=t.backoff,
+                                                skip_when_behind=t.skip_when_behind)
+                           for t in configs}
         # CPU work (staging copies, checksums, scatters) on one pool; each tier's I/O on its own, sized to its
         # pipeline: a disk blocked in fsync must not starve the memory tier, whose speed is what lets the
         # next save reuse the staging buffer early.
@@ -100,27 +107,47 @@ class TierIO:
                                 for t in configs}
         self.bounce = BouncePool(max(2, io_threads))
 
-    def __getitem__(self, name: str) -> Tier:
-        return self.drivers[name]
+    @property
+    def names(self) -> list[str]:
+        """Every tier's name, fastest first."""
+        return list(self._drivers)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.drivers
+        return name in self._drivers
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.drivers)
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._drivers)
 
     def order(self, names: Iterable[str]) -> list[str]:
         """`names` sorted fastest first (the order of [[tiers]] in the config); unknown names dropped."""
         wanted = set(names)
-        return [n for n in self.drivers if n in wanted]
+        return [n for n in self._drivers if n in wanted]
+
+    def turns(self, tier: str) -> SaveTurns:
+        """Whose turn it is to write a save to `tier` (one writes, one waits)."""
+        return self._pipelines[tier].turns
+
+    def retried(self, tier: str) -> int:
+        """Operations on `tier` that needed more than one attempt so far."""
+        return self._pipelines[tier].retried
+
+    def file_tier(self, name: str) -> FileTier | None:
+        """The driver of `name` when its values are files on this machine (the arena stages into them)."""
+        driver = self._drivers[name]
+        return driver if isinstance(driver, FileTier) else None
+
+    def driver(self, name: str) -> Tier:
+        """The driver itself, for tests and tools that inject faults or look at the store. The library never
+        uses it: every one of its calls goes through the methods below, with timeouts and retries."""
+        return self._drivers[name]
 
     async def open(self, *, rank: int, world_size: int, node: int, num_nodes: int) -> None:
-        for name, tier in self.drivers.items():
+        for name, tier in self._drivers.items():
             await start_tier(tier, self._tier_executors[name], rank=rank, world_size=world_size, node=node,
                              num_nodes=num_nodes)
 
     async def close(self) -> None:
-        for tier in self.drivers.values():
+        for tier in self._drivers.values():
             await tier.close()
         self.shutdown()
 
@@ -136,8 +163,45 @@ class TierIO:
         """CPU work (memcpy, checksums) in a thread; the functions used here release the GIL."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    # -- one operation on one tier, each with the tier's timeout and retries -------------------------------
     async def write(self, tier: str, key: str, data: memoryview, what: str | None = None) -> None:
-        await self.pipelines[tier].submit(len(data), lambda: self.drivers[tier].write(key, data), what or f"write {key}")
+        """Store `data` under `key` (budgeted)."""
+        await self._pipelines[tier].submit(len(data), lambda: self._drivers[tier].write(key, data),
+                                           what or f"write {key}")
+
+    async def write_from(self, tier: str, key: str, nbytes: int,
+                         source: Callable[[], AsyncContextManager[memoryview]], what: str) -> None:
+        """Store under `key` the `nbytes` that `source()` lends (budgeted); each attempt borrows them anew, so a
+        retry after the staging buffer went back reads them from wherever they are then."""
+        async def op() -> None:
+            async with source() as data:
+                await self._drivers[tier].write(key, data)
+        await self._pipelines[tier].submit(nbytes, op, what)
+
+    async def read(self, tier: str, key: str) -> bytes:
+        """A whole small value (a manifest, a record). TierNotFound when absent."""
+        return await self._pipelines[tier].attempt(lambda: self._drivers[tier].read(key), f"read {key}")
+
+    async def list(self, tier: str, prefix: str) -> list[str]:
+        return await self._pipelines[tier].attempt(lambda: self._drivers[tier].list(prefix), f"list {prefix}")
+
+    async def delete(self, tier: str, prefix: str) -> None:
+        await self._pipelines[tier].attempt(lambda: self._drivers[tier].delete(prefix), f"delete {prefix}")
+
+    async def missing(self, tier: str, keys: Sequence[str]) -> list[str]:
+        return await self._pipelines[tier].attempt(lambda: self._drivers[tier].missing(keys),
+                                                   f"check {len(keys)} key(s)")
+
+    async def usage(self, tier: str, prefix: str) -> dict[str, int] | None:
+        return await self._pipelines[tier].attempt(lambda: self._drivers[tier].usage(prefix), f"measure {prefix}")
+
+    async def debris(self, tier: str, prefix: str, older_than: float) -> list[tuple[str, int]]:
+        return await self._pipelines[tier].attempt(lambda: self._drivers[tier].debris(prefix, older_than),
+                                                   f"look for debris under {prefix}")
+
+    async def remove_debris(self, tier: str, names: Sequence[str], older_than: float) -> int:
+        return await self._pipelines[tier].attempt(lambda: self._drivers[tier].remove_debris(names, older_than),
+                                                   f"remove {len(names)} debris item(s)")
 
     async def read_verified(self, part: PartRead, tiers: Sequence[str], log: ReadLog, *, budgeted: bool = True) -> str:
         """Fill `part.views` from the first of `tiers` (in that order) that returns the part whole and with
@@ -166,7 +230,8 @@ class TierIO:
     async def _try_mapped_read(self, name: str, part: PartRead, budgeted: bool) -> tuple[bool, str | None]:
         """On a tier that maps values in place (the memory tier): verify the part where it lies, then copy it
         once into `part.views`. (False, None) when the tier cannot map it now: read a copy instead."""
-        driver = self.drivers[name]
+        driver = self.file_tier(name)
+        assert driver is not None
 
         def verify_then_copy(view: memoryview) -> str | None:
             if len(view) != part.length:
@@ -177,7 +242,7 @@ class TierIO:
             scatter([view], part.views)
             return None
 
-        pipeline, what = self.pipelines[name], f"read {part.key}"
+        pipeline, what = self._pipelines[name], f"read {part.key}"
         op = lambda: driver.read_mapped(part.key, verify_then_copy)  # noqa: E731
         try:
             return await (pipeline.submit(part.length, op, what) if budgeted else pipeline.attempt(op, what))
@@ -188,7 +253,8 @@ class TierIO:
         """Read `part` into a bounce buffer (a fresh one for every attempt, retries included), verify it, then
         copy it to `part.views`; None when that succeeded, else why not. A tier that maps values in place
         skips the bounce buffer: one copy instead of two."""
-        if hasattr(self.drivers[name], "read_mapped"):
+        mapping = self.file_tier(name)
+        if mapping is not None and mapping.maps_reads:
             mapped, reason = await self._try_mapped_read(name, part, budgeted)
             if mapped:
                 return reason
@@ -198,12 +264,12 @@ class TierIO:
             buf = self.bounce.take(part.length)
             current[:] = [buf]
             try:
-                return await self.drivers[name].read_into(part.key, [tensor_bytes(buf)[:part.length]])
+                return await self._drivers[name].read_into(part.key, [tensor_bytes(buf)[:part.length]])
             except BaseException:
                 current.clear()  # a thread may still be writing it (timeout, cancellation): never reuse it
                 raise
 
-        pipeline, what = self.pipelines[name], f"read {part.key}"
+        pipeline, what = self._pipelines[name], f"read {part.key}"
         try:
             n = await (pipeline.submit(part.length, attempt, what) if budgeted else pipeline.attempt(attempt, what))
         except TierError as e:
@@ -219,8 +285,8 @@ class TierIO:
     async def _try_read(self, name: str, key: str, views: list[memoryview], part: PartRead,
                         budgeted: bool) -> str | None:
         """None when `part` was read intact from tier `name` into `views`, else why not."""
-        pipeline, what = self.pipelines[name], f"read {key}"
-        op = lambda: self.drivers[name].read_into(key, views)  # noqa: E731
+        pipeline, what = self._pipelines[name], f"read {key}"
+        op = lambda: self._drivers[name].read_into(key, views)  # noqa: E731
         try:
             n = await (pipeline.submit(part.length, op, what) if budgeted else pipeline.attempt(op, what))
         except TierError as e:

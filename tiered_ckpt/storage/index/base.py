@@ -6,7 +6,8 @@ each rank calls `mark_durable(tier, rank, world, session)` once its parts are du
 the call that completes the set of ranks of this session commits the tier (returns True). A session is one
 opening of the engines of a job (agreed by all ranks), so markers left by a crashed earlier attempt at the
 same step never count towards a new attempt. `mark_failed` records a rank's failure on a tier; the other
-ranks see it through `tier_state`. Retention calls `unmark` before it deletes a tier's data, so a crash
+ranks see it through `tier_state`; `mark_skipped` records that a rank skipped a tier for this save because a
+newer save superseded it there (not a failure: every rank then skips the tier too). Retention calls `unmark` before it deletes a tier's data, so a crash
 mid-delete never leaves a "complete" entry with missing parts. Removing a checkpoint everywhere first
 `bury`s it: a tombstone that stays until its data is gone from every tier (`unbury`), so the tiers'
 manifests can never bring a retired checkpoint back, and the next writer finishes a deletion a crash cut
@@ -24,41 +25,30 @@ with Redis). `detach` releases what `attach` holds, once the cleaner is done.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
-
-SKIPPED = "skipped: superseded by step "  # a tier's failure reason when it skipped a save for a newer one
-_SKIPPED = re.compile(re.escape(SKIPPED) + r"(\d+)")
-
-
-def superseded_by(reason: str) -> int | None:
-    """The newer step for which a tier skipped this one, if `reason` says so."""
-    m = _SKIPPED.search(reason)
-    return int(m[1]) if m else None
-
 
 @dataclass(frozen=True)
 class CheckpointStatus:
     step: int
     tiers: tuple[str, ...]  # tiers the save targeted, fastest first
     complete: frozenset[str] = frozenset()
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # tier → "rank r: reason"
     created: float = 0.0
     foreign: str | None = None  # found on the tiers, committed to another index (its identity)
     incarnation: str | None = None  # found on the tiers: the folder holding it (None: the index knows)
     nbytes: int | None = None  # the checkpoint's size (one copy, every rank's parts); None: not recorded
     metadata: dict[str, Any] = field(default_factory=dict)  # what save(metadata=...) was given
+    skipped: dict[str, int] = field(default_factory=dict)  # tiers that could not keep up → the step that superseded it
 
     @property
     def is_complete(self) -> bool:
         return bool(self.complete)
 
     @property
-    def skipped(self) -> dict[str, int]:
-        """Tiers that skipped this checkpoint because they could not keep up, and the step that superseded it."""
-        found = {t: superseded_by(r) for t, r in self.failed.items()}
-        return {t: s for t, s in found.items() if s is not None}
+    def settled(self) -> frozenset[str]:
+        """Tiers on which no save of this checkpoint is still writing: complete, failed or skipped."""
+        return self.complete | frozenset(self.failed) | frozenset(self.skipped)
 
     @property
     def incomplete(self) -> tuple[str, ...]:
@@ -67,11 +57,13 @@ class CheckpointStatus:
 
 @dataclass(frozen=True)
 class TierState:
-    """A tier's commit state for one save session: "complete", "failed" (reason names the rank), "pending"."""
+    """A tier's commit state for one save session: "complete", "failed" (`reason` names the rank), "skipped"
+    (`newer`: the step that superseded it) or "pending"."""
 
     state: str
     reason: str = ""
     ranks_done: frozenset[int] = frozenset()
+    newer: int | None = None
 
 
 class Index(Protocol):
@@ -90,6 +82,7 @@ class Index(Protocol):
     async def get_rank_meta(self, job: str, step: int, rank: int) -> bytes: ...
     async def mark_durable(self, job: str, step: int, tier: str, rank: int, world_size: int, session: str) -> bool: ...
     async def mark_failed(self, job: str, step: int, tier: str, rank: int, session: str, reason: str) -> None: ...
+    async def mark_skipped(self, job: str, step: int, tier: str, rank: int, session: str, newer: int) -> None: ...
     async def tier_state(self, job: str, step: int, tier: str, session: str) -> TierState: ...
     async def unmark(self, job: str, step: int, tier: str) -> None: ...
     async def list(self, job: str) -> list[CheckpointStatus]: ...

@@ -7,6 +7,7 @@
                                    durable/<tier>.<rank>.<session>
                                    complete/<tier>
                                    failed/<tier>.<rank>.<session>  the reason
+                                   skipped/<tier>.<rank>.<session> the newer step that superseded it
 A tier counts as complete only when complete/<tier> exists; that file is created by rename once every
 rank of one session has its durable marker there, so a killed process leaves the checkpoint visibly
 incomplete, and an earlier crashed attempt's markers never complete a new one. Every process of a job
@@ -28,9 +29,9 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import msgpack
 
 from ...checksum import seal, unseal
-from ...errors import IncompleteCheckpoint, IntegrityError, TieredCkptError
+from ...errors import IncompleteCheckpoint, IntegrityError, TieredCkptError, WriterConflict
 from ...layout import parse_step_dir, step_dir
-from ..tiers.base import check_creatable
+from ..files import check_creatable, fsync_dir
 from .base import CheckpointStatus, TierState
 
 T = TypeVar("T")
@@ -45,6 +46,7 @@ class FileIndex:
         self.identity = f"file://{os.path.realpath(self.root)}"  # written into each manifest
         self._leases: dict[str, int] = {}  # job → the open, locked writer.lock
         self._cleaning: set[str] = set()  # jobs whose lease attach() took (a cleaner's, not a writer's)
+        self.waiting_for_cleaner = False  # a fence is waiting for a cleaner (gc, delete) to release the lease
 
     async def open(self) -> None:
         """Check that the directory exists or can be created; it is created at the first write."""
@@ -57,10 +59,10 @@ class FileIndex:
         self._cleaning.clear()
 
     async def _io(self, fn: Callable[..., T], *args: Any) -> T:
-        """File work in a thread; an OS error other than a missing file names the index directory."""
+        """File work in a thread; an OS error becomes an error of the index that names its directory."""
         try:
             return await asyncio.to_thread(fn, *args)
-        except FileNotFoundError:
+        except TieredCkptError:
             raise
         except OSError as e:
             raise TieredCkptError(f"index {self.root}: {type(e).__name__}: {e}") from e
@@ -81,11 +83,16 @@ class FileIndex:
                 if isinstance(fd, int):
                     return fd
                 if not fd.startswith(CLEANER) or time.monotonic() > deadline:  # a cleaner holds it for seconds
-                    raise TieredCkptError(f"job {job!r} already has a writer on index {self.root}: {fd}; run one "
+                    self.waiting_for_cleaner = False
+                    raise WriterConflict(f"job {job!r} already has a writer on index {self.root}: {fd}; run one "
                                           f"writer per job (readers may list and load at any time)")
+                self.waiting_for_cleaner = True
                 time.sleep(0.1)
 
-        self._leases[job] = await self._io(take)
+        try:
+            self._leases[job] = await self._io(take)
+        finally:
+            self.waiting_for_cleaner = False
         return 0
 
     async def attach(self, job: str, *, hold: bool = True) -> bool:
@@ -123,19 +130,19 @@ class FileIndex:
         await self._io(_atomic_write, self._dir(job, step) / "manifest", data)
 
     async def get_manifest(self, job: str, step: int) -> bytes:
-        try:
-            return await self._io((self._dir(job, step) / "manifest").read_bytes)
-        except FileNotFoundError:
-            raise IncompleteCheckpoint(f"job {job!r} step {step}: no manifest in the index at {self.root}") from None
+        found = await self._io(_read_or_none, self._dir(job, step) / "manifest")
+        if found is None:
+            raise IncompleteCheckpoint(f"job {job!r} step {step}: no manifest in the index at {self.root}")
+        return found
 
     async def put_rank_meta(self, job: str, step: int, rank: int, data: bytes) -> None:
         await self._io(_atomic_write, self._dir(job, step) / "ranks" / str(rank), data)
 
     async def get_rank_meta(self, job: str, step: int, rank: int) -> bytes:
-        try:
-            return await self._io((self._dir(job, step) / "ranks" / str(rank)).read_bytes)
-        except FileNotFoundError:
-            raise IncompleteCheckpoint(f"job {job!r} step {step}: no checksums of rank {rank} in the index") from None
+        found = await self._io(_read_or_none, self._dir(job, step) / "ranks" / str(rank))
+        if found is None:
+            raise IncompleteCheckpoint(f"job {job!r} step {step}: no checksums of rank {rank} in the index")
+        return found
 
     async def mark_durable(self, job: str, step: int, tier: str, rank: int, world_size: int, session: str) -> bool:
         def mark() -> bool:
@@ -150,12 +157,22 @@ class FileIndex:
         path = self._dir(job, step) / "failed" / f"{tier}.{rank}.{session}"
         await self._io(_atomic_write, path, reason.encode())
 
+    async def mark_skipped(self, job: str, step: int, tier: str, rank: int, session: str, newer: int) -> None:
+        path = self._dir(job, step) / "skipped" / f"{tier}.{rank}.{session}"
+        await self._io(_atomic_write, path, str(newer).encode())
+
     async def tier_state(self, job: str, step: int, tier: str, session: str) -> TierState:
         def state() -> TierState:
             d = self._dir(job, step)
             done = frozenset(_ranks(d / "durable", tier, session))
             if (d / "complete" / tier).exists():
                 return TierState("complete", "", done)
+            for p in sorted(_entries(d / "skipped")):
+                name, _, sess = p.name.rsplit(".", 2)
+                if name == tier and sess == session:
+                    newer = _read_step(p)
+                    if newer is not None:
+                        return TierState("skipped", "", done, newer)
             for p in sorted(_entries(d / "failed")):
                 name, rank, sess = p.name.rsplit(".", 2)
                 if name == tier and sess == session:
@@ -167,13 +184,14 @@ class FileIndex:
         def unmark() -> None:
             d = self._dir(job, step)
             (d / "complete" / tier).unlink(missing_ok=True)
-            _fsync_dir(d / "complete")
+            fsync_dir(d / "complete", missing_ok=True)
             begun = d / "begun"
             if begun.exists():
                 record = _read_begun(begun)
                 record["tiers"] = [t for t in record["tiers"] if t != tier]
                 _atomic_write(begun, seal(msgpack.packb(record)))
-            for p in [*(d / "durable").glob(f"{tier}.*"), *(d / "failed").glob(f"{tier}.*")]:
+            for p in [*(d / "durable").glob(f"{tier}.*"), *(d / "failed").glob(f"{tier}.*"),
+                      *(d / "skipped").glob(f"{tier}.*")]:
                 p.unlink(missing_ok=True)
         await self._io(unmark)
 
@@ -209,10 +227,16 @@ class FileIndex:
                     failed.setdefault(name, f"rank {rank}: {p.read_text(errors='replace')}")
             if unreadable:
                 failed["index"] = unreadable
+            skipped: dict[str, int] = {}
+            for p in _entries(d / "skipped"):
+                name = p.name.rsplit(".", 2)[0]
+                newer = _read_step(p)
+                if name in record["tiers"] and name not in complete and newer is not None:
+                    skipped.setdefault(name, newer)
             info = _read_info(d / "info")
             out.append(CheckpointStatus(step, tuple(record["tiers"]), complete, failed,
                                         record.get("created", 0.0), nbytes=info.get("nbytes"),
-                                        metadata=info.get("metadata") or {}))
+                                        metadata=info.get("metadata") or {}, skipped=skipped))
         return out
 
     async def bury(self, job: str, step: int) -> None:
@@ -227,7 +251,7 @@ class FileIndex:
     async def unbury(self, job: str, step: int) -> None:
         def remove() -> None:
             (self.root / job / TOMBSTONES / step_dir(step)).unlink(missing_ok=True)
-            _fsync_dir(self.root / job / TOMBSTONES)
+            fsync_dir(self.root / job / TOMBSTONES, missing_ok=True)
         await self._io(remove)
 
     async def delete(self, job: str, step: int) -> None:
@@ -238,7 +262,7 @@ class FileIndex:
             # Drop the commit records first: a crash part-way leaves an incomplete entry, never a false one.
             trash = d.with_name(f".deleting-{d.name}-{uuid.uuid4().hex[:6]}")
             os.replace(d, trash)
-            _fsync_dir(d.parent)
+            fsync_dir(d.parent, missing_ok=True)
             for path in sorted(trash.rglob("*"), key=lambda p: -len(p.parts)):
                 path.rmdir() if path.is_dir() else path.unlink()
             trash.rmdir()
@@ -309,6 +333,22 @@ def _read_begun(path: Path) -> dict[str, Any]:
     return record
 
 
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _read_step(path: Path) -> int | None:
+    """The step a `skipped/` marker names; None when it cannot be read (then it counts for nothing)."""
+    try:
+        text = path.read_bytes().decode()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def _ranks(d: Path, tier: str, session: str) -> set[int]:
     ranks = set()
     for p in _entries(d):
@@ -333,7 +373,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent, missing_ok=True)
 
 
 def _atomic_create(path: Path) -> bool:
@@ -352,16 +392,5 @@ def _atomic_create(path: Path) -> bool:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent, missing_ok=True)
     return created
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

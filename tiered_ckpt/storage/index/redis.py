@@ -5,9 +5,10 @@ job is in one hash slot): `epoch` (the fencing epoch), `steps` (a sorted set of 
 per step with fields `created`, `target:<tier>` (its position, fastest first), `info` (msgpack {nbytes,
 metadata}, rank 0), `manifest`, `rank:<r>` (checksums), `done:<tier>:<session>` (a bitmap of the ranks that
 marked the tier, bit r of byte r // 8, most significant first), `count:<tier>:<session>`, `complete:<tier>`,
-`failed:<tier>:<rank>:<session>` and `fail:<tier>:<session>` (the first failure), and `list`: one hash for the
-job mapping each step to a summary of what `list()` reports (msgpack {c: created, t: {tier: position},
-i: info, k: {tier: 1} complete, f: {tier: "rank r: reason"}}), kept by the same scripts, so listing reads two
+`failed:<tier>:<rank>:<session>` and `fail:<tier>:<session>` (the first failure), `skipped:<tier>:<rank>:<session>`
+and `skip:<tier>:<session>` (a newer save superseded this one there: the newer step), and `list`: one hash for
+the job mapping each step to a summary of what `list()` reports (msgpack {c: created, t: {tier: position},
+i: info, k: {tier: 1} complete, f: {tier: "rank r: reason"}, s: {tier: newer step}}), kept by the same scripts, so listing reads two
 keys whatever the number of checkpoints and ranks. Releases before 0.2 wrote one `durable:<tier>:<session>:
 <rank>` field per rank and no summary: their steps are still listed, from the step hash.
 
@@ -26,7 +27,8 @@ from typing import Any, Mapping, Sequence
 
 import msgpack
 
-from ...errors import ConfigError, IncompleteCheckpoint, IndexUnavailable, TieredCkptError
+from ...errors import (AuthenticationError, ConfigError, Fenced, IncompleteCheckpoint, IndexUnavailable,
+                       TieredCkptError)
 from .base import CheckpointStatus, TierState
 from ..redis_connect import ERRORS, Problem, RedisDeployment
 from ..redis_connect import classify as _problem
@@ -58,17 +60,21 @@ for i = 3, #ARGV, 2 do
   local f, v = ARGV[i], ARGV[i + 1]
   redis.call('HSET', KEYS[2], f, v)
   local kind = string.match(f, '^(%a+)')
-  if kind == 'created' or kind == 'target' or kind == 'info' or kind == 'failed' then
+  if kind == 'created' or kind == 'target' or kind == 'info' or kind == 'failed' or kind == 'skipped' then
     s = s or summary(KEYS[4], ARGV[2], kind == 'created')
     local tier, rank, session = string.match(f, '^failed:([^:]*):(%d+):(.*)$')
+    local skipped, _, skip_session = string.match(f, '^skipped:([^:]*):(%d+):(.*)$')
     if tier then
       redis.call('HSETNX', KEYS[2], 'fail:' .. tier .. ':' .. session, 'rank ' .. rank .. ': ' .. v)
+    elseif skipped then
+      redis.call('HSETNX', KEYS[2], 'skip:' .. skipped .. ':' .. skip_session, v)
     end
     if s then
       if kind == 'created' then s.c = v
       elseif kind == 'info' then s.i = v
       elseif kind == 'target' then s.t = s.t or {}; s.t[string.sub(f, 8)] = tonumber(v)
       elseif tier then s.f = s.f or {}; if not s.f[tier] then s.f[tier] = 'rank ' .. rank .. ': ' .. v end
+      elseif skipped then s.s = s.s or {}; if not s.s[skipped] then s.s[skipped] = tonumber(v) end
       end
     end
   end
@@ -111,7 +117,7 @@ for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
 end
 local s = summary(KEYS[3], ARGV[3], false)
 if s then
-  for _, part in ipairs({'t', 'k', 'f'}) do if s[part] then s[part][ARGV[2]] = nil end end
+  for _, part in ipairs({'t', 'k', 'f', 's'}) do if s[part] then s[part][ARGV[2]] = nil end end
   store(KEYS[3], ARGV[3], s)
 end
 """ + _REPLICATED + "return 1"
@@ -183,9 +189,9 @@ class RedisIndex:
     def _error(self, what: str, e: BaseException, problem: Problem) -> BaseException:
         where = f"index {self.identity}"
         if problem.kind == "auth":  # not retryable: not "unreachable"
-            return TieredCkptError(f"{where}: {what}: {problem.text}")
+            return AuthenticationError(f"{where}: {what}: {problem.text}")
         if problem.kind == "fenced":
-            return TieredCkptError(f"{where}: {what} refused: this process belongs to an earlier incarnation of the "
+            return Fenced(f"{where}: {what} refused: this process belongs to an earlier incarnation of the "
                                    f"job ({problem.text}); it must not commit or delete")
         if problem.kind == "config":
             return ConfigError(f"{where}: {what}: {problem.text}", key="engine.index")
@@ -268,15 +274,20 @@ class RedisIndex:
     async def mark_failed(self, job: str, step: int, tier: str, rank: int, session: str, reason: str) -> None:
         await self._hset(job, step, f"failed:{tier}:{rank}:{session}", reason)
 
+    async def mark_skipped(self, job: str, step: int, tier: str, rank: int, session: str, newer: int) -> None:
+        await self._hset(job, step, f"skipped:{tier}:{rank}:{session}", str(newer))
+
     async def tier_state(self, job: str, step: int, tier: str, session: str) -> TierState:
-        """Three fields, whatever the number of ranks: every rank polls this while it waits for a commit."""
+        """Four fields, whatever the number of ranks: every rank polls this while it waits for a commit."""
         assert self._client is not None
         key = self._k(job, "step", step)
-        complete, bits, failure = await self._call("read of the index", lambda: self._client.hmget(
-            key, [f"complete:{tier}", f"done:{tier}:{session}", f"fail:{tier}:{session}"]))
+        complete, bits, failure, skip = await self._call("read of the index", lambda: self._client.hmget(
+            key, [f"complete:{tier}", f"done:{tier}:{session}", f"fail:{tier}:{session}", f"skip:{tier}:{session}"]))
         done = _ranks(bits or b"")
         if complete is not None:
             return TierState("complete", "", done)
+        if skip is not None and skip.isdigit():
+            return TierState("skipped", "", done, int(skip))
         if failure is not None:
             return TierState("failed", failure.decode(errors="replace"), done)
         return TierState("pending", "", done)
@@ -403,6 +414,7 @@ def _from_summary(step: int, raw: bytes) -> CheckpointStatus | None:
     except (ValueError, TypeError, msgpack.UnpackException):
         return CheckpointStatus(step, (), failed={"index": "unreadable summary in the index"})
     targets, complete, failures = summary.get(b"t") or {}, summary.get(b"k") or {}, summary.get(b"f") or {}
+    skips = summary.get(b"s") or {}
     tiers = tuple(t.decode() for t, _ in sorted(targets.items(), key=lambda item: item[1])) if targets else ()
     done = frozenset(t.decode() for t in complete) if complete else frozenset()
     failed = {t.decode(): r.decode(errors="replace") for t, r in failures.items() if t.decode() not in done} \
@@ -410,8 +422,9 @@ def _from_summary(step: int, raw: bytes) -> CheckpointStatus | None:
     if not tiers and not failed:
         return None
     info = _info(summary.get(b"i"))
+    skipped = {t.decode(): int(n) for t, n in skips.items() if t.decode() not in done} if skips else {}
     return CheckpointStatus(step, tiers or tuple(failed), done, failed, float(summary.get(b"c") or 0),
-                            nbytes=info.get("nbytes"), metadata=info.get("metadata") or {})
+                            nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped)
 
 
 _BITS = [tuple(j for j in range(8) if byte & (0x80 >> j)) for byte in range(256)]

@@ -1,4 +1,5 @@
-"""The tier driver contract: six async methods over string keys.
+"""The tier driver contract: six async methods over string keys, and `FileTier` for drivers whose values are
+files on this machine.
 
 Drivers hold no retries and no concurrency limits (the pipeline owns both), and import nothing from the
 engine but this module and `errors`. Blocking work runs in `self.executor` threads so the event loop never
@@ -9,7 +10,6 @@ loop, then `close()`.
 from __future__ import annotations
 
 import asyncio
-import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -92,6 +92,33 @@ class Tier(ABC):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
 
+class FileTier(Tier):
+    """A tier whose values are files under a folder of this machine (`local`, `memory`). The engine uses
+    these methods, and no other of a driver's internals, to stage a save straight into the tier's files (the
+    memory tier first in the stack: see save/arena.py) and to verify a value where it lies on a load."""
+
+    maps_reads: ClassVar[bool] = False  # loads verify a value where it lies (read_mapped) instead of a copy
+
+    @property
+    @abstractmethod
+    def capacity(self) -> int | None:
+        """The most bytes the tier may hold (None: no limit but the file system's)."""
+
+    @abstractmethod
+    def path_of(self, key: str) -> Path:
+        """The file that holds `key` (it may not exist)."""
+
+    @abstractmethod
+    def account(self, nbytes: int, what: str) -> None:
+        """Count `nbytes` that entered the tier without `write` (negative: that left it without `delete`), e.g.
+        a staging file renamed under a key. Raises TierFull past the capacity."""
+
+    async def read_mapped(self, key: str, use: Callable[[memoryview], T]) -> tuple[bool, T | None]:
+        """(True, use(view)) with `view` the stored value mapped read-only, or (False, None) when it cannot be
+        mapped now (the caller then reads a copy). Only called when `maps_reads` is true."""
+        return False, None
+
+
 async def start_tier(tier: Tier, executor: Executor, *, rank: int = 0, world_size: int = 1, node: int = 0,
                      num_nodes: int = 1) -> Tier:
     """The driver lifecycle up to ready: executor, placement, open. The engine and the conformance suite
@@ -121,25 +148,3 @@ def scatter(pieces: Iterable[bytes | memoryview], out: Sequence[memoryview], sta
             n = min(len(buf) - lo, len(src) - taken)
             buf[lo : lo + n] = src[taken : taken + n]
             pos, taken = pos + n, taken + n
-
-
-def redact(url: str) -> str:
-    """`url` without its password, for messages and logs: redis://user:secret@host → redis://user:***@host."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest.split("/", 1)[0]:
-        return url
-    userinfo, _, hostpart = rest.partition("@")
-    user = userinfo.split(":", 1)[0]
-    return f"{scheme}://{user + ':' if user else ':'}***@{hostpart}"
-
-
-def check_creatable(root: Path) -> None:
-    """Raise the OSError that creating `root` would raise (a file in the way, no permission); create nothing.
-    A process that only reads (a listing, `tiered-ckpt ls`) checks its folders this way instead of making them."""
-    path = root.absolute()
-    while not path.exists():
-        path = path.parent
-    if not path.is_dir():
-        raise NotADirectoryError(f"{path} is not a directory")
-    if path != root.absolute() and not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"cannot create folders in {path}")

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ...errors import TierError, TierFull, TierNotFound
-from .base import Tier, check_creatable
+from ..files import check_creatable, fsync_dir
+from .base import FileTier
 
 SIZE = {"size": True}
 TMP = ".tmp-"
@@ -30,7 +31,7 @@ class LocalOptions:
     fsync: bool = True
 
 
-class LocalTier(Tier):
+class LocalTier(FileTier):
     Options = LocalOptions
 
     def __init__(self, name: str, options: LocalOptions):
@@ -48,6 +49,10 @@ class LocalTier(Tier):
             raise TierError(f"cannot create directory {self.root}: {e}", tier=self.name) from e
         if self.options.capacity is not None:  # count what earlier processes left here, once
             self._used = await self.run_blocking(_tree_size, self.root)
+
+    @property
+    def capacity(self) -> int | None:
+        return self.options.capacity
 
     def account(self, nbytes: int, what: str) -> None:
         """Count `nbytes` that entered the tier without `write` (negative: that left it without `delete`): the
@@ -119,7 +124,7 @@ class LocalTier(Tier):
         os.close(fd)
         os.replace(tmp, path)
         if self.options.fsync:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
 
     async def read_into(self, key: str, out: Sequence[memoryview]) -> int:
         path = self._path(key)
@@ -151,7 +156,7 @@ class LocalTier(Tier):
             freed = _size_or_zero(path)
             path.unlink(missing_ok=True)
         if self.options.fsync and path.parent.exists():
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         parent = path.parent  # folders left empty (a step's, once its last incarnation folder went) go too;
         while parent != self.root and self.root in parent.parents:  # a writer racing with this retries its mkdir
             try:
@@ -271,14 +276,6 @@ def _read_into_sync(path: Path, out: Sequence[memoryview]) -> int:
                 if n:
                     bufs[0] = bufs[0][n:]
         return size
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -31,6 +31,7 @@ class MemoryOptions:
 
 class MemoryTier(LocalTier):
     Options = MemoryOptions
+    maps_reads = True
 
     async def read_mapped(self, key: str, use: Callable[[memoryview], T]) -> tuple[bool, T | None]:
         """(True, use(view)) with `view` a read-only mapping of `key`'s value; (False, None) when it cannot be

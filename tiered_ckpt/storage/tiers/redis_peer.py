@@ -27,8 +27,8 @@ from typing import Any, Sequence
 import redis.asyncio as aioredis
 
 from ...errors import ConfigError, TierError, TierFull, TierNotFound, TierUnavailable
-from ..redis_connect import ERRORS, RedisDeployment, classify
-from .base import Tier, redact, scatter
+from ..redis_connect import ERRORS, RedisDeployment, classify, redact
+from .base import Tier, scatter
 
 SIZE = {"size": True}
 MAX_BULK = 512 * 2**20

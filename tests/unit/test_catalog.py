@@ -1,0 +1,76 @@
+"""Which checkpoint a load takes: incomplete ones never, the memory tier after a restart, a lost or garbled
+index record reported, and the tiers' manifests when the index is gone."""
+
+import pytest
+import torch
+
+import tiered_ckpt as tc
+from tiered_ckpt.layout import PartKey, parse_key
+
+from .common import load_values, state_of
+
+
+async def test_incomplete_checkpoint_is_listed_but_never_loaded(engine):
+    await (await engine.save(1, state_of(1.0))).wait()
+    await engine.index.begin("test", 2, ["host", "disk"])  # a save that never finished
+    await engine.io.driver("host").write(PartKey("test", 2, 0, 0).path, memoryview(b"junk"))
+    listing = [c async for c in engine.list()]
+    assert [(c.step, c.is_complete) for c in listing] == [(1, True), (2, False)]
+    info, _ = await load_values(engine)
+    assert info.step == 1
+    with pytest.raises(tc.IncompleteCheckpoint, match="step 2 is incomplete"):
+        await load_values(engine, step=2)
+    # saving step 2 again clears the leftovers of the failed attempt
+    await (await engine.save(2, state_of(2.0))).wait()
+    info, out = await load_values(engine)
+    assert info.step == 2 and torch.all(out["w"] == 2.0)
+
+
+async def test_load_with_nothing_saved_is_a_clear_error(engine):
+    with pytest.raises(tc.IncompleteCheckpoint, match="no complete checkpoint"):
+        await load_values(engine)
+
+
+async def test_restarted_process_loads_from_memory_tier(make_config):
+    cfg = make_config()
+    async with tc.Engine(cfg) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+    async with tc.Engine(cfg) as engine:  # a new engine: nothing cached in this process
+        info, out = await load_values(engine)
+        assert info.tier == "host" and torch.all(out["w"] == 1.0)
+        with pytest.raises(tc.CheckpointExists):
+            await engine.save(1, state_of(1.0))
+
+
+async def test_a_lost_or_garbled_newest_record_is_reported_not_silently_rolled_back(engine, tmp_path, caplog):
+    import logging
+
+    for step in (1, 2, 3):
+        await (await engine.save(step, state_of(float(step)))).wait()
+    await engine.index.delete(engine.job, 3)  # the newest record lost
+    (tmp_path / "index" / "test" / "step-000000000002" / "begun").write_bytes(b"\x00garbage")  # one garbled
+    caplog.set_level(logging.WARNING)
+    info, out = await load_values(engine)
+    assert info.step == 1 and torch.all(out["w"] == 1.0)
+    assert "step 2" in caplog.text and "cannot be read" in caplog.text  # the garbled record, named
+    assert "manifest of step 2" in caplog.text and "manifest of step 3" in caplog.text  # both, still on the tiers
+    status = {c.step: c for c in [c async for c in engine.list()]}
+    assert "index" in status[2].failed and not status[2].is_complete
+    info, out = await load_values(engine, step=3)  # and either can still be loaded explicitly
+    assert info.step == 3 and torch.all(out["w"] == 3.0)
+
+
+async def test_with_the_index_lost_the_newest_whole_incarnation_of_a_step_is_loaded(tmp_path, make_config):
+    """Step 1 saved twice, by two openings, the index lost in between and after: the tiers hold two folders
+    of step 1, and a load from the tiers takes the newer one."""
+    import shutil
+
+    config = make_config()
+    for value in (1.0, 2.0):
+        async with tc.Engine(config) as engine:
+            await (await engine.save(1, state_of(value))).wait()
+        shutil.rmtree(tmp_path / "index")
+    async with tc.Engine(config) as engine:
+        assert len({p.incarnation for p in map(parse_key, await engine.io.driver("disk").list("test/")) if p}) == 2
+        info, out = await load_values(engine)
+        assert info.step == 1 and torch.all(out["w"] == 2.0)

@@ -1,0 +1,60 @@
+"""The commit of a save on a tier: a failed tier loses nothing committed, gives its room back, and a commit
+whose reply was lost keeps its parts; skips are recorded as data every rank reads."""
+
+import pytest
+import torch
+
+import tiered_ckpt as tc
+
+from .common import load_values, state_of
+
+
+async def test_a_failed_tier_leaves_earlier_checkpoints_intact(make_config):
+    cfg = make_config(tiers=[{"capacity": "300KiB"}], stage_in_memory_tier=False)  # parts written, not staged there
+    async with tc.Engine(cfg) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()  # ~200 KiB: fits
+        handle = await engine.save(2, state_of(2.0))  # does not fit next to step 1 on host
+        with pytest.raises(tc.SaveError) as err:
+            await handle.wait()
+        assert set(err.value.errors) == {"host"} and isinstance(err.value.errors["host"], tc.TierFull)
+        await handle.wait("disk")  # the disk tier still completed
+        listing = {c.step: c for c in [c async for c in engine.list()]}
+        assert listing[2].complete == {"disk"} and "host" in listing[2].failed
+        _, out = await load_values(engine, step=1, tiers=["host"])
+        assert torch.all(out["w"] == 1.0)
+        info, out = await load_values(engine)
+        assert info.step == 2 and info.tier == "disk" and torch.all(out["w"] == 2.0)
+
+
+async def test_a_save_that_fails_on_a_full_tier_gives_its_room_back(make_config, shm_dir):
+    """The memory tier fills up part-way through save 1 (capacity): the parts it did write are removed, so
+    save 2, which fits, succeeds there; without that, every later save to the tier would fail too."""
+    async with tc.Engine(make_config(tiers=[{"capacity": "300KiB"}], stage_in_memory_tier=False)) as engine:
+        big = {"w": torch.ones(100_000)}  # 400 KB: does not fit
+        with pytest.raises(tc.SaveError, match=r"host.*TierFull"):
+            await (await engine.save(1, big)).wait()
+        assert sum(f.stat().st_size for f in (shm_dir / "host").rglob("*") if f.is_file()) == 0
+        await (await engine.save(2, {"w": torch.ones(50_000)})).wait()  # 200 KB
+        assert (await engine.status(2)).complete == {"host", "disk"}
+
+
+async def test_a_commit_whose_reply_was_lost_keeps_its_parts(make_config, monkeypatch):
+    """The index runs the commit, then the connection fails before the reply (IndexUnavailable): the save
+    fails on that tier, but the tier may be complete in the index, so its parts must stay and load."""
+    from tiered_ckpt.errors import IndexUnavailable
+
+    async with tc.Engine(make_config(stage_in_memory_tier=False)) as engine:
+        real = engine.index.mark_durable
+
+        async def reply_lost(job, step, tier, *args):
+            await real(job, step, tier, *args)
+            if tier == "disk":
+                raise IndexUnavailable("connection reset after the commit ran")
+            return True
+
+        monkeypatch.setattr(engine.index, "mark_durable", reply_lost)
+        with pytest.raises(tc.SaveError, match="disk"):
+            await (await engine.save(1, state_of(1.0))).wait()
+        assert [sorted(c.complete) for c in await engine.statuses()] == [["disk", "host"]]
+        _, out = await load_values(engine, tiers=["disk"])
+        assert torch.all(out["w"] == 1.0)

@@ -1,0 +1,124 @@
+"""`Engine.load`: agree on a step, pair the given state with what was saved, read every needed part (once per
+replica group), and only then move the bytes into the caller's tensors.
+
+Order, on every rank: rank 0 picks the checkpoint and every rank takes its pick (or raises the same error);
+each rank reads the manifest, matches its state and plans its reads (local work: a failure here does not
+make a rank skip the collectives that follow); every rank takes part in the reads (broadcast groups); all
+ranks agree that everyone succeeded; then scratch buffers are copied into the targets and plain values set.
+A load changes nothing in the index: it is a reader's act, whatever the engine is.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from typing import Any, Sequence
+
+from ..distributed.coordinator import Coordinator
+from ..errors import IncompleteCheckpoint, RankFailed
+from ..lifecycle.busy import BusySteps
+from ..manifest import Manifest
+from ..state import LoadTarget, SavedTensor, decode_skeleton, match
+from ..storage.index import CheckpointStatus
+from ..storage.tier_io import TierIO
+from .catalog import Catalog
+from .reads import LoadInfo, Reads, plan_reads, read_parts
+
+log = logging.getLogger(__name__)
+
+
+class Loader:
+    def __init__(self, io: TierIO, catalog: Catalog, coordinator: Coordinator, busy: BusySteps, *,
+                 allow_pickle: bool):
+        self.io = io
+        self.catalog = catalog
+        self.coordinator = coordinator
+        self.busy = busy
+        self.allow_pickle = allow_pickle
+
+    async def load(self, state: Any, *, step: int | None, tiers: Sequence[str] | None) -> LoadInfo:
+        started = time.perf_counter()
+        allowed = self.io.names if tiers is None else list(tiers)
+        unknown = [t for t in allowed if t not in self.io]
+        if unknown:
+            raise ValueError(f"unknown tier(s) {unknown}; configured: {self.io.names}")
+        status = await self._agree_on_step(step, allowed)
+        info = LoadInfo(status.step, None)
+        order = [n for n in self.io.order(status.complete) if n in allowed]
+        error: BaseException | None = None
+        manifest: Manifest | None = None
+        reads: Reads | None = None
+        with self.busy.loading(status.step):
+            try:  # local work: a failure here must not make this rank skip the collectives below
+                manifest = await self.catalog.read_manifest(status.step, order, status.incarnation)
+                # in threads: pairing 100k entries with the saved ones is seconds of Python
+                target = await asyncio.to_thread(self._match, state, manifest)
+                reads = await asyncio.to_thread(plan_reads, manifest, target.tensors)
+            except Exception as e:
+                error = e
+            try:  # every rank enters the same collectives, whatever happened above
+                await read_parts(self.io, self.coordinator, manifest if error is None else None, order, reads,
+                                 info.reads)
+            except Exception as e:
+                error = error or e
+            finally:
+                self.io.bounce.clear()  # loads are rare: do not hold part-sized buffers between them
+            try:
+                await self.coordinator.agree(error)  # every rank succeeds, or every rank raises
+            except Exception as e:
+                raise _partly_overwritten(e, info.reads.overwritten) if info.reads.overwritten else e
+            assert reads is not None
+            await self.io.run_blocking(reads.finish)  # scratch → targets, only once every rank read everything
+            await self.io.run_blocking(target.copy_ties)
+        await asyncio.to_thread(target.apply)  # load_state_dict() of modules and optimizers: seconds for large ones
+        info.tier = max(info.bytes_by_tier, key=info.bytes_by_tier.__getitem__, default=order[0] if order else None)
+        info.seconds = time.perf_counter() - started
+        if info.fallbacks:
+            log.warning("step %d: %d part read(s) fell back to a slower tier: %s", info.step, len(info.fallbacks),
+                        "; ".join(f"{f.part} on {f.tier}: {f.reason}" for f in info.fallbacks[:5]))
+        return info
+
+    def _match(self, state: Any, manifest: Manifest) -> LoadTarget:
+        """Pair `state` with this rank's saved skeleton (rank 0's for a rank the saved world lacked); keys it
+        lacks are looked up in the other ranks' skeletons."""
+        rank = self.coordinator.rank
+        source = rank if rank < manifest.world_size else 0
+        others = [lambda r=r: decode_skeleton(manifest.skeleton_of(r)) for r in range(len(manifest.ranks)) if r != source]
+        saved = {t.path: SavedTensor(i, t.torch_dtype, t.shape) for i, t in enumerate(manifest.tensors)}
+        return match(state, decode_skeleton(manifest.skeleton_of(source)), tensors=saved, others=others,
+                     allow_pickle=self.allow_pickle, rank=rank, saved_world=manifest.world_size)
+
+    async def _agree_on_step(self, step: int | None, allowed: list[str]) -> CheckpointStatus:
+        """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error)."""
+        if not self.coordinator.distributed:
+            return await self.catalog.pick(step, allowed)
+        choice: tuple[Any, ...]
+        failure: BaseException | None = None
+        if self.coordinator.rank == 0:
+            try:
+                choice = ("ok", await self.catalog.pick(step, allowed))
+            except IncompleteCheckpoint as e:
+                choice = ("missing", str(e))
+            except Exception as e:  # every rank must leave the broadcast below with the same answer
+                failure, choice = e, ("error", f"{type(e).__name__}: {e}")
+        choice = await self.coordinator.broadcast_object(choice if self.coordinator.rank == 0 else None)
+        if choice[0] == "missing":
+            raise IncompleteCheckpoint(choice[1])
+        if choice[0] == "error":
+            if failure is not None:  # rank 0 raises its own error, with its traceback
+                raise failure
+            raise RankFailed(f"rank 0 failed while picking the checkpoint to load: {choice[1]}")
+        return choice[1]
+
+
+def _partly_overwritten(error: BaseException, keys: set[str]) -> BaseException:
+    """A load that failed after some verified parts reached the given state: the same error, saying which
+    entries changed."""
+    shown = sorted(keys)
+    more = f" and {len(shown) - 10} more" if len(shown) > 10 else ""
+    wrapped = copy.copy(error)
+    wrapped.args = (f"{error} (entries of the given state already overwritten with checkpoint data: "
+                    f"{shown[:10]}{more}; the others are untouched)",)
+    wrapped.__cause__ = error
+    return wrapped

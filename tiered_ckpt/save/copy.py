@@ -1,0 +1,85 @@
+"""The staging copy: a state's tensors into a host buffer, at the plan's offsets, in a worker thread.
+
+CUDA tensors are copied on a side stream per device, ordered after the point where the training step
+produced them (`producer_events`), so a copy never reads a tensor before a pending kernel wrote it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+
+from ..distributed.dtensor import local_tensor
+
+if TYPE_CHECKING:
+    from .plan import Plan
+    from .pool import StagingBuffer
+
+
+def producer_events(tensors: Sequence[torch.Tensor] | None = None) -> dict[torch.device, Any]:
+    """For each CUDA device that `tensors` live on (None: the current device), an event recorded now on the
+    calling thread's current stream: the point after which the tensors hold the values to save. Staging
+    copies wait for it, so a copy can never read a tensor before a pending kernel (the optimizer step, the
+    forward) has written it. Record it in the thread that runs the training step. Empty without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    if tensors is None:
+        devices = {torch.device("cuda", torch.cuda.current_device())}
+    else:
+        devices = {local_tensor(t).device for t in tensors if local_tensor(t).is_cuda}
+    return {d: torch.cuda.current_stream(d).record_event() for d in devices}
+
+
+def stream_steps(devices: Sequence[torch.device | None], events: Mapping[torch.device, Any]) -> list[tuple[Any, ...]]:
+    """The order of operations that copies sources on `devices` (None for a CPU source) to host memory:
+    for each CUDA device, a side stream that first waits for the producer (its event, or else the current
+    stream of the copying thread), then the copies (CUDA ones on their device's side stream), then every
+    side stream synchronized, so the buffer holds the data when staging returns. Kept apart from the CUDA
+    calls so that a CPU test can check the ordering."""
+    cuda_devices = sorted({d for d in devices if d is not None}, key=str)
+    steps: list[tuple[Any, ...]] = []
+    for d in cuda_devices:
+        steps.append(("stream", d))
+        steps.append(("wait_event", d, events[d]) if d in events else ("wait_stream", d))
+    steps += [("copy", i, d) for i, d in enumerate(devices)]
+    steps += [("synchronize", d) for d in cuda_devices]
+    return steps
+
+
+def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
+          events: Mapping[torch.device, Any] | None = None, staged_up_to: Callable[[int], None] | None = None) -> None:
+    """Copy this rank's boxes into `buf` at the plan's offsets. Runs in a worker thread (copy_ drops the
+    GIL). CUDA tensors are copied on side streams ordered after `events` (see stream_steps).
+    `staged_up_to(n)`: the first n bytes of the buffer hold their final bytes (called as CPU copies progress,
+    so parts can be checksummed while later ones are still being copied; once more at the end)."""
+    in_order = all(a.offset <= b.offset for a, b in zip(plan.local, plan.local[1:]))
+    report = staged_up_to if in_order else None
+    sources = []
+    for c in plan.local:
+        src = local_tensor(tensors[c.index])
+        sources.append(src if c.dim0 is None else src.narrow(0, *c.dim0))
+    views = buf.views_for(plan)
+    streams: dict[torch.device, Any] = {}
+    with torch.no_grad():
+        for step in stream_steps([s.device if s.is_cuda else None for s in sources], events or {}):
+            op, *args = step
+            if op == "stream":
+                streams[args[0]] = torch.cuda.Stream(device=args[0])
+            elif op == "wait_event":
+                streams[args[0]].wait_event(args[1])
+            elif op == "wait_stream":
+                streams[args[0]].wait_stream(torch.cuda.current_stream(args[0]))
+            elif op == "copy":
+                index, device = args
+                src, dst = sources[index], views[index]
+                if device is None:
+                    dst.copy_(src)
+                    if report is not None and not streams:
+                        report(plan.local[index].offset + plan.local[index].nbytes)
+                else:
+                    with torch.cuda.stream(streams[device]):
+                        dst.copy_(src, non_blocking=True)
+            else:  # synchronize
+                streams[args[0]].synchronize()
+    if staged_up_to is not None:
+        staged_up_to(buf.view.nbytes)

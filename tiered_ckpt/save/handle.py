@@ -1,0 +1,87 @@
+"""SaveHandle: what a caller of `save()` holds, and how a save's outcome reaches it."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ..errors import SaveError
+
+
+def _quiet(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # mark retrieved; the handle or the engine reports it
+
+
+def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    if not fut.done():
+        fut.set_exception(error) if error is not None else fut.set_result(None)
+
+
+class SaveHandle:
+    """Returned by Engine.save. `staged()`: the state may be mutated. `wait()`: every targeted tier done."""
+
+    def __init__(self, step: int, tiers: list[str]):
+        loop = asyncio.get_running_loop()
+        self.step = step
+        self.tiers = tuple(tiers)
+        self._staged: asyncio.Future[None] = loop.create_future()
+        self._done: dict[str, asyncio.Future[None]] = {t: loop.create_future() for t in tiers}
+        for f in (self._staged, *self._done.values()):
+            f.add_done_callback(_quiet)
+        self.observed = False
+        self.started = time.perf_counter()
+        self.durable_at: dict[str, float] = {}  # seconds from save() to durable, per tier
+        self.skipped: dict[str, int] = {}  # tiers that could not keep up and skipped this save → the newer step
+
+    async def staged(self) -> None:
+        """Return once the tensors are copied to host buffers (raise if staging failed)."""
+        await asyncio.shield(self._staged)
+
+    async def wait(self, tier: str | None = None) -> None:
+        """Wait for one tier, or all; raise the tier's error, or SaveError naming every failed tier."""
+        self.observed = True
+        if tier is not None:
+            if tier not in self._done:
+                raise ValueError(f"step {self.step} does not target tier {tier!r} (targets: {list(self.tiers)})")
+            await asyncio.shield(self._done[tier])
+            return
+        await self.staged()
+        if self._done:
+            await asyncio.wait(self._done.values())
+        if self.errors:
+            raise SaveError(self.step, self.errors)
+
+    def done(self) -> bool:
+        return self._staged.done() and all(f.done() for f in self._done.values())
+
+    def done_except(self, tier: str) -> bool:
+        return self._staged.done() and all(f.done() for t, f in self._done.items() if t != tier)
+
+    @property
+    def errors(self) -> dict[str, BaseException]:
+        out: dict[str, BaseException] = {}
+        for tier, f in self._done.items():
+            if f.cancelled():
+                out[tier] = asyncio.CancelledError("the save was cancelled before it finished on this tier")
+            elif f.done() and f.exception() is not None:
+                out[tier] = f.exception()  # type: ignore[assignment]
+        return out
+
+    def set_staged(self, error: BaseException | None = None) -> None:
+        _resolve(self._staged, error)
+
+    def set_done(self, tier: str, error: BaseException | None = None) -> None:
+        _resolve(self._done[tier], error)
+
+    def set_skipped(self, tier: str, newer: int) -> None:
+        """Done on `tier` without writing it: a newer save superseded this one there (not an error)."""
+        self.skipped[tier] = newer
+        _resolve(self._done[tier], None)
+
+    def cancel(self) -> None:
+        for fut in (self._staged, *self._done.values()):
+            fut.cancel()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "staged" if self._staged.done() else "staging"
+        return f"<SaveHandle step={self.step} tiers={list(self.tiers)} {state}>"

@@ -1,0 +1,132 @@
+"""`Engine.save`: check the step, flatten and plan the state, wait for room, then start a SaveJob. Tracks the
+saves in flight, and raises a background failure that nobody observed (no `wait()` on its handle) once, at
+the next `save()`, as well as at `close()`: an error is never lost."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import warnings
+from typing import Any, Callable, Mapping
+
+import msgpack
+
+from ..config import Config
+from ..distributed.coordinator import Coordinator
+from ..errors import CheckpointExists, RankFailed, SaveError, StateError
+from ..lifecycle.busy import BusySteps
+from ..lifecycle.writer import Writer
+from ..state import flatten
+from .copy import producer_events
+from .handle import SaveHandle
+from .job import SaveJob, SaveServices
+from .plan import Planner
+
+log = logging.getLogger(__name__)
+MAX_STEP = 2**53
+
+
+class Saver:
+    def __init__(self, config: Config, coordinator: Coordinator, planner: Planner, writer: Writer, busy: BusySteps,
+                 services: SaveServices, is_open: Callable[[], bool]):
+        self.config = config
+        self.job = config.engine.job
+        self.coordinator = coordinator
+        self.planner = planner
+        self.writer = writer
+        self.busy = busy
+        self.services = services
+        self._is_open = is_open
+        self.jobs: list[SaveJob] = []
+        # saves in flight: those holding staging buffers, and per tier one writing and one waiting its turn
+        self._max_jobs = config.engine.max_inflight + 2 * len(config.tiers)
+        self._unobserved: list[SaveHandle] = []
+
+    async def save(self, step: int, state: Any, *, lazy: bool, metadata: dict[str, Any] | None,
+                   ready_events: Mapping[Any, Any] | None) -> SaveHandle:
+        if type(step) is not int or not 0 <= step < MAX_STEP:
+            raise ValueError(f"step must be an int from 0 to 2**53 - 1 (the Redis index orders steps as doubles), "
+                             f"got {step!r}")
+        self.raise_unobserved()
+        if step in self.services.committed:
+            raise CheckpointExists(f"job {self.job!r} step {step} already exists; delete it to save it again")
+        if any(j.step == step for j in self.jobs):
+            raise CheckpointExists(f"job {self.job!r}: a save of step {step} is already in flight")
+        engine, rank = self.config.engine, self.coordinator.rank
+        targets = [t.name for t in self.config.tiers if step % t.every == 0]
+        if not targets:  # nothing to write (every tier skips this step): no collective, no index change
+            await asyncio.to_thread(flatten, state, allow_pickle=engine.allow_pickle, rank=rank)  # bad input raises
+            handle = SaveHandle(step, targets)
+            handle.set_staged()
+            return handle
+        await self.writer.become()  # before anything that can fail on one rank only: every rank runs its collective
+        try:
+            metadata = _checked_metadata(metadata)
+            # in a thread: a state of 100k tensors takes a second of Python, and the loop serves saves in flight
+            flat = await asyncio.to_thread(flatten, state, allow_pickle=engine.allow_pickle, rank=rank)
+        except Exception as e:
+            if not self.coordinator.distributed:
+                raise
+            raise await self._failed_before_plan(step, targets, e) from e
+        events = producer_events(flat.tensors) if ready_events is None else ready_events
+        handle = SaveHandle(step, targets)
+        plan = await self.planner.plan(flat.paths, flat.tensors)
+        while len(self.jobs) >= self._max_jobs:  # bounded: a burst waits here, like a full staging pool
+            await asyncio.wait([j.task for j in self.jobs if j.task is not None], return_when=asyncio.FIRST_COMPLETED)
+        pool = self.services.pool
+        if pool.exhausted:
+            for job in self.jobs:
+                job.request_detach()
+        buffer = await pool.acquire(plan.nbytes)
+        job = SaveJob(self.services, step, flat, plan, buffer, handle, targets, metadata, events)
+        job.start()
+        self.jobs.append(job)
+        self.busy.saving(step, handle)
+        assert job.task is not None
+        job.task.add_done_callback(lambda _: self._finished(job))
+        if not lazy:
+            await handle.staged()
+        return handle
+
+    def raise_unobserved(self) -> None:
+        """Raise (once) the failure of a background save whose handle nobody waited on."""
+        while self._unobserved:
+            handle = self._unobserved.pop(0)
+            if not handle.observed:
+                handle.observed = True
+                raise SaveError(handle.step, handle.errors)
+
+    async def wait_all(self) -> None:
+        """Wait until every save in flight has finished on every tier (errors stay in the handles)."""
+        while self.jobs:
+            await asyncio.wait([j.task for j in self.jobs if j.task is not None])
+
+    async def _failed_before_plan(self, step: int, targets: list[str], error: BaseException) -> BaseException:
+        """This rank cannot save its state: make the save fail on every rank, in bounded time. On a first
+        save the other ranks wait in the plan gather, which this rank joins with its error; with cached
+        plans they run no collective, so the failure is recorded on each target tier, where their commit
+        wait sees it (RankFailed naming this rank, instead of a timeout)."""
+        await self.planner.join_failed(error)  # raises RankFailed on every rank when it joined the gather
+        for tier in targets:
+            await self.services.commit.fail_tier(step, tier, error)
+        return RankFailed(f"step {step}: rank {self.coordinator.rank} failed before the save was planned: "
+                          f"{type(error).__name__}: {error}")
+
+    def _finished(self, job: SaveJob) -> None:
+        self.jobs.remove(job)
+        if job.task is not None and job.task.cancelled() and self._is_open():
+            message = (f"the save of step {job.step} (job {self.job!r}) was cancelled before it finished: was the "
+                       f"event loop shut down without `await engine.close()`? Use `async with Engine(...)`")
+            log.error(message)
+            warnings.warn(message, ResourceWarning, stacklevel=2)
+        self.busy.saved(job.step)
+        if not job.handle.observed and job.handle.errors:
+            self._unobserved.append(job.handle)
+
+
+def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    metadata = dict(metadata or {})
+    try:
+        msgpack.packb(metadata)
+    except (TypeError, ValueError) as e:
+        raise StateError(f"metadata must be msgpack-able: {e}") from None
+    return metadata

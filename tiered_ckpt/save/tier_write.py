@@ -1,0 +1,182 @@
+"""One save on one tier: its turn, its parts, its records, the check that nothing vanished, the commit, then
+retention. A failure is recorded where every rank sees it; the parts of a failed tier are removed once every
+tier of the save is done (`remove_failed`), so the room they took is given back.
+
+Order on a tier: wait for the save's turn (`TierIO.turns`: one save writes, one waits; a newer save
+supersedes the waiting one, which then skips the tier, recorded so that every rank skips it), write every
+part (on the memory tier whose files the staging buffer is, a rename of each file instead), this rank's
+checksum record and (rank 0) the manifest, pass the turn on, check that nothing written vanished, mark the
+tier durable for this rank, and wait until every rank has (the last marker commits the tier).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from ..errors import IndexUnavailable, TierError, TierFull, TierNotFound
+from ..layout import manifest_key, rank_prefix
+from ..lifecycle.retention import Retention
+from ..storage.tier_io import TierIO
+from .commit import Committer, Superseded
+from .handle import SaveHandle
+from .records import Records
+from .source import PartSource
+
+log = logging.getLogger(__name__)
+
+
+class TierWrite:
+    def __init__(self, tier: str, io: TierIO, commit: Committer, retention: Retention, committed: set[int],
+                 source: PartSource, records: Records, handle: SaveHandle):
+        self.tier = tier
+        self.io = io
+        self.commit = commit
+        self.retention = retention
+        self.committed = committed
+        self.source = source
+        self.records = records
+        self.handle = handle
+        self.step = handle.step
+        self.marked = False  # this rank marked its parts durable: another rank's marker may complete the tier
+        self.settled = asyncio.Event()  # marked durable, or done with the tier whatever happened
+        self.error: BaseException | None = None  # this save's error on the tier, reported by remove_failed
+
+    async def run(self) -> None:
+        """Take the turn, then write; skip the tier when a newer save superseded this one there."""
+        try:
+            await self._run()
+        finally:
+            self.settled.set()
+
+    async def _run(self) -> None:
+        turns = self.io.turns(self.tier)
+        newer = await turns.take(self.step)
+        if newer is not None:
+            await self.commit.skip_tier(self.step, self.tier, newer)
+            self._skip(newer)
+            return
+        given = False
+
+        def give_turn() -> None:
+            nonlocal given
+            if not given:
+                given = True
+                turns.give()
+
+        try:
+            try:
+                newer = await self.commit.skipped(self.step, self.tier)
+            except IndexUnavailable:  # write, and let the commit name the problem
+                newer = None
+            if newer is not None:
+                self._skip(newer)
+                return
+            await self._write(give_turn)
+        finally:
+            give_turn()
+
+    def _skip(self, newer: int) -> None:
+        self.source.settled_all(self.tier, ok=False)
+        self.handle.durable_at[self.tier] = time.perf_counter() - self.handle.started
+        self.handle.set_skipped(self.tier, newer)
+
+    async def _write(self, give_turn: Callable[[], None]) -> None:
+        tier, source = self.tier, self.source
+        in_place = tier == source.files_tier  # the staging buffer is this tier's own files
+        try:
+            if in_place:
+                await self._publish_staged()
+            else:
+                await self._write_parts()
+            blobs = await self.records.blobs()
+            for key, data in blobs:
+                await self.io.write(tier, key, memoryview(data))
+            give_turn()
+            written = [source.key(p) for p in range(source.plan.num_parts)] + [key for key, _ in blobs]
+            gone = await self.io.missing(tier, written)
+            if gone:  # e.g. a cache that restarted empty mid-save: never commit what is no longer there
+                raise TierNotFound(f"step {self.step}: {len(gone)} value(s) vanished before the commit, "
+                                   f"first {gone[0]}", tier=tier)
+            try:
+                await self.commit.mark_durable(self.step, tier)
+            except IndexUnavailable:  # the commit may have run before the connection failed: keep the parts
+                self.marked = True
+                raise
+            self.marked = True
+            self.settled.set()
+            await self.commit.wait_complete(self.step, tier)
+            self.committed.add(self.step)  # saving this step again is refused from now on
+            if in_place:
+                await source.retain()  # the buffer stays with the tier's checkpoint
+        except Superseded as e:  # another rank skipped the tier for this step while this rank wrote it
+            self.handle.durable_at[tier] = time.perf_counter() - self.handle.started
+            self.handle.set_skipped(tier, e.newer)
+            return
+        except Exception as e:  # recorded for every rank, and reported by the handle
+            self.error = await self.commit.fail_tier(self.step, tier, e)
+            if in_place and self.marked:
+                # another rank's marker may still complete the tier with these very files: they stay, with the
+                # buffer, until retention retires the step
+                await source.retain()
+        self.handle.durable_at[tier] = time.perf_counter() - self.handle.started
+        if self.error is None:
+            await self.retention.apply(tier, finishing=self.step)
+            self.handle.set_done(tier)
+
+    async def _write_parts(self) -> None:
+        source, plan = self.source, self.source.plan
+
+        async def write_part(p: int) -> None:
+            a, b = plan.part_range(p)
+            ok = False
+            try:
+                await self.io.write_from(self.tier, source.key(p), b - a, lambda: source.part(p),
+                                         f"write part {p} of step {self.step}")
+                ok = True
+            finally:
+                source.settled(p, self.tier, ok)
+
+        results = await asyncio.gather(*(write_part(p) for p in range(plan.num_parts)), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+
+    async def _publish_staged(self) -> None:
+        """The parts are already this tier's files: a rename each puts them under their keys. Past the tier's
+        capacity, its older checkpoints may be retirable now: retention runs once, then the rename again."""
+        arena, source = self.source.pool.arena, self.source
+        assert arena is not None and source.buffer is not None
+        keys = [source.key(p) for p in range(source.plan.num_parts)]
+        try:
+            try:
+                await self.io.run_blocking(arena.publish, source.buffer, keys)
+            except TierFull:
+                await self.retention.apply(self.tier, finishing=self.step)
+                await self.io.run_blocking(arena.publish, source.buffer, keys)
+        except TierError:
+            raise
+        except OSError as e:
+            raise TierError(f"publishing the staged parts of step {self.step}: {e}", tier=self.tier) from e
+        source.settled_all(self.tier, ok=True)
+
+    async def remove_failed(self) -> None:
+        """Report this tier's error, after giving back the room its parts took (a full disk, a capacity, a Redis
+        at maxmemory), so the next save can succeed there; unless this rank committed its share, since a slow
+        rank may still complete the tier. Called once every tier of the save is done: until then another tier
+        may still read a part back from this one."""
+        if self.error is None:
+            return
+        if not self.marked:
+            job, rank, incarnation = self.commit.job, self.source.plan.rank, self.commit.incarnation
+            keys = [rank_prefix(job, self.step, rank, incarnation)]
+            if rank == 0:
+                keys.append(manifest_key(job, self.step, incarnation))
+            try:
+                for key in keys:
+                    await self.io.delete(self.tier, key)
+            except TierError as e:  # the save failed already; say why the space was not given back
+                log.warning("step %d failed on tier %s (%s) and its parts could not be removed: %s", self.step,
+                            self.tier, type(self.error).__name__, e)
+        self.handle.set_done(self.tier, self.error)
