@@ -1,11 +1,12 @@
 """tiered_ckpt: near-free checkpointing of PyTorch training through tiers of storage."""
 from .config import Config, EngineConfig, TierConfig, load_config
 from .engine import Engine
-from .errors import (CheckpointExists, ConfigError, IncompleteCheckpoint, IntegrityError, RankFailed, SaveError,
-                     StateError, TieredCkptError, TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable)
+from .errors import (AuthenticationError, CheckpointExists, ConfigError, Fenced, IncompleteCheckpoint, IndexUnavailable,
+                     IntegrityError, RankFailed, SaveError, StateError, TieredCkptError, TierError, TierFull,
+                     TierNotFound, TierTimeout, TierUnavailable, WriterConflict)
 from .storage.index import CheckpointStatus
 from .load.reads import LoadInfo
-from .save.job import SaveHandle
+from .save.handle import SaveHandle
 from .state import PerRank
 from .sync import Checkpointer, SyncSaveHandle
 from .storage.tier_io import Fallback
@@ -17,4 +18,5 @@ __all__ = [
     "Config", "EngineConfig", "TierConfig", "load_config",
     "TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable", "TierTimeout",
     "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointExists", "SaveError", "RankFailed",
+    "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError",
 ]

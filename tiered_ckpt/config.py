@@ -16,6 +16,10 @@ from .sizes import parse_size
 from .storage.tiers.registry import driver_class
 
 SIZE = {"size": True}  # field metadata: accept "64MiB"-style strings
+# one server, a Redis Cluster, or the master a Sentinel names (storage/redis_connect.py); rediss: with TLS
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://", "redis+sentinel://",
+                 "rediss+sentinel://")
+INDEX_SCHEMES = ("file://", *REDIS_SCHEMES)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline slips through
 
 
@@ -129,8 +133,7 @@ def _check_engine(engine: EngineConfig, source: str | None) -> None:
         validate_name(engine.job, "job")
     except ConfigError as e:
         raise ConfigError(str(e), key="engine.job", file=source) from None
-    if not engine.index.startswith(("file://", "redis://", "rediss://", "unix://", "redis+cluster://",
-                                    "rediss+cluster://", "redis+sentinel://", "rediss+sentinel://")):
+    if not engine.index.startswith(INDEX_SCHEMES):
         raise ConfigError("index must be file://PATH, redis://HOST:PORT/DB, redis+cluster://HOST:PORT[,HOST:PORT...] "
                           "or redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER/DB", key="engine.index", file=source)
     if engine.part_size < 4096:

@@ -20,7 +20,7 @@ from .lifecycle.gc import GRACE, GcReport
 from .storage.index import CheckpointStatus
 from .load.reads import LoadInfo
 from .manifest import Manifest
-from .save.job import SaveHandle
+from .save.handle import SaveHandle
 from .save.copy import producer_events
 
 T = TypeVar("T")

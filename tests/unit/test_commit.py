@@ -58,3 +58,38 @@ async def test_a_commit_whose_reply_was_lost_keeps_its_parts(make_config, monkey
         assert [sorted(c.complete) for c in await engine.statuses()] == [["disk", "host"]]
         _, out = await load_values(engine, tiers=["disk"])
         assert torch.all(out["w"] == 1.0)
+
+
+async def test_a_skip_is_recorded_as_data_that_every_rank_reads(tmp_path):
+    """A rank that skips a tier records the newer step; another rank of the session waiting for the commit
+    takes it as a skip (Superseded with that step), never as a failure; list() reports it apart from failures."""
+    from tiered_ckpt.save.commit import Committer, Superseded
+    from tiered_ckpt.storage.index.file import FileIndex
+
+    index = FileIndex(tmp_path / "index")
+    await index.open()
+    one, two = (Committer(index, "job", rank=r, world_size=2, session="s1", timeout=30) for r in (0, 1))
+    await one.begin(4, ["host", "disk"], nbytes=10, metadata={})
+    await one.skip_tier(4, "disk", 6)
+    assert await two.skipped(4, "disk") == 6 and await two.skipped(4, "host") is None
+    with pytest.raises(Superseded) as err:
+        await two.wait_complete(4, "disk")
+    assert err.value.newer == 6
+    await one.fail_tier(4, "host", tc.TierFull("no space", tier="host"))
+    with pytest.raises(tc.RankFailed, match="rank 0: TierFull") as failed:
+        await two.wait_complete(4, "host")
+    assert not isinstance(failed.value, tc.TierError) and failed.value.tier == "host"
+    [status] = await index.list("job")
+    assert status.skipped == {"disk": 6} and set(status.failed) == {"host"} and status.settled == {"disk", "host"}
+    await index.close()
+
+
+async def test_writer_errors_are_typed(make_config):
+    """A second writer of a job meets WriterConflict (a BlockingIOError too); it is not saved over."""
+    async with tc.Engine(make_config()) as first:
+        await (await first.save(1, state_of(1.0))).wait()
+        async with tc.Engine(make_config()) as second:
+            with pytest.raises(tc.WriterConflict, match="already has a writer") as err:
+                await second.save(2, state_of(2.0))
+            assert isinstance(err.value, BlockingIOError) and not second.is_writer
+    assert issubclass(tc.Fenced, PermissionError) and issubclass(tc.AuthenticationError, PermissionError)

@@ -73,3 +73,19 @@ async def test_state_with_no_tensors_and_metadata(engine):
     assert state == {"epoch": 3, "note": "x"}
     manifest = await engine.read_manifest(5)
     assert manifest.metadata == {"git": "abc"}
+
+
+async def test_a_background_failure_nobody_waited_for_is_raised_once_at_the_next_save(make_config):
+    """Save 1 fails on the memory tier in the background and nobody waits on its handle: save 2 raises that
+    error (naming step 1 and the tier) and is not started; save 2 again goes ahead; close() raises nothing."""
+    engine = await tc.Engine(make_config(tiers=[{"capacity": "100KiB"}, {}], stage_in_memory_tier=False)).open()
+    try:
+        await engine.save(1, state_of(1.0))
+        await engine.wait_all()
+        with pytest.raises(tc.SaveError, match=r"step 1 failed on 1 tier\(s\): host: TierFull") as err:
+            await engine.save(2, {"w": torch.ones(10)})
+        assert err.value.step == 1 and set(err.value.errors) == {"host"}
+        assert [c.step for c in await engine.statuses()] == [1]  # save 2 was not started
+        await (await engine.save(2, {"w": torch.ones(10)})).wait()
+    finally:
+        await engine.close()  # the failure was raised once already: not again

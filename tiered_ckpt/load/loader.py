@@ -62,14 +62,15 @@ class Loader:
                                  info.reads)
             except Exception as e:
                 error = error or e
-            finally:
-                self.io.bounce.clear()  # loads are rare: do not hold part-sized buffers between them
+            finally:  # loads are rare: do not hold part-sized buffers between them (freed in a thread: munmap)
+                await self.io.run_blocking(self.io.bounce.clear)
             try:
                 await self.coordinator.agree(error)  # every rank succeeds, or every rank raises
             except Exception as e:
                 raise _partly_overwritten(e, info.reads.overwritten) if info.reads.overwritten else e
             assert reads is not None
             await self.io.run_blocking(reads.finish)  # scratch → targets, only once every rank read everything
+            await self.io.run_blocking(reads.release)
             await self.io.run_blocking(target.copy_ties)
         await asyncio.to_thread(target.apply)  # load_state_dict() of modules and optimizers: seconds for large ones
         info.tier = max(info.bytes_by_tier, key=info.bytes_by_tier.__getitem__, default=order[0] if order else None)

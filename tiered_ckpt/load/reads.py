@@ -66,6 +66,12 @@ class Reads:
             for src, dst in self.copies:
                 dst.copy_(src)
 
+    def release(self) -> None:
+        """Drop the scratch buffers (call it in a thread: freeing large buffers takes milliseconds)."""
+        self.dests.clear()
+        self.copies.clear()
+        self.keep.clear()
+
 
 def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]]) -> Reads:
     """Where each saved chunk that overlaps a target goes. A chunk that lies wholly inside a contiguous CPU

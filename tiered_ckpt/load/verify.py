@@ -8,7 +8,6 @@ from typing import Callable
 
 from ..errors import IntegrityError, TierError
 from ..storage.index import CheckpointStatus
-from ..buffers import empty_bytes
 from ..layout import PartKey, manifest_key, rank_meta_key
 from ..manifest import Manifest, RankMeta
 from ..storage.tier_io import PartRead, ReadLog, TierIO
@@ -42,16 +41,18 @@ async def verify(io: TierIO, status: CheckpointStatus, manifest: Manifest,
         async def check(rank: int, p: int, expected: int) -> None:
             length = manifest.part_length(rank, p)
             async with slots:
-                buffer = await io.run_blocking(empty_bytes, length)
+                # a part-sized buffer is allocated and freed in a thread: on the event loop either takes milliseconds
+                buffer = memoryview(await io.run_blocking(bytearray, length))
                 part = PartRead(PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path,
                                 [buffer], length, expected, algorithm=manifest.checksum)
+                del buffer
                 log = ReadLog()
                 try:
                     await io.read_verified(part, [tier], log)
                 except IntegrityError:
                     report.bad.extend(f"{f.part}: {f.reason}" for f in log.fallbacks)
                 finally:
-                    part.views.clear()
+                    await io.run_blocking(part.views.clear)
                     progress(length)
 
         checks = [check(r.rank, p, c) for r in manifest.ranks for p, c in enumerate(r.checksums)]

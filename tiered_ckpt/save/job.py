@@ -105,7 +105,7 @@ class SaveJob:
             await asyncio.gather(*(self._persist(t) for t in self.tiers))
             for write in self.writes.values():
                 await write.remove_failed()
-            await self.source.release()
+            await self.source.finish()
             await self.services.retention.revisit()
         except asyncio.CancelledError:
             handle.cancel()  # nobody waits forever on a save that will never finish

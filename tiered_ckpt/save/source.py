@@ -13,7 +13,9 @@ import asyncio
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Awaitable, Callable
 
-from ..buffers import empty_bytes
+import torch
+
+from ..buffers import tensor_bytes
 from ..errors import IntegrityError
 from ..layout import PartKey
 from ..storage.tier_io import PartRead, ReadLog, TierIO
@@ -43,6 +45,7 @@ class PartSource:
         self._readers_cond = asyncio.Condition()
         self._detached = False
         self._detach_task: asyncio.Task[None] | None = None
+        self._read_back_parts = 0
         arena = pool.arena
         # the tier whose files this buffer is (a memory tier first in the stack), if any
         self.files_tier = arena.name if arena is not None and buffer.files is not None and arena.name in tiers else None
@@ -79,20 +82,29 @@ class PartSource:
                     self._readers -= 1
                     self._readers_cond.notify_all()
             return
-        yield await self._read_back(p, b - a)
+        async with self.io.bounce.slot:
+            buf = await self._read_back(p, b - a)
+            try:
+                yield tensor_bytes(buf)[: b - a]
+            except BaseException:
+                self.io.bounce.drop(buf)  # an abandoned write may still read it from a thread
+                raise
+            self.io.bounce.give(buf)
+            self._read_back_parts += 1
 
-    async def _read_back(self, p: int, length: int) -> memoryview:
+    async def _read_back(self, p: int, length: int) -> torch.Tensor:
         """The staging buffer is gone: fetch part p from the fastest tier holding it, verified, with that
-        tier's timeout and retries. Its bytes are already counted in the writing tier's budget; taking the
-        holder's budget as well could deadlock two tiers that read back from each other."""
+        tier's timeout and retries, into a bounce buffer. Its bytes are already counted in the writing tier's
+        budget; taking the holder's budget as well could deadlock two tiers that read back from each other."""
         expected, reasons = (await self._checksums())[p], []
         for tier in self.io.order(self._holders[p]):
-            buf = await self.io.run_blocking(empty_bytes, length)  # fresh per tier: a timed-out read may still write
+            buf = self.io.bounce.take(length)
             try:
-                await self.io.read_verified(PartRead(self.key(p), [buf], length, expected, algorithm=self.algorithm),
-                                            [tier], ReadLog(), budgeted=False)
+                await self.io.read_verified(PartRead(self.key(p), [tensor_bytes(buf)[:length]], length, expected,
+                                                     algorithm=self.algorithm), [tier], ReadLog(), budgeted=False)
                 return buf
             except IntegrityError as e:
+                self.io.bounce.drop(buf)  # a timed-out read may still write it
                 reasons.append(str(e))
         raise IntegrityError(f"part {self.key(p)} is no longer staged and no tier returned it intact "
                              f"({'; '.join(reasons)})")
@@ -120,6 +132,14 @@ class PartSource:
         if buffer is not None:
             self._detached = True
             await self.pool.release(buffer)
+
+    async def finish(self) -> None:
+        """Every tier is done: the buffer goes back, and part-sized buffers that read-backs used are freed
+        (in a thread)."""
+        await self.release()
+        if self._read_back_parts:
+            self._read_back_parts = 0
+            await self.io.run_blocking(self.io.bounce.clear)
 
     async def retain(self) -> None:
         """The buffer's files now hold this checkpoint on the memory tier: it stays with it (pool.retain)."""

@@ -36,12 +36,11 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
+from ..config import REDIS_SCHEMES
 from ..errors import ConfigError
 
 T = TypeVar("T")
 OPTIONS = ("wait", "wait_timeout", "failover_timeout", "max_connections", "sentinel_username", "sentinel_password")
-SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://", "redis+sentinel://",
-           "rediss+sentinel://")
 
 
 @dataclass(frozen=True)
@@ -68,8 +67,8 @@ class RedisURL:
 def parse_url(url: str, *, key: str) -> RedisURL:
     """Parse a Redis URL of any of the three forms; a ConfigError naming `key` (never the password) if bad."""
     scheme, sep, _ = url.partition("://")
-    if not sep or f"{scheme}://" not in SCHEMES:
-        raise ConfigError(f"{redact(url)}: expected one of {', '.join(s + '…' for s in SCHEMES)}", key=key)
+    if not sep or f"{scheme}://" not in REDIS_SCHEMES:
+        raise ConfigError(f"{redact(url)}: expected one of {', '.join(s + '…' for s in REDIS_SCHEMES)}", key=key)
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
     ours = {k: v for k, v in query if k in OPTIONS}

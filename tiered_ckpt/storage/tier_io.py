@@ -71,21 +71,30 @@ class BouncePool:
 
     def __init__(self, count: int):
         self._free: list[torch.Tensor] = []
+        self._dropped: list[torch.Tensor] = []  # unmapped by clear(), in a thread: never on the event loop
+        self.count = count
         self.slot = asyncio.Semaphore(count)
 
     def take(self, nbytes: int) -> torch.Tensor:
         fits = next((i for i, b in enumerate(self._free) if b.numel() >= nbytes), None)  # by position: `in`
         if fits is not None:  # and remove() would compare tensors elementwise
             return self._free.pop(fits)
-        if self._free:
-            self._free.pop()  # too small: replace it
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8)  # (not touched: no page is allocated here)
 
     def give(self, buf: torch.Tensor) -> None:
         self._free.append(buf)
+        if len(self._free) > self.count:  # too many of the wrong size: the smallest goes
+            smallest = min(range(len(self._free)), key=lambda i: self._free[i].numel())
+            self._dropped.append(self._free.pop(smallest))
+
+    def drop(self, buf: torch.Tensor) -> None:
+        """A buffer that must not be reused (a thread may still write it); freed at the next clear()."""
+        self._dropped.append(buf)
 
     def clear(self) -> None:
+        """Free every buffer (call it in a thread: unmapping part-sized buffers takes milliseconds)."""
         self._free.clear()
+        self._dropped.clear()
 
 
 class TierIO:
@@ -266,7 +275,8 @@ class TierIO:
             try:
                 return await self._drivers[name].read_into(part.key, [tensor_bytes(buf)[:part.length]])
             except BaseException:
-                current.clear()  # a thread may still be writing it (timeout, cancellation): never reuse it
+                self.bounce.drop(buf)  # a thread may still be writing it (timeout, cancellation): never reuse it
+                current.clear()
                 raise
 
         pipeline, what = self._pipelines[name], f"read {part.key}"

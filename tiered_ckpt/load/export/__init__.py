@@ -94,7 +94,7 @@ async def export(catalog: Catalog, io: TierIO, protect: Callable[[int], Abstract
             else:
                 await write_dcp(out, tree, reader, info, force)
         finally:
-            io.bounce.clear()  # do not hold part-sized buffers after the export
+            await io.run_blocking(io.bounce.clear)  # do not hold part-sized buffers after the export
         tensors = [leaf.index for _, leaf in items(tree) if isinstance(leaf, Leaf)]
         info.tensors, info.nbytes = len(tensors), sum(nbytes_of(manifest.tensors[i]) for i in tensors)
         info.bytes_by_tier, info.fallbacks = read_log.bytes_by_tier, read_log.fallbacks

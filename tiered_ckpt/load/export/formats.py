@@ -75,10 +75,8 @@ async def write_safetensors(out: Path, tree: Any, manifest: Manifest, reader: Ca
         try:
             await asyncio.to_thread(f.write, struct.pack("<Q", len(raw)) + raw)
             for _, index in entries:
-                tensor = await source.get(index)
-                if tensor.numel():
-                    await source.io.run_blocking(f.write, tensor_bytes(tensor))
-                del tensor
+                # the thread writes the tensor and drops it: freeing a large tensor on the event loop stalls it
+                await source.io.run_blocking(_write_and_drop, f, [await source.get(index)])
             await asyncio.to_thread(f.flush)
             await asyncio.to_thread(os.fsync, f.fileno())
         finally:
@@ -87,6 +85,12 @@ async def write_safetensors(out: Path, tree: Any, manifest: Manifest, reader: Ca
     except BaseException:
         await asyncio.to_thread(discard, tmp)
         raise
+
+
+def _write_and_drop(f: Any, holder: list[torch.Tensor]) -> None:
+    tensor = holder.pop()
+    if tensor.numel():
+        f.write(tensor_bytes(tensor))
 
 
 def _safetensors_header(tree: Any, manifest: Manifest, info: ExportInfo) -> tuple[list[tuple[str, int]], bytes]:
@@ -136,11 +140,13 @@ async def write_torch(out: Path, tree: Any, reader: Callable[[list[int]], Tensor
     unique = list(dict.fromkeys(leaves(tree)))
     source = reader(unique)
     tensors = {index: await source.get(index) for index in unique}
-    state = build(tree, tensors.__getitem__)  # a tie is one tensor under two names: torch.save keeps it one
+    holder = [build(tree, tensors.__getitem__)]  # a tie is one tensor under two names: torch.save keeps it one
+    tensors.clear()  # (the state holds them now: the thread below drops the last references)
     info.values = count_values(tree)
     tmp = await asyncio.to_thread(temp_path, out)
     try:
         def save() -> None:
+            state = holder.pop()
             with open(tmp, "wb") as f:
                 torch.save(state, f)
                 f.flush()

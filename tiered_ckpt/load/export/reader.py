@@ -60,10 +60,13 @@ class TensorReader:
             if self.uses[index] > 0:  # a tie: wanted again under another name
                 self.cache[index] = tensor
                 self.cached += nbytes_of(self.manifest.tensors[index])
+            evicted = []
             while self.cached > self.budget and self.cache:
                 oldest = next(iter(self.cache))
                 self.cached -= nbytes_of(self.manifest.tensors[oldest])
-                del self.cache[oldest]
+                evicted.append(self.cache.pop(oldest))
+            if evicted:
+                await asyncio.to_thread(evicted.clear)  # freed in a thread: large frees take milliseconds
             self.done += nbytes_of(self.manifest.tensors[index])
             if self.progress is not None:
                 self.progress(self.done, self.total)
@@ -89,6 +92,7 @@ class TensorReader:
         if failed:
             raise failed[0]
         await self.io.run_blocking(reads.finish)
+        await self.io.run_blocking(reads.release)
         return tensors
 
     def _plan(self, indices: list[int]) -> tuple[list[Any], Reads, dict[int, torch.Tensor]]:

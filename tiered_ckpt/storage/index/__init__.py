@@ -1,13 +1,9 @@
 """Where checkpoints are and on which tiers they are complete."""
 from __future__ import annotations
 
-from ...config import index_path
+from ...config import REDIS_SCHEMES, index_path
 from ...errors import ConfigError
 from .base import CheckpointStatus, Index
-
-# one server, a Redis Cluster, or the master a Sentinel names (index/redis_connect.py); rediss: with TLS
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://", "redis+sentinel://",
-                 "rediss+sentinel://")
 
 
 def open_index(url: str) -> Index:

@@ -24,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ...errors import ConfigError, TierError, TierNotFound, TierUnavailable
 from .base import Tier, scatter
 
+log = logging.getLogger(__name__)
 SIZE = {"size": True}
 LAYOUT = ".tiered_ckpt-layout"  # under the prefix: {"spread": N} of a prefix written with spread
 RETRYABLE_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
@@ -70,8 +72,12 @@ class S3Tier(Tier):
         from aiobotocore.session import AioSession
 
         session = AioSession(profile=self.options.profile)
-        config = AioConfig(retries={"total_max_attempts": 1, "mode": "standard"}, max_pool_connections=2 * self.options.concurrency,
-                           connect_timeout=10, read_timeout=self.options.read_timeout)
+        # botocore's own checksums of every body (CRC32 of a 64 MiB part on the event loop) add nothing to the
+        # engine's part checksums and sealed records: only where S3 requires one
+        config = AioConfig(retries={"total_max_attempts": 1, "mode": "standard"},
+                           max_pool_connections=2 * self.options.concurrency, connect_timeout=10,
+                           read_timeout=self.options.read_timeout, request_checksum_calculation="when_required",
+                           response_checksum_validation="when_required")
         self._context = session.create_client("s3", endpoint_url=self.options.endpoint_url,
                                               region_name=self.options.region, config=config)
         self._client = await self._context.__aenter__()
@@ -173,7 +179,8 @@ class S3Tier(Tier):
         bucket, full = self.options.bucket, self._key(key)
         size = self.options.multipart_size
         if len(view) <= size:
-            await self._call(key, "uploading", self._client.put_object(Bucket=bucket, Key=full, Body=bytes(view)))
+            body = await self.run_blocking(bytes, view)  # (botocore wants bytes; the copy is off the event loop)
+            await self._call(key, "uploading", self._client.put_object(Bucket=bucket, Key=full, Body=body))
             return
         upload = await self._call(key, "starting the upload of",
                                   self._client.create_multipart_upload(Bucket=bucket, Key=full))
@@ -182,8 +189,9 @@ class S3Tier(Tier):
 
         async def part(number: int, chunk: memoryview) -> dict[str, Any]:
             async with slots:
+                body = await self.run_blocking(bytes, chunk)
                 resp = await self._client.upload_part(Bucket=bucket, Key=full, UploadId=upload_id,
-                                                      PartNumber=number, Body=bytes(chunk))
+                                                      PartNumber=number, Body=body)
                 return {"PartNumber": number, "ETag": resp["ETag"]}
 
         try:
@@ -194,8 +202,10 @@ class S3Tier(Tier):
         except BaseException as e:
             try:  # never leave orphaned parts behind
                 await self._client.abort_multipart_upload(Bucket=bucket, Key=full, UploadId=upload_id)
-            except Exception:
-                pass
+            except Exception as abort:  # S3 keeps the parts (and bills them) until a lifecycle rule removes them
+                log.warning("tier %s: the upload of s3://%s/%s failed and could not be aborted either (%s: %s); its "
+                            "parts stay until a bucket lifecycle rule (AbortIncompleteMultipartUpload) removes them",
+                            self.name, bucket, full, type(abort).__name__, abort)
             if isinstance(e, Exception):
                 raise self._fail(e, key, "uploading") from e
             raise
@@ -265,8 +275,14 @@ class S3Tier(Tier):
         names = [name for name, _ in await self._keys(prefix)]
         for i in range(0, len(names), 1000):
             batch = {"Objects": [{"Key": k} for k in names[i : i + 1000]], "Quiet": True}
-            await self._call(prefix, "deleting", self._client.delete_objects(Bucket=self.options.bucket, Delete=batch),
-                             name=batch["Objects"][0]["Key"])
+            reply = await self._call(prefix, "deleting", self._client.delete_objects(
+                Bucket=self.options.bucket, Delete=batch), name=batch["Objects"][0]["Key"])
+            errors = reply.get("Errors") or []  # a 200 reply may still refuse some keys, one by one
+            if errors:
+                first = errors[0]
+                raise TierError(f"deleting under s3://{self.options.bucket}/{self._prefix}{prefix}: {len(errors)} of "
+                                f"{len(batch['Objects'])} object(s) not deleted, first {first.get('Key')}: "
+                                f"{first.get('Code')}: {first.get('Message')}", tier=self.name)
 
     async def list(self, prefix: str) -> list[str]:
         return sorted(key for _, key in await self._keys(prefix))

@@ -1,0 +1,116 @@
+"""The package's shape, as docs/architecture.md states it: layers that import downwards, no import circles,
+only the facades import the engine, drivers reached only through TierIO."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__import__("tiered_ckpt").__file__).parent
+FACADES = {"tiered_ckpt", "tiered_ckpt.sync", "tiered_ckpt.cli"}
+FACADE_PACKAGES = ("tiered_ckpt.integrations", "tiered_ckpt.bench", "tiered_ckpt.testing")
+# lowest first: a module may import its own layer and the ones below
+LAYERS = ["base", "storage", "distributed", "lifecycle", "load", "save", "facade"]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> str:
+    if module in FACADES | {"tiered_ckpt.engine"} or module.startswith(FACADE_PACKAGES):
+        return "facade"
+    second = module.split(".")[1] if module.count(".") else ""
+    return second if second in LAYERS else "base"
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """Modules of the package that `path` imports when it runs (not those under `if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text())
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    found: set[str] = set()
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if target.startswith("tiered_ckpt"):
+                    found.add(target)
+                    for alias in node.names:  # `from . import x` imports the module x
+                        if (PACKAGE.parent / (target + "." + alias.name).replace(".", "/")).with_suffix(".py").exists():
+                            found.add(f"{target}.{alias.name}")
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("tiered_ckpt"))
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, field, []) if isinstance(getattr(node, field, None), list) else [])
+
+    visit(tree.body)
+    return found - {me}
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+GRAPH = {m: {i for i in runtime_imports(p) if i in MODULES} for m, p in MODULES.items()}
+
+
+def test_no_import_circles():
+    seen, stack, circles = set(), [], []
+
+    def walk(m):
+        if m in stack:
+            circles.append(stack[stack.index(m):] + [m])
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        stack.append(m)
+        for n in sorted(GRAPH[m]):
+            if n != m and not m.startswith(n + "."):  # a module importing its own package's __init__ is no circle
+                walk(n)
+        stack.pop()
+
+    for m in sorted(GRAPH):
+        walk(m)
+    assert not circles, circles[:3]
+
+
+def test_imports_run_down_the_layers_but_for_one():
+    upward = sorted((m, i) for m, imports in GRAPH.items() for i in imports
+                    if LAYERS.index(layer(i)) > LAYERS.index(layer(m)))
+    # config.py finds each tier kind's Options dataclass through the driver registry
+    assert upward == [("tiered_ckpt.config", "tiered_ckpt.storage.tiers.registry")], upward
+
+
+def test_only_the_facades_import_the_engine():
+    importers = sorted(m for m, imports in GRAPH.items() if "tiered_ckpt.engine" in imports)
+    assert all(m in FACADES or m.startswith(FACADE_PACKAGES) for m in importers), importers
+
+
+def test_few_modules_at_the_top_of_the_package():
+    top = [p.name for p in PACKAGE.glob("*.py")]
+    assert len(top) <= 16, sorted(top)
+
+
+def test_drivers_import_only_the_driver_contract_errors_and_their_declared_helpers():
+    allowed = {"tiered_ckpt.errors", "tiered_ckpt.storage.tiers.base", "tiered_ckpt.storage.tiers",
+               "tiered_ckpt.storage"}
+    declared = {"tiered_ckpt.storage.tiers.memory": {"tiered_ckpt.storage.tiers.local"},
+                "tiered_ckpt.storage.tiers.local": {"tiered_ckpt.storage.files"},
+                "tiered_ckpt.storage.tiers.redis_peer": {"tiered_ckpt.storage.redis_connect"}}
+    for m, imports in GRAPH.items():
+        if m.startswith("tiered_ckpt.storage.tiers.") and not m.endswith(("base", "registry")):
+            assert imports <= allowed | declared.get(m, set()), (m, imports - allowed)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith(FACADE_PACKAGES)
+                                          and m != "tiered_ckpt.storage.tier_io"))
+def test_the_library_reaches_drivers_only_through_tier_io(module):
+    """`TierIO.driver()` is for tests and tools; no library path may bypass the tiers' timeouts and retries."""
+    assert ".driver(" not in MODULES[module].read_text(), module
