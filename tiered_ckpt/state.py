@@ -62,6 +62,13 @@ class Pickled:
     data: bytes
 
 
+@dataclass(frozen=True)
+class SavedName:
+    """A tensor in a saved tree (saved_tree): the name it was saved under, which the manifest lists."""
+
+    name: str
+
+
 @dataclass
 class FlatState:
     skeleton: Any
@@ -205,6 +212,26 @@ def decode_skeleton(data: bytes) -> Any:
         raise StateError(f"unknown msgpack extension type {code} in the manifest")
 
     return msgpack.unpackb(data, ext_hook=ext_hook, strict_map_key=False)
+
+
+def saved_tree(skeleton: Any, rank: int = 0) -> Any:
+    """A decoded skeleton as plain containers, for readers that are not a load (export, tools): each tensor
+    becomes the SavedName it was saved under (a PerRank entry's: `rank`'s; a tie: the first name), a pickled
+    value stays Pickled, plain values stay."""
+    def walk(node: Any, path: tuple[Any, ...], per_rank: bool) -> Any:
+        if isinstance(node, TensorRef):
+            return SavedName(per_rank_name(path_str(path), rank) if per_rank else path_str(path))
+        if isinstance(node, TensorAlias):
+            return SavedName(node.name)
+        if isinstance(node, PerRankMark):
+            return walk(node.inner, path, True)
+        if isinstance(node, dict):
+            return {k: walk(v, path + (k,), per_rank) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v, path + (i,), per_rank) for i, v in enumerate(node))
+        return node
+
+    return walk(skeleton, (), False)
 
 
 @dataclass(frozen=True)

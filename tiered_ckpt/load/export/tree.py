@@ -8,7 +8,7 @@ from typing import Any
 
 from ...errors import IntegrityError, StateError
 from ...manifest import Manifest
-from ...state import PerRankMark, Pickled, TensorAlias, TensorRef, decode_skeleton, path_str, per_rank_name
+from ...state import PerRankMark, Pickled, SavedName, decode_skeleton, path_str, saved_tree
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,6 @@ SKIP = object()  # a value that cannot be exported (pickled): left out
 MISSING = object()
 
 
-
-
 def build_tree(manifest: Manifest, skipped: list[str]) -> Any:
     """Rank 0's saved structure, with keys only other ranks held merged in (as a load at world size 1 sees
     it); tensors become Leaf, pickled values SKIP (named in `skipped`). A PerRank entry is rank 0's."""
@@ -33,29 +31,27 @@ def build_tree(manifest: Manifest, skipped: list[str]) -> Any:
         if manifest.ranks[r].skeleton:
             merged = _merge(merged, decode_skeleton(manifest.skeleton_of(r)))
 
-    def find(name: str, where: str) -> Leaf:
-        if name not in by_name:
-            raise IntegrityError(f"step {manifest.step}: the manifest has no tensor {name!r} for {where!r}")
-        return Leaf(by_name[name])
-
-    def walk(node: Any, path: tuple[Any, ...], per_rank: bool) -> Any:
-        where = path_str(path)
-        if isinstance(node, TensorRef):
-            return find(per_rank_name(where, 0) if per_rank else where, where)
-        if isinstance(node, TensorAlias):
-            return find(node.name, where)
-        if isinstance(node, PerRankMark):
-            return walk(node.inner, path, True)
-        if isinstance(node, dict):
-            return {k: walk(v, path + (k,), per_rank) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v, path + (i,), per_rank) for i, v in enumerate(node))
+    def leaf(node: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(node, SavedName):
+            if node.name not in by_name:
+                raise IntegrityError(f"step {manifest.step}: the manifest has no tensor {node.name!r} for "
+                                     f"{path_str(path)!r}")
+            return Leaf(by_name[node.name])
         if isinstance(node, Pickled):
             skipped.append(f"{dotted(path)!r} (a pickled value; export cannot unpickle it safely)")
             return SKIP
         return node
 
-    return walk(merged, (), False)
+    return map_values(saved_tree(merged), leaf)
+
+
+def map_values(tree: Any, fn: Callable[[Any, tuple[Any, ...]], Any], path: tuple[Any, ...] = ()) -> Any:
+    """`tree` with every leaf (a value that is no dict, list or tuple) replaced by fn(leaf, its path)."""
+    if isinstance(tree, dict):
+        return {k: map_values(v, fn, path + (k,)) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_values(v, fn, path + (i,)) for i, v in enumerate(tree))
+    return fn(tree, path)
 
 
 def _merge(base: Any, other: Any) -> Any:
