@@ -167,9 +167,11 @@ async def cmd_ls(engine: Engine, args: argparse.Namespace) -> int:
         return 0
     when = [_when(c.created) for c in rows]
     width = max(len("created"), *map(len, when))
-    print(f"{'step':>10}  {'created':<{width}}  {'size':>10}  {'state':<10}  tiers (* = complete, ! = failed)")
+    print(f"{'step':>10}  {'created':<{width}}  {'size':>10}  {'state':<10}  "
+          f"tiers (* = complete, ! = failed, > = skipped for a newer save)")
     for c, created in zip(rows, when, strict=True):
-        marks = " ".join(f"{t}{'*' if t in c.complete else '!' if t in c.failed else ''}" for t in c.tiers)
+        marks = " ".join(f"{t}{'*' if t in c.complete else '!' if t in c.failed else '>' if t in c.skipped else ''}"
+                         for t in c.tiers)
         foreign = f"  (foreign: committed to {c.foreign})" if c.foreign else ""
         size = "-" if c.nbytes is None else format_size(c.nbytes)
         print(f"{c.step:>10}  {created:<{width}}  {size:>10}  {'complete' if c.is_complete else 'incomplete':<10}  "
@@ -188,6 +190,8 @@ async def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
     print(f"  complete on: {', '.join(engine.io.order(status.complete)) or 'none'}")
     for tier, reason in status.failed.items():
         print(f"  failed on {tier}: {reason}")
+    for tier, newer in status.skipped.items():
+        print(f"  skipped on {tier}: step {newer} superseded it there")
     values = _plain_values(decode_skeleton(m.skeleton_of(0)))
     tensors = m.tensors if args.tensors else m.tensors[:20]
     shown_values = values if args.values else values[:50]
