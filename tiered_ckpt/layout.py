@@ -1,6 +1,7 @@
 """The storage layout: every key a checkpoint uses on a tier, how to parse one back, and the part arithmetic.
 
     <job>/step-<12 digits>/<incarnation>/manifest.msgpack                     the manifest (rank 0)
+    <job>/step-<12 digits>/<incarnation>/committed                            empty: the index committed it here
     <job>/step-<12 digits>/<incarnation>/rank-<5 digits>/checksums.msgpack     one rank's part checksums
     <job>/step-<12 digits>/<incarnation>/rank-<5 digits>/part-<6 digits>       one part of one rank's stream
 
@@ -24,11 +25,12 @@ from dataclasses import dataclass
 
 STEP_DIR = "step-"
 MANIFEST = "manifest.msgpack"
+COMMITTED = "committed"  # written by rank 0 once the index committed the tier: a copy that outlives the index
 CHECKSUMS = "checksums.msgpack"
 INDEX_DIR = "ix-"
 _KEY = re.compile(r"^(?P<job>[^/]+)/step-(?P<step>\d{12,})/(?:(?P<incarnation>ix-[0-9a-f]{8}/[0-9a-f]{6,})/)?"
-                  r"(?:(?P<manifest>manifest\.msgpack)|rank-(?P<rank>\d{5,})/(?:(?P<checksums>checksums\.msgpack)"
-                  r"|part-(?P<part>\d{6,})))$")
+                  r"(?:(?P<manifest>manifest\.msgpack)|(?P<committed>committed)|rank-(?P<rank>\d{5,})/"
+                  r"(?:(?P<checksums>checksums\.msgpack)|part-(?P<part>\d{6,})))$")
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class PartKey:
 
 @dataclass(frozen=True)
 class ParsedKey:
-    """What a key names: kind is "manifest", "checksums" (rank set) or "part" (rank and index set)."""
+    """What a key names: kind is "manifest", "committed", "checksums" (rank set) or "part" (rank and index set)."""
 
     job: str
     step: int
@@ -105,6 +107,10 @@ def manifest_key(job: str, step: int, incarnation: str = "") -> str:
     return f"{checkpoint_prefix(job, step, incarnation)}{MANIFEST}"
 
 
+def committed_key(job: str, step: int, incarnation: str) -> str:
+    return f"{checkpoint_prefix(job, step, incarnation)}{COMMITTED}"
+
+
 def rank_meta_key(job: str, step: int, rank: int, incarnation: str = "") -> str:
     return f"{rank_prefix(job, step, rank, incarnation)}{CHECKSUMS}"
 
@@ -117,6 +123,8 @@ def parse_key(key: str) -> ParsedKey | None:
     job, step, incarnation = m["job"], int(m["step"]), m["incarnation"] or ""
     if m["manifest"]:
         return ParsedKey(job, step, "manifest", incarnation=incarnation)
+    if m["committed"]:
+        return ParsedKey(job, step, "committed", incarnation=incarnation)
     if m["checksums"]:
         return ParsedKey(job, step, "checksums", int(m["rank"]), incarnation=incarnation)
     return ParsedKey(job, step, "part", int(m["rank"]), int(m["part"]), incarnation)

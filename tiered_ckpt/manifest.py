@@ -76,6 +76,12 @@ class RankMeta:
     def to_bytes(self) -> bytes:
         return seal(msgpack.packb({"version": FORMAT_VERSION, **dataclasses.asdict(self)}))
 
+    def expect(self, rank: int, source: str) -> "RankMeta":
+        """This record, if it is the one of `rank` that `source` lists; else IntegrityError."""
+        if self.rank != rank:
+            raise IntegrityError(f"{source} is listed as rank {rank}'s checksum record but is rank {self.rank}'s")
+        return self
+
     @classmethod
     def from_bytes(cls, data: bytes, *, source: str) -> "RankMeta":
         try:
@@ -120,6 +126,16 @@ class Manifest:
                 raise IntegrityError(f"rank {r.rank}'s checksum record does not match the manifest")
             ranks.append(record)
         return dataclasses.replace(self, ranks=tuple(ranks))
+
+    def expect(self, job: str, step: int, source: str, *, incarnation: str | None = None) -> "Manifest":
+        """This manifest, if it is the one `source` lists (job, step, and the folder it was read from); else
+        IntegrityError: a renamed folder or a copied record must never serve one step's bytes as another's."""
+        if self.job != job or self.step != step:
+            raise IntegrityError(f"{source} is listed as job {job!r} step {step} but is the manifest of job "
+                                 f"{self.job!r} step {self.step}")
+        if incarnation is not None and self.incarnation != incarnation:
+            raise IntegrityError(f"{source} lies in folder {incarnation!r} but names folder {self.incarnation!r}")
+        return self
 
     def skeleton_of(self, rank: int) -> bytes:
         """Rank `rank`'s skeleton (format 1 kept rank 0's only, in the manifest)."""

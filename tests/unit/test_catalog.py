@@ -42,7 +42,10 @@ async def test_restarted_process_loads_from_memory_tier(make_config):
             await engine.save(1, state_of(1.0))
 
 
-async def test_a_lost_or_garbled_newest_record_is_reported_not_silently_rolled_back(engine, tmp_path, caplog):
+async def test_a_lost_or_garbled_newest_record_never_hides_the_newest_committed_checkpoint(engine, tmp_path, caplog):
+    """The index loses step 3's record and garbles step 2's: both are still whole and committed on the tiers,
+    so a load without step= takes step 3 (saying why), an explicit step 2 loads too, and the garbled record is
+    reported, listed as incomplete."""
     import logging
 
     for step in (1, 2, 3):
@@ -51,26 +54,33 @@ async def test_a_lost_or_garbled_newest_record_is_reported_not_silently_rolled_b
     (tmp_path / "index" / "test" / "step-000000000002" / "begun").write_bytes(b"\x00garbage")  # one garbled
     caplog.set_level(logging.WARNING)
     info, out = await load_values(engine)
-    assert info.step == 1 and torch.all(out["w"] == 1.0)
+    assert info.step == 3 and torch.all(out["w"] == 3.0)
+    assert "step 3 is whole on" in caplog.text and "does not list it" in caplog.text
     assert "step 2" in caplog.text and "cannot be read" in caplog.text  # the garbled record, named
-    assert "manifest of step 2" in caplog.text and "manifest of step 3" in caplog.text  # both, still on the tiers
     status = {c.step: c for c in [c async for c in engine.list()]}
     assert "index" in status[2].failed and not status[2].is_complete
-    info, out = await load_values(engine, step=3)  # and either can still be loaded explicitly
-    assert info.step == 3 and torch.all(out["w"] == 3.0)
+    info, out = await load_values(engine, step=2)  # an explicit step: from the tiers' manifests
+    assert info.step == 2 and torch.all(out["w"] == 2.0)
 
 
-async def test_with_the_index_lost_the_newest_whole_incarnation_of_a_step_is_loaded(tmp_path, make_config):
-    """Step 1 saved twice, by two openings, the index lost in between and after: the tiers hold two folders
-    of step 1, and a load from the tiers takes the newer one."""
+async def test_an_index_lost_between_two_runs_loses_no_checkpoint(tmp_path, make_config):
+    """The file index is removed between two runs: the next run's load finds the newest committed checkpoint
+    on the tiers, its first save lists the forgotten ones in the index again, and they stay refused as steps
+    to save over."""
     import shutil
 
     config = make_config()
-    for value in (1.0, 2.0):
-        async with tc.Engine(config) as engine:
-            await (await engine.save(1, state_of(value))).wait()
-        shutil.rmtree(tmp_path / "index")
     async with tc.Engine(config) as engine:
-        assert len({p.incarnation for p in map(parse_key, await engine.io.driver("disk").list("test/")) if p}) == 2
+        for step in (1, 2):
+            await (await engine.save(step, state_of(float(step)))).wait()
+    shutil.rmtree(tmp_path / "index")
+    async with tc.Engine(config) as engine:
         info, out = await load_values(engine)
-        assert info.step == 1 and torch.all(out["w"] == 2.0)
+        assert info.step == 2 and torch.all(out["w"] == 2.0)
+        await (await engine.save(3, state_of(3.0))).wait()
+        assert [(c.step, sorted(c.complete)) async for c in engine.list()] == [
+            (1, ["disk", "host"]), (2, ["disk", "host"]), (3, ["disk", "host"])]
+        with pytest.raises(tc.CheckpointExists):
+            await (await engine.save(1, state_of(9.0))).wait()
+        info, out = await load_values(engine, step=1)
+        assert torch.all(out["w"] == 1.0)

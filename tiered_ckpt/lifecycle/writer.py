@@ -4,7 +4,8 @@ An engine is a *reader* until its first save (or delete): listing, loading, veri
 nothing in the index, so an evaluator or the CLI beside a running trainer can never fence it or delete its
 saves in flight. At its first save it becomes the job's *writer*: rank 0 fences earlier incarnations (the
 Redis epoch; the file index's lease), every rank takes the new epoch, and rank 0 cleans what a crashed run
-left (removals cut short, incomplete checkpoints newer than the newest complete one). A *cleaner* (`gc`,
+left (removals cut short, incomplete checkpoints newer than the newest complete one) and lists again the
+committed checkpoints the index forgot (lifecycle/lineage.py). A *cleaner* (`gc`,
 `tiered-ckpt delete`) attaches instead: it changes the index within the current incarnation, so a trainer
 that is still running is not fenced out.
 """
@@ -16,6 +17,7 @@ from typing import Any
 from ..distributed.coordinator import Coordinator
 from ..errors import IndexUnavailable, RankFailed, TieredCkptError
 from ..storage.index import Index
+from . import lineage
 from .removal import Removal
 
 log = logging.getLogger(__name__)
@@ -48,20 +50,26 @@ class Writer:
                 refused, outcome = e, ("refused", f"{type(e).__name__}: {e}")
             if outcome[0] == "ok":
                 self.index.epoch = outcome[1]
-                await self._clean_leftovers()
+                outcome = ("ok", outcome[1], await self._clean_leftovers())
         outcome = await self.coordinator.broadcast_object(outcome)
         if outcome[0] == "refused":
             raise refused if refused is not None else RankFailed(f"rank 0 could not become the writer: {outcome[1]}")
         if outcome[0] == "ok":
             self.index.epoch, self.is_writer = outcome[1], True
+            self.removal.committed.update(outcome[2])  # listed again: saving those steps over is refused
 
-    async def _clean_leftovers(self) -> None:
+    async def _clean_leftovers(self) -> list[int]:
+        """Finish removals a crash cut short, list again what the index forgot (returned), and remove incomplete
+        checkpoints newer than the newest complete one (a crashed run's, which this run would save over)."""
+        relisted: list[int] = []
         try:
             await self.removal.finish_burials()
+            relisted = await lineage.relist(self.removal.io, self.index, self.job, self.coordinator.session)
             complete = [s.step for s in await self.index.list(self.job) if s.is_complete]
             await self.removal.drop_incomplete_after(max(complete, default=-1))
         except (TieredCkptError, OSError) as e:  # cleaning up must never fail a save
             log.warning("leftovers of an earlier run were not removed: %s: %s", type(e).__name__, e)
+        return relisted
 
     async def attach(self, *, hold: bool = True) -> bool:
         """Become a cleaner of the job without starting a new incarnation: delete and gc then change the index

@@ -15,6 +15,8 @@ from ..errors import IncompleteCheckpoint, IndexUnavailable, IntegrityError, Tie
 from ..storage.index import CheckpointStatus, Index
 from ..layout import index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
 from ..manifest import Manifest, RankMeta
+from ..lifecycle import lineage
+from ..lifecycle.lineage import Copy
 from ..storage.tier_io import TierIO
 
 T = TypeVar("T")
@@ -28,6 +30,7 @@ class Catalog:
         self.io = io
         self.adopt = adopt  # manifests committed to another index may be loaded
         self._sizes: dict[tuple[int, float], tuple[int | None, dict]] = {}  # (step, created) → from its manifest
+        self._checked: tuple[int, Manifest] | None = None  # the manifest pick() read and checked, for the load
 
     async def statuses(self) -> list[CheckpointStatus]:
         """Every checkpoint of the job, oldest first: from the index, or from the tiers' manifests."""
@@ -99,28 +102,18 @@ class Catalog:
         return out
 
     async def pick(self, step: int | None, allowed: Sequence[str]) -> CheckpointStatus:
-        """The newest checkpoint (or `step`) complete on one of `allowed`; IncompleteCheckpoint says why not."""
+        """The newest checkpoint (or `step`) complete on one of `allowed`; IncompleteCheckpoint says why not.
+        The newest is the newest that can really be loaded: its manifest and records are readable, a tier still
+        holds its data, and a whole checkpoint of this index's lineage that the index forgot counts too."""
+        self._checked = None
         statuses = await self.statuses()
-        usable = [s for s in statuses if s.complete & set(allowed) and (s.foreign is None or self.adopt)]
-        if not usable or (step is not None and all(s.step != step for s in usable)):
-            # A fresh machine (an empty index) or a lost index: the tiers' manifests still know
-            buried = await self._buried()
-            on_tiers = [s for s in await self.statuses_from_tiers() if s.complete & set(allowed) and s.step not in buried]
-            from_tiers = [s for s in on_tiers if s.foreign is None or self.adopt]
-            if on_tiers and not from_tiers:
-                log.warning("job %r: the tiers hold %d complete checkpoint(s) committed to another index (%s); "
-                            "set adopt = true in [engine] to load them", self.job, len(on_tiers), on_tiers[-1].foreign)
-            if from_tiers if step is None else any(s.step == step for s in from_tiers):
-                log.warning("job %r: the index has no usable checkpoint%s; using the manifests on the tiers",
-                            self.job, "" if step is None else f" {step}")
-                usable = from_tiers  # errors below still describe what the index knows
         if step is None:
-            if not usable:
-                raise IncompleteCheckpoint(f"job {self.job!r} has no complete checkpoint on tiers {list(allowed)} "
-                                           f"({len(statuses)} incomplete)")
-            newest = max(usable, key=lambda s: s.step)
-            await self._report_newer_on_tiers(newest.step, statuses)
-            return newest
+            return await self._pick_newest(statuses, allowed)
+        usable = [s for s in statuses if s.complete & set(allowed) and (s.foreign is None or self.adopt)]
+        if all(s.step != step for s in usable):
+            found = await self._from_tiers(statuses, allowed, step)
+            if found is not None:
+                return found
         for s in usable:
             if s.step == step:
                 return s
@@ -130,30 +123,108 @@ class Catalog:
             f"failed on {found.failed or 'none'})")
         raise IncompleteCheckpoint(f"job {self.job!r} step {step} {detail} on tiers {list(allowed)}")
 
-    async def _report_newer_on_tiers(self, picked: int, statuses: Sequence[CheckpointStatus]) -> None:
-        """A newer checkpoint of this index whose record the index lost (deleted or unreadable) would make a
-        load roll back without a word: look on the fastest tier (a cheap listing) and say so."""
-        complete_in_index = {s.step for s in statuses if s.is_complete}
-        first = next(iter(self.io), None)
-        if first is None:
-            return
-        try:
-            keys = await self.io.list(first, job_prefix(self.job))
-            buried = await self._buried()
-        except (TierError, IndexUnavailable):
-            return
-        parsed = ((parse_key(k), k) for k in keys)
-        newer = sorted((p.step, k) for p, k in parsed if p is not None and p.kind == "manifest"
-                       and p.step > picked and p.step not in complete_in_index and p.step not in buried)
-        for step, key in newer:
+    async def _pick_newest(self, statuses: list[CheckpointStatus], allowed: Sequence[str]) -> CheckpointStatus:
+        """Newest first, the first candidate that checks out: one the index lists complete (its manifest and
+        records readable, a tier it names still holding its folder), or one of this index's lineage that the
+        index does not list (a record lost or unreadable, an index restarted empty or restored from an older
+        snapshot) and that is whole on a tier. Each one passed over is named in a warning."""
+        copies, unlisted_tiers = await self._scan(allowed)
+        buried = await self._buried()
+        listed = {s.step for s in statuses if "index" not in s.failed}  # an unreadable record lists nothing
+        candidates: list[tuple[int, CheckpointStatus | None]] = [
+            (s.step, s) for s in statuses if s.complete & set(allowed) and (s.foreign is None or self.adopt)]
+        lost = {st for by_step in copies.values() for st in by_step} - listed - buried
+        candidates += [(st, None) for st in lost]
+        passed_over: list[str] = []
+        for st, status in sorted(candidates, key=lambda c: (c[0], c[1] is not None), reverse=True):
             try:
-                manifest = await self._parse(await self.io.read(first, key), f"manifest {key} on tier {first!r}")
-            except TierError:
+                found = (await self._still_held(status, allowed, copies, unlisted_tiers) if status is not None
+                         else await self._whole_on_tiers(st, allowed, copies))
+            except (IncompleteCheckpoint, IntegrityError) as e:
+                passed_over.append(f"step {st}: {e}")
                 continue
-            if manifest.index == self.index.identity:
-                log.warning("job %r: loading step %d, but tier %s holds a manifest of step %d committed to this "
-                            "index, which the index does not list as complete (its record was lost or cannot be "
-                            "read); load(step=%d) loads it if it is whole", self.job, picked, first, step, step)
+            if passed_over:
+                log.warning("job %r: loading step %d; newer checkpoint(s) cannot be loaded: %s", self.job, found.step,
+                            "; ".join(passed_over[:5]))
+            if status is None:
+                log.warning("job %r: step %d is whole on %s but the index does not list it (a record lost, or an "
+                            "index restarted empty or restored from an older snapshot); loading it from the tiers",
+                            self.job, st, ", ".join(found.complete))
+            return found
+        found = await self._from_tiers(statuses, allowed, None)  # other indexes' (adopt), earlier formats
+        if found is not None:
+            return found
+        detail = f"; passed over: {'; '.join(passed_over[:5])}" if passed_over else ""
+        raise IncompleteCheckpoint(f"job {self.job!r} has no complete checkpoint on tiers {list(allowed)} "
+                                   f"({len(statuses)} listed, none complete){detail}")
+
+    async def _scan(self, allowed: Sequence[str]) -> tuple[dict[str, dict[int, list[Copy]]], set[str]]:
+        """This index's copies on every allowed tier (one listing each), and the tiers that could not be listed."""
+        copies: dict[str, dict[int, list[Copy]]] = {}
+        failed: set[str] = set()
+        for tier in self.io.order(allowed):
+            try:
+                copies[tier] = await lineage.scan(self.io, tier, self.job, self.index.identity)
+            except TierError as e:
+                log.warning("tier %s cannot be listed: %s", tier, e)
+                failed.add(tier)
+        return copies, failed
+
+    async def _still_held(self, status: CheckpointStatus, allowed: Sequence[str],
+                          copies: dict[str, dict[int, list[Copy]]], unlisted: set[str]) -> CheckpointStatus:
+        """`status` as the index lists it, narrowed to the tiers that still hold its folder; IncompleteCheckpoint
+        when none does (an index restored from an older snapshot lists checkpoints retention removed since)."""
+        order = self.io.order(status.complete & set(allowed))
+        manifest = await self.read_manifest(status.step, order, status.incarnation)
+        if status.incarnation is not None or not manifest.incarnation.startswith(index_dir(self.index.identity) + "/"):
+            self._checked = (status.step, manifest)
+            return status  # found on the tiers already, or another index's or an earlier format's folder
+        holding = [t for t in order if t in unlisted or any(
+            c.incarnation == manifest.incarnation and c.whole(manifest) for c in copies.get(t, {}).get(status.step, []))]
+        if not holding:
+            raise IncompleteCheckpoint(f"the index lists it complete on {order}, but no tier holds its folder any "
+                                       f"more (an index restored from an older snapshot?)")
+        self._checked = (status.step, manifest)
+        return dataclasses.replace(status, complete=frozenset(holding))
+
+    async def _whole_on_tiers(self, step: int, allowed: Sequence[str],
+                              copies: dict[str, dict[int, list[Copy]]]) -> CheckpointStatus:
+        """A step of this index's lineage that the index does not list: its newest copy that is whole."""
+        reasons = []
+        for tier in self.io.order(allowed):
+            for copy in copies.get(tier, {}).get(step, []):
+                try:
+                    manifest = await lineage.read_manifest(self.io, tier, copy)
+                except TierError as e:
+                    reasons.append(str(e))
+                    continue
+                if manifest.index != self.index.identity or not copy.committed or not copy.whole(manifest):
+                    continue
+                holding = [t for t in self.io.order(allowed) if any(c.incarnation == copy.incarnation and c.committed
+                                                                    and c.whole(manifest)
+                                                                    for c in copies.get(t, {}).get(step, []))]
+                return CheckpointStatus(step, tuple(holding), frozenset(holding), created=manifest.created,
+                                        incarnation=copy.incarnation, nbytes=manifest.nbytes,
+                                        metadata=manifest.metadata)
+        missing = "; ".join(reasons) or "a record or the commit marker missing"
+        raise IncompleteCheckpoint(f"no tier holds a whole, committed copy ({missing})")
+
+    async def _from_tiers(self, statuses: list[CheckpointStatus], allowed: Sequence[str],
+                          step: int | None) -> CheckpointStatus | None:
+        """From the tiers' manifests alone (every folder, other indexes' too): a fresh machine, a lost index,
+        checkpoints of earlier formats. Another index's checkpoints only with `adopt`."""
+        buried = await self._buried()
+        on_tiers = [s for s in await self.statuses_from_tiers() if s.complete & set(allowed) and s.step not in buried]
+        from_tiers = [s for s in on_tiers if s.foreign is None or self.adopt]
+        if on_tiers and not from_tiers:
+            log.warning("job %r: the tiers hold %d complete checkpoint(s) committed to another index (%s); "
+                        "set adopt = true in [engine] to load them", self.job, len(on_tiers), on_tiers[-1].foreign)
+        wanted = [s for s in from_tiers if step is None or s.step == step]
+        if not wanted:
+            return None
+        log.warning("job %r: the index has no usable checkpoint%s; using the manifests on the tiers",
+                    self.job, "" if step is None else f" {step}")
+        return max(wanted, key=lambda s: s.step)
 
     async def _parse(self, data: bytes, source: str) -> Manifest:
         """Decode a manifest in a thread (100k tensors: a tenth of a second of Python)."""
@@ -170,15 +241,24 @@ class Catalog:
         """The manifest with every rank's checksums: from the index, or else from the first of `tiers` with a
         valid copy (so a tier alone can restore). `incarnation` says which folder to read on the tiers; when
         not known, the tiers' folders of this index are tried, newest first."""
+        if self._checked is not None and self._checked[0] == step:  # read and checked by pick() just now
+            checked, self._checked = self._checked[1], None
+            if incarnation is None or checked.incarnation == incarnation:
+                return checked
         errors: list[str] = []
-        parse_manifest: Callable[[bytes, str], Manifest] = lambda data, src: Manifest.from_bytes(data, source=src)
+
+        def parse_manifest(data: bytes, source: str) -> Manifest:
+            return Manifest.from_bytes(data, source=source).expect(self.job, step, source)
+
         manifest = await self._first_valid(lambda: self.index.get_manifest(self.job, step), [], "", parse_manifest,
                                            "manifest", errors, final=False)
         if manifest is None:
             folders = [incarnation] if incarnation is not None else await self._incarnations(step, tiers)
             for folder in folders:
-                manifest = await self._first_valid(None, tiers, manifest_key(self.job, step, folder), parse_manifest,
-                                                   "manifest", errors, final=False)
+                key = manifest_key(self.job, step, folder)
+                manifest = await self._first_valid(
+                    None, tiers, key, lambda data, src, folder=folder: Manifest.from_bytes(data, source=src).expect(
+                        self.job, step, src, incarnation=folder), "manifest", errors, final=False)
                 if manifest is not None:
                     break
         if manifest is None:
@@ -188,7 +268,8 @@ class Catalog:
             records[r.rank] = await self._first_valid(
                 lambda r=r: self.index.get_rank_meta(self.job, step, r.rank), tiers,
                 rank_meta_key(self.job, step, r.rank, manifest.incarnation),
-                lambda data, src: RankMeta.from_bytes(data, source=src), f"checksums of rank {r.rank}", errors)
+                lambda data, src, r=r: RankMeta.from_bytes(data, source=src).expect(r.rank, src),
+                f"checksums of rank {r.rank}", errors)
         return manifest.with_checksums(records)
 
     async def _incarnations(self, step: int, tiers: Sequence[str]) -> list[str]:

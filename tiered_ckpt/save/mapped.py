@@ -86,6 +86,7 @@ class MappedParts:
         self.nbytes = nbytes
         self.part_size = part_size
         self.paths: list[Path] = []
+        self._identity: list[tuple[int, int, int]] = []  # per part file: device, inode, length as mapped
         lengths = [min(part_size, nbytes - start) for start in range(0, nbytes, part_size)]
         span = max(_round_up(nbytes), PAGE)
         base = libc.mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
@@ -97,6 +98,8 @@ class MappedParts:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
                     os.ftruncate(fd, length)
+                    st = os.fstat(fd)
+                    self._identity.append((st.st_dev, st.st_ino, length))
                     if length:
                         os.posix_fallocate(fd, 0, length)  # tmpfs pages now, not under the first save
                         address = base + p * part_size
@@ -138,8 +141,17 @@ class MappedParts:
             self.paths[p] = target
 
     def intact(self) -> bool:
-        """Every part file still exists where this buffer last put it (nobody deleted it meanwhile)."""
-        return all(p.exists() for p in self.paths)
+        """Every part file is still the one mapped, whole, where this buffer last put it: nobody deleted,
+        truncated or replaced it meanwhile. Writing into a mapping of a file truncated under it kills the
+        process (SIGBUS), so a buffer that is not intact is never staged into again, only dropped."""
+        for path, (device, inode, length) in zip(self.paths, self._identity):
+            try:
+                st = os.stat(path)
+            except OSError:
+                return False
+            if (st.st_dev, st.st_ino) != (device, inode) or st.st_size != length:
+                return False
+        return True
 
     def unlink(self) -> None:
         for path in self.paths:

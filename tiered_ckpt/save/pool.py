@@ -59,9 +59,9 @@ class StagingPool:
         self.arena = arena
         self._free: list[StagingBuffer] = []
         self._count = 0  # buffers in flight or free (retained ones do not count)
-        self._retained: dict[int, StagingBuffer] = {}
+        self._retained: dict[int, StagingBuffer] = {}  # step → the buffer whose files hold it on the memory tier
         self.waiting = 0  # saves waiting for a buffer (backpressure at work)
-        self.taking_back = 0  # retired files being moved home (each waits for readers that map them)  # step → the buffer whose files hold it on the memory tier
+        self.taking_back = 0  # retired files being moved home (each waits for readers that map them)
         self._cond = asyncio.Condition()
 
     @property
@@ -81,10 +81,17 @@ class StagingPool:
             if buf is not None:
                 self._free.remove(buf)
                 buf.in_use = True
+                stale = None
+            else:
+                stale = self._free.pop() if self._free else None  # another size (the state changed): replace it
+                if stale is None:
+                    self._count += 1
+        if buf is not None:
+            if buf.files is None or await asyncio.to_thread(buf.files.intact):
                 return buf
-            stale = self._free.pop() if self._free else None  # another size (the state changed): replace it
-            if stale is None:
-                self._count += 1
+            log.warning("a staging buffer's files in the memory tier were removed, truncated or replaced by someone "
+                        "else; it is dropped and a new one made (staging into it would kill the process: SIGBUS)")
+            stale, buf.in_use = buf, False
         try:
             if stale is not None:
                 await self._discard(stale)

@@ -16,7 +16,7 @@ import time
 from typing import Callable
 
 from ..errors import IndexUnavailable, TierError, TierFull, TierNotFound
-from ..layout import manifest_key, rank_prefix
+from ..layout import committed_key, manifest_key, rank_prefix
 from ..lifecycle.retention import Retention
 from ..storage.tier_io import TierIO
 from .commit import Committer, Superseded
@@ -108,6 +108,7 @@ class TierWrite:
             self.settled.set()
             await self.commit.wait_complete(self.step, tier)
             self.committed.add(self.step)  # saving this step again is refused from now on
+            await self._mark_committed_on_tier()
             if in_place:
                 await source.retain()  # the buffer stays with the tier's checkpoint
         except Superseded as e:  # another rank skipped the tier for this step while this rank wrote it
@@ -125,23 +126,45 @@ class TierWrite:
             await self.retention.apply(tier, finishing=self.step)
             self.handle.set_done(tier)
 
+    async def _mark_committed_on_tier(self) -> None:
+        """Rank 0 leaves a marker beside the copy: the tier then knows by itself that this copy was committed,
+        should the index forget it (restarted empty, restored from an older snapshot). A zombie's copy, which
+        the index refused, never has one. Best effort: without it the copy is only invisible to such recovery."""
+        if self.source.plan.rank != 0:
+            return
+        key = committed_key(self.commit.job, self.step, self.commit.incarnation)
+        try:
+            await self.io.write(self.tier, key, memoryview(b""))
+        except TierError as e:
+            log.warning("step %d is committed on tier %s, but its marker there was not written: %s", self.step,
+                        self.tier, e)
+
     async def _write_parts(self) -> None:
+        """Every part; on a full tier, retention retires the tier's oldest checkpoint (never the newest complete
+        one) and the parts that did not fit are written again, until they fit or nothing is left to retire."""
         source, plan = self.source, self.source.plan
+        todo = list(range(plan.num_parts))
 
         async def write_part(p: int) -> None:
             a, b = plan.part_range(p)
-            ok = False
-            try:
-                await self.io.write_from(self.tier, source.key(p), b - a, lambda: source.part(p),
-                                         f"write part {p} of step {self.step}")
-                ok = True
-            finally:
-                source.settled(p, self.tier, ok)
+            await self.io.write_from(self.tier, source.key(p), b - a, lambda: source.part(p),
+                                     f"write part {p} of step {self.step}")
 
-        results = await asyncio.gather(*(write_part(p) for p in range(plan.num_parts)), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            raise failed[0]
+        while True:
+            results = await asyncio.gather(*(write_part(p) for p in todo), return_exceptions=True)
+            failed = [(p, r) for p, r in zip(todo, results) if isinstance(r, BaseException)]
+            for p, r in zip(todo, results):
+                if not isinstance(r, BaseException):
+                    source.settled(p, self.tier, True)
+            full = bool(failed) and all(isinstance(r, TierFull) for _, r in failed)
+            if full and await self.retention.make_room(self.tier, finishing=self.step):
+                todo = [p for p, _ in failed]
+                continue
+            for p, _ in failed:
+                source.settled(p, self.tier, False)
+            if failed:
+                raise failed[0][1]
+            return
 
     async def _publish_staged(self) -> None:
         """The parts are already this tier's files: a rename each puts them under their keys. Past the tier's
@@ -154,7 +177,13 @@ class TierWrite:
                 await self.io.run_blocking(arena.publish, source.buffer, keys)
             except TierFull:
                 await self.retention.apply(self.tier, finishing=self.step)
-                await self.io.run_blocking(arena.publish, source.buffer, keys)
+                while True:
+                    try:
+                        await self.io.run_blocking(arena.publish, source.buffer, keys)
+                        break
+                    except TierFull:
+                        if not await self.retention.make_room(self.tier, finishing=self.step):
+                            raise
         except TierError:
             raise
         except OSError as e:

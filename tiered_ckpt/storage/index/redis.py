@@ -8,12 +8,14 @@ marked the tier, bit r of byte r // 8, most significant first), `count:<tier>:<s
 `failed:<tier>:<rank>:<session>` and `fail:<tier>:<session>` (the first failure), `skipped:<tier>:<rank>:<session>`
 and `skip:<tier>:<session>` (a newer save superseded this one there: the newer step), and `list`: one hash for
 the job mapping each step to a summary of what `list()` reports (msgpack {c: created, t: {tier: position},
-i: info, k: {tier: 1} complete, f: {tier: "rank r: reason"}, s: {tier: newer step}}), kept by the same scripts, so listing reads two
+i: info, k: {tier: 1} complete, f: {tier: "rank r: reason"}, s: {tier: newer step}}, sealed with its SHA-1), kept by the same scripts, so listing reads two
 keys whatever the number of checkpoints and ranks. Releases before 0.2 wrote one `durable:<tier>:<session>:
 <rank>` field per rank and no summary: their steps are still listed, from the step hash.
 
 Every write is a Lua script that first checks the fencing epoch: `fence()` increments it when a job
-(re)starts, so a zombie rank of an earlier incarnation can neither commit nor delete anything. The
+(re)starts, so a zombie rank of an earlier incarnation can neither commit nor delete anything. An epoch the
+index lost (older than the writer's, or gone) is set back to the writer's: a Redis restarted empty or
+restored from an older snapshot never wedges the live trainer. The
 commit is one script: add this rank's durable marker, bump the tier's count, and set `complete:<tier>`
 when the count reaches the world size, all atomically, with no training-side collective. A cleaner (`gc`,
 `delete` from the CLI) `attach`es instead of fencing: it writes with the current epoch, so a running
@@ -22,6 +24,8 @@ trainer is not fenced out, and a trainer that starts meanwhile fences the cleane
 from __future__ import annotations
 
 import gc
+import hashlib
+import logging
 import time
 from typing import Any, Mapping, Sequence
 
@@ -30,13 +34,20 @@ import msgpack
 from ...errors import (AuthenticationError, ConfigError, Fenced, IncompleteCheckpoint, IndexUnavailable,
                        TieredCkptError)
 from .base import CheckpointStatus, TierState
+
+log = logging.getLogger(__name__)
 from ..redis_connect import ERRORS, Problem, RedisDeployment
 from ..redis_connect import classify as _problem
 
+# A newer epoch than the writer's fences it. An older one (0: the key is gone) means the index lost it: a Redis
+# restarted empty, FLUSHDB, a restore from an older snapshot. The writer then sets it back to its own epoch and
+# goes on: only a real newer writer can fence it.
 _CHECK = """
-if tonumber(redis.call('GET', KEYS[1]) or '0') ~= tonumber(ARGV[1]) then
-  return redis.error_reply('FENCED epoch ' .. ARGV[1] .. ' is stale (current ' .. (redis.call('GET', KEYS[1]) or '0') .. ')')
+local current, mine = tonumber(redis.call('GET', KEYS[1]) or '0'), tonumber(ARGV[1])
+if current > mine then
+  return redis.error_reply('FENCED epoch ' .. ARGV[1] .. ' is stale (current ' .. current .. ')')
 end
+if current < mine then redis.call('SET', KEYS[1], ARGV[1]) end
 """
 # The last write of every script: it always reaches the replicas (a no-op write would not), so the WAIT after
 # a repeated attempt (a retry through a failover) also covers whatever an earlier attempt wrote on this master.
@@ -44,14 +55,24 @@ _REPLICATED = "redis.call('INCRBY', KEYS[1], 0)\n"
 # The summary of a step in the job's `list` hash (KEYS[n]): read, changed, written back by the scripts below.
 # Only begin() (a `created` field) starts one: a step an earlier release wrote keeps none and is listed from
 # its hash, never from a partial summary.
+# A summary is sealed: "TCS1", the SHA-1 of the msgpack body (40 hex digits), the body. One the scripts find
+# damaged is left as it is (never sealed again over a flipped byte); list() rebuilds that step from its hash.
 _SUMMARY = """
 local function summary(key, step, create)
   local raw = redis.call('HGET', key, step)
-  if raw then return cmsgpack.unpack(raw) end
+  if raw then
+    if string.sub(raw, 1, 4) ~= 'TCS1' then return cmsgpack.unpack(raw) end
+    local body = string.sub(raw, 45)
+    if redis.sha1hex(body) ~= string.sub(raw, 5, 44) then return nil end
+    return cmsgpack.unpack(body)
+  end
   if create then return {} end
   return nil
 end
-local function store(key, step, s) redis.call('HSET', key, step, cmsgpack.pack(s)) end
+local function store(key, step, s)
+  local body = cmsgpack.pack(s)
+  redis.call('HSET', key, step, 'TCS1' .. redis.sha1hex(body) .. body)
+end
 """
 # KEYS: epoch, step hash, steps zset, list hash. ARGV: epoch, step, field, value [, field, value ...]
 _HSET = _CHECK + _SUMMARY + """
@@ -135,7 +156,19 @@ if ARGV[3] == '1' then redis.call('SADD', KEYS[2], ARGV[2]) else redis.call('SRE
 """ + _REPLICATED + "return 1"
 
 
-_SCRIPTS = {"hset": _HSET, "commit": _COMMIT, "unmark": _UNMARK, "delete": _DELETE, "bury": _BURY}
+# KEYS: epoch. A new epoch above the current one and above the server's clock in milliseconds, so that an
+# epoch issued after the index lost its counter (restarted empty, restored from a snapshot) is still above
+# every earlier incarnation's: a zombie can never set its own back over a newer writer's.
+_FENCE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local epoch = math.max(tonumber(redis.call('GET', KEYS[1]) or '0') + 1, now)
+redis.call('SET', KEYS[1], string.format('%.0f', epoch))
+return string.format('%.0f', epoch)
+"""
+
+_SCRIPTS = {"hset": _HSET, "commit": _COMMIT, "unmark": _UNMARK, "delete": _DELETE, "bury": _BURY,
+            "fence": _FENCE}
 
 
 class RedisIndex:
@@ -219,8 +252,7 @@ class RedisIndex:
 
     async def fence(self, job: str) -> int:
         """Start a new incarnation of `job`: writers holding an older epoch are refused from now on."""
-        key = self._k(job, "epoch")
-        self.epoch = int(await self._call("fence", lambda: self._redis.write(["INCR", key], key=key)))
+        self.epoch = int(await self._script("fence", "fence", [self._k(job, "epoch")], []))
         return self.epoch
 
     async def attach(self, job: str, *, hold: bool = True) -> bool:
@@ -337,7 +369,12 @@ class RedisIndex:
             return await pipe.execute()
 
         names, summaries = await self._call("listing", read)
-        older = [int(n) for n in names if n not in summaries]
+        decoded = {int(n): _from_summary(int(n), raw) for n, raw in summaries.items()}
+        damaged = [st for st, status in decoded.items() if status is _DAMAGED]
+        if damaged:
+            log.warning("index %s: the list summary of step(s) %s of job %r is damaged; listed from their records",
+                        self.identity, damaged[:10], job)
+        older = [int(n) for n in names if n not in summaries or decoded[int(n)] is _DAMAGED]
         statuses = dict(zip(older, self._statuses(older, await self._small_fields(job, older)), strict=True)) \
             if older else {}
         out = []
@@ -345,8 +382,9 @@ class RedisIndex:
         gc.disable()  # ten thousand statuses allocate enough to set off full collections (2-3x the time)
         try:
             for name in names:
-                raw = summaries.get(name)
-                status = _from_summary(int(name), raw) if raw is not None else statuses[int(name)]
+                status = decoded.get(int(name))
+                if status is None or status is _DAMAGED:
+                    status = statuses.get(int(name))
                 if status is not None:
                     out.append(status)
         finally:
@@ -359,23 +397,36 @@ class RedisIndex:
         """Statuses from steps' hashes (steps without a summary: written by an earlier release)."""
         out: list[CheckpointStatus | None] = []
         for step, fields in zip(steps, step_fields, strict=True):
-            targets = [(int(v), f.split(":", 1)[1]) for f, v in fields.items() if f.startswith("target:")]
-            tiers = tuple(name for _, name in sorted(targets))
-            complete = frozenset(f.split(":", 1)[1] for f in fields if f.startswith("complete:"))
-            failed: dict[str, str] = {}
-            for f, value in fields.items():
-                if f.startswith("failed:"):
-                    _, tier, rank, _ = f.rsplit(":", 3) if f.count(":") >= 3 else (f, "", "", "")
-                    if tier not in complete:
-                        failed.setdefault(tier, f"rank {rank}: {value.decode(errors='replace')}")
-            if tiers or failed:
-                created = float(fields.get("created", b"0").decode() or 0)
-                info = _info(fields.get("info"))
-                out.append(CheckpointStatus(step, tiers or tuple(failed), complete, failed, created,
-                                            nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}))
-            else:
-                out.append(None)
+            try:
+                out.append(RedisIndex._status_from_fields(step, fields))
+            except (ValueError, TypeError, IndexError, UnicodeDecodeError) as e:
+                log.warning("index: the record of step %d cannot be read (%s); listed as incomplete", step, e)
+                out.append(CheckpointStatus(step, (), failed={"index": f"the index record cannot be read: {e}"}))
         return out
+
+    @staticmethod
+    def _status_from_fields(step: int, fields: dict[str, bytes]) -> CheckpointStatus | None:
+        """A step's status from its hash's fields (a step with no summary, or a damaged one)."""
+        targets = [(int(v), f.split(":", 1)[1]) for f, v in fields.items() if f.startswith("target:")]
+        tiers = tuple(name for _, name in sorted(targets))
+        complete = frozenset(f.split(":", 1)[1] for f in fields if f.startswith("complete:"))
+        failed: dict[str, str] = {}
+        skipped: dict[str, int] = {}
+        for f, value in fields.items():
+            if f.count(":") >= 3 and f.startswith(("failed:", "skipped:")):
+                kind, tier, rank, _ = f.split(":", 3)
+                if tier in complete:
+                    continue
+                if kind == "failed":
+                    failed.setdefault(tier, f"rank {rank}: {value.decode(errors='replace')}")
+                elif value.isdigit():
+                    skipped.setdefault(tier, int(value))
+        if not tiers and not failed:
+            return None
+        created = float(fields.get("created", b"0").decode() or 0)
+        info = _info(fields.get("info"))
+        return CheckpointStatus(step, tiers or tuple(failed), complete, failed, created, nbytes=info.get("nbytes"),
+                                metadata=info.get("metadata") or {}, skipped=skipped)
 
     async def bury(self, job: str, step: int) -> None:
         await self._script(f"tombstone of step {step}", "bury", [self._k(job, "epoch"), self._k(job, "tombstones")],
@@ -407,12 +458,24 @@ def _info(data: bytes | None) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
+_DAMAGED: Any = CheckpointStatus(-1, ())  # a summary whose seal or content is wrong: list the step from its hash
+
+
 def _from_summary(step: int, raw: bytes) -> CheckpointStatus | None:
-    """A step's status from its summary in the job's `list` hash (see the module's docstring)."""
+    """A step's status from its (sealed) summary in the job's `list` hash (see the module's docstring); None
+    when nothing is recorded yet, _DAMAGED when the summary cannot be trusted."""
+    if raw.startswith(b"TCS1"):
+        body = raw[44:]
+        if hashlib.sha1(body).hexdigest().encode() != raw[4:44]:
+            return _DAMAGED
+        raw = body
     try:
-        summary = msgpack.unpackb(raw, raw=True)
-    except (ValueError, TypeError, msgpack.UnpackException):
-        return CheckpointStatus(step, (), failed={"index": "unreadable summary in the index"})
+        return _decode_summary(step, msgpack.unpackb(raw, raw=True))
+    except (ValueError, TypeError, AttributeError, KeyError, msgpack.UnpackException):
+        return _DAMAGED
+
+
+def _decode_summary(step: int, summary: dict[bytes, Any]) -> CheckpointStatus | None:
     targets, complete, failures = summary.get(b"t") or {}, summary.get(b"k") or {}, summary.get(b"f") or {}
     skips = summary.get(b"s") or {}
     tiers = tuple(t.decode() for t, _ in sorted(targets.items(), key=lambda item: item[1])) if targets else ()

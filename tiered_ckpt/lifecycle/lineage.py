@@ -1,0 +1,114 @@
+"""What a tier holds of this job's lineage: the steps written under this index's folders (any incarnation:
+`ix-<hash of the index identity>/<session>`), read from a listing of the tier alone.
+
+An index can forget what the tiers still hold: a Redis restarted empty or restored from an older snapshot, a
+record deleted, a crash between retention's unmark and the removal of the data. The tiers stay the truth
+about bytes; the key layout says whose they are (layout.py), and a manifest plus every rank's checksum
+record says a copy is whole (each rank writes its record only after its parts are durable), and a `committed`
+marker that the index committed it (rank 0 writes it after the commit: a fenced zombie's copy, whole as it
+may be, has none). Loads use this
+to find a newer whole checkpoint the index no longer lists; retention uses it to keep a tier at keep_last
+whatever the index forgot; a writer uses it to list such checkpoints in the index again.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ..errors import TierError
+from ..layout import committed_key, index_dir, job_prefix, manifest_key, parse_key, rank_meta_key
+from ..manifest import Manifest
+from ..storage.index import Index
+from ..storage.tier_io import TierIO
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Copy:
+    """One incarnation's keys of one step on one tier."""
+
+    job: str
+    step: int
+    incarnation: str
+    keys: set[str] = field(default_factory=set)
+
+    @property
+    def manifest(self) -> str:
+        return manifest_key(self.job, self.step, self.incarnation)
+
+    @property
+    def committed(self) -> bool:
+        """The index committed this copy (rank 0 left the marker): not a zombie's or a crashed attempt's."""
+        return committed_key(self.job, self.step, self.incarnation) in self.keys
+
+    def whole(self, manifest: Manifest) -> bool:
+        """The manifest and every rank's checksum record are on the tier (so every rank's parts are)."""
+        return manifest.incarnation == self.incarnation and all(
+            rank_meta_key(self.job, self.step, r.rank, self.incarnation) in self.keys for r in manifest.ranks)
+
+
+async def scan(io: TierIO, tier: str, job: str, identity: str) -> dict[int, list[Copy]]:
+    """step → the copies this index's incarnations wrote on `tier`, newest session first (one listing)."""
+    mine = index_dir(identity) + "/"
+    found: dict[tuple[int, str], Copy] = {}
+    for key in await io.list(tier, job_prefix(job)):
+        parsed = parse_key(key)
+        if parsed is None or parsed.job != job or not parsed.incarnation.startswith(mine):
+            continue
+        copy = found.setdefault((parsed.step, parsed.incarnation), Copy(job, parsed.step, parsed.incarnation))
+        copy.keys.add(key)
+    out: dict[int, list[Copy]] = {}
+    for (step, _), copy in sorted(found.items(), key=lambda item: item[0], reverse=True):
+        out.setdefault(step, []).append(copy)
+    return out
+
+
+async def read_manifest(io: TierIO, tier: str, copy: Copy) -> Manifest:
+    """The copy's manifest, checked to be the one its key says (job, step, folder); IntegrityError if not."""
+    data = await io.read(tier, copy.manifest)
+    source = f"manifest {copy.manifest} on tier {tier!r}"
+    return await io.run_blocking(lambda: Manifest.from_bytes(data, source=source).expect(
+        copy.job, copy.step, source, incarnation=copy.incarnation))
+
+
+async def relist(io: TierIO, index: Index, job: str, session: str) -> list[int]:
+    """Put back into the index the checkpoints of this lineage that it forgot: committed copies, whole on some
+    tier, of steps it neither lists nor buries. A writer does this once, at its start; returns those steps."""
+    statuses = await index.list(job)
+    listed = {s.step for s in statuses if "index" not in s.failed}
+    buried = await index.buried(job)
+    found: dict[int, tuple[Copy, Manifest, list[str]]] = {}
+    for tier in io.names:
+        try:
+            copies = await scan(io, tier, job, index.identity)
+        except TierError as e:
+            log.warning("tier %s cannot be listed to find checkpoints the index forgot: %s", tier, e)
+            continue
+        for step, candidates in copies.items():
+            if step in listed or step in buried:
+                continue
+            for copy in candidates:
+                if step in found and found[step][0].incarnation != copy.incarnation:
+                    continue
+                if not copy.committed:
+                    continue
+                try:
+                    manifest = found[step][1] if step in found else await read_manifest(io, tier, copy)
+                except TierError:
+                    continue
+                if manifest.index == index.identity and copy.whole(manifest):
+                    found.setdefault(step, (copy, manifest, []))[2].append(tier)
+                    break
+    for step, (copy, manifest, tiers) in sorted(found.items()):
+        records = [await io.read(tiers[0], rank_meta_key(job, step, r.rank, copy.incarnation)) for r in manifest.ranks]
+        await index.begin(job, step, tiers, {"nbytes": manifest.nbytes, "metadata": dict(manifest.metadata)})
+        await index.put_manifest(job, step, await io.read(tiers[0], copy.manifest))
+        for rank, record in enumerate(records):
+            await index.put_rank_meta(job, step, rank, record)
+        for tier in tiers:
+            for rank in range(manifest.world_size):
+                await index.mark_durable(job, step, tier, rank, manifest.world_size, f"{session}-relisted")
+        log.warning("job %r: step %d is whole and committed on %s but the index had forgotten it (restarted empty or "
+                    "restored from an older snapshot?); it is listed again", job, step, ", ".join(tiers))
+    return sorted(found)
