@@ -48,7 +48,7 @@ async def test_a_zombie_from_an_earlier_incarnation_cannot_commit_or_delete(tmp_
         out = state(0.0)
         assert (await restarted.load(out)).step == 1  # resuming reads: it fences no one yet
         await (await restarted.save(2, state(2.0))).wait()  # the first save starts a new epoch
-        assert restarted.index.epoch == zombie.index.epoch + 1
+        assert restarted.index.epoch > zombie.index.epoch
         handle = await zombie.save(3, state(3.0))
         with pytest.raises(tc.SaveError, match="earlier incarnation"):
             await handle.wait()

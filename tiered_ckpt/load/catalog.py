@@ -219,12 +219,22 @@ class Catalog:
         if on_tiers and not from_tiers:
             log.warning("job %r: the tiers hold %d complete checkpoint(s) committed to another index (%s); "
                         "set adopt = true in [engine] to load them", self.job, len(on_tiers), on_tiers[-1].foreign)
-        wanted = [s for s in from_tiers if step is None or s.step == step]
-        if not wanted:
-            return None
-        log.warning("job %r: the index has no usable checkpoint%s; using the manifests on the tiers",
-                    self.job, "" if step is None else f" {step}")
-        return max(wanted, key=lambda s: s.step)
+        wanted = sorted((s for s in from_tiers if step is None or s.step == step), key=lambda s: s.step, reverse=True)
+        passed_over = []
+        for status in wanted:  # newest first: the first whose manifest and records read back intact
+            try:
+                manifest = await self.read_manifest(status.step, self.io.order(status.complete), status.incarnation)
+            except (IncompleteCheckpoint, IntegrityError) as e:
+                passed_over.append(f"step {status.step}: {e}")
+                continue
+            self._checked = (status.step, manifest)
+            log.warning("job %r: the index has no usable checkpoint%s; using the manifests on the tiers%s", self.job,
+                        "" if step is None else f" {step}",
+                        f" (passed over: {'; '.join(passed_over[:5])})" if passed_over else "")
+            return status
+        if passed_over:
+            log.warning("job %r: no checkpoint on the tiers can be read back: %s", self.job, "; ".join(passed_over[:5]))
+        return None
 
     async def _parse(self, data: bytes, source: str) -> Manifest:
         """Decode a manifest in a thread (100k tensors: a tenth of a second of Python)."""

@@ -295,12 +295,19 @@ class RedisDeployment:
         idempotent (the index's are: markers are set once, epochs only grow)."""
         deadline = time.monotonic() + self.url.failover_timeout
         delay = 0.05
+        reconnected = False
         while True:
             try:
                 async with self._slots:
                     return await fn()
             except ERRORS as e:
                 problem = classify(e, self.url.kind)
+                if problem.kind == "transient" and isinstance(e, rexc.ConnectionError) and not reconnected \
+                        and self.url.kind == "single":
+                    # a server that restarted closed every pooled connection: once, at once, on new ones
+                    reconnected = True
+                    await self.client.connection_pool.disconnect(inuse_connections=False)
+                    continue
                 if problem.kind != "transient" or time.monotonic() + delay > deadline:
                     raise on_error(e, problem) from (e if problem.kind in ("error", "transient") else None)
                 if isinstance(e, rexc.ReadOnlyError) and self.url.kind == "single":
