@@ -11,7 +11,7 @@ from typing import Any, Callable
 import pytest
 
 import tiered_ckpt as tc
-from tiered_ckpt.bench.measure import start_local_server
+from tiered_ckpt.testing.servers import start_local_server
 from tiered_ckpt.config import parse_config
 
 

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from tiered_ckpt.bench.redis_local import LocalCluster, LocalSentinel
+from tiered_ckpt.testing.redis_local import LocalCluster, LocalSentinel
 
 __all__ = ["redis_cluster", "cluster_url", "sentinel_deployment", "flush"]
 

@@ -160,7 +160,7 @@ async def test_wait_for_replicas_a_cluster_without_replicas_cannot_give(cluster_
 
 
 async def test_cluster_credentials_work_and_a_wrong_password_is_never_shown(tmp_path):
-    from tiered_ckpt.bench.redis_local import LocalCluster
+    from tiered_ckpt.testing.redis_local import LocalCluster
 
     with LocalCluster(3, base=tmp_path, password="right-pw") as cluster:
         good = RedisIndex(cluster.url.replace("redis+cluster://", "redis+cluster://:right-pw@"))

@@ -160,7 +160,7 @@ async def test_a_plain_url_retries_through_a_failover_of_its_endpoint(redis_serv
 
     promoting = asyncio.create_task(promote())
     started = time.monotonic()
-    assert await index.fence("job") == 1
+    assert await index.fence("job") > 0  # an epoch (above the server clock in ms), once the replica is promoted
     assert time.monotonic() - started >= 0.4
     await promoting
     await index.close()

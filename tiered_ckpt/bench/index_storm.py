@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_cli(ranks: list[int], urls: list[str], connections: int, list_checkpoints: int, cluster: bool = True) -> int:
     import uvloop
 
-    from .redis_local import LocalCluster, LocalServer
+    from ..testing.redis_local import LocalCluster, LocalServer
 
     with ExitStack() as stack:
         targets: dict[str, str] = {}

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from ..storage.pipeline import TierPipeline
 from ..storage.tiers.redis_peer import RedisOptions, RedisPeerTier
-from .measure import start_local_server
+from ..testing.servers import start_local_server
 
 
 class LocalRedis:

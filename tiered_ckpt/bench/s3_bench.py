@@ -12,7 +12,7 @@ from typing import Any
 
 from ..storage.pipeline import TierPipeline
 from ..storage.tiers.s3 import S3Options, S3Tier
-from .measure import start_local_server
+from ..testing.servers import start_local_server
 
 
 class LocalS3:

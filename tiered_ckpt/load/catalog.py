@@ -172,8 +172,8 @@ class Catalog:
 
     async def _still_held(self, status: CheckpointStatus, allowed: Sequence[str],
                           copies: dict[str, dict[int, list[Copy]]], unlisted: set[str]) -> CheckpointStatus:
-        """`status` as the index lists it, narrowed to the tiers that still hold its folder; IncompleteCheckpoint
-        when none does (an index restored from an older snapshot lists checkpoints retention removed since)."""
+        """`status` as the index lists it, if some tier still holds its folder; IncompleteCheckpoint when none
+        does (an index restored from an older snapshot lists checkpoints retention removed since)."""
         order = self.io.order(status.complete & set(allowed))
         manifest = await self.read_manifest(status.step, order, status.incarnation)
         if status.incarnation is not None or not manifest.incarnation.startswith(index_dir(self.index.identity) + "/"):
@@ -184,8 +184,10 @@ class Catalog:
         if not holding:
             raise IncompleteCheckpoint(f"the index lists it complete on {order}, but no tier holds its folder any "
                                        f"more (an index restored from an older snapshot?)")
+        # Not narrowed to `holding`: a node-local tier lists this node's copy only, and another rank's node may
+        # hold its own; a part missing where the index says it is falls back per part, as always.
         self._checked = (status.step, manifest)
-        return dataclasses.replace(status, complete=frozenset(holding))
+        return status
 
     async def _whole_on_tiers(self, step: int, allowed: Sequence[str],
                               copies: dict[str, dict[int, list[Copy]]]) -> CheckpointStatus:

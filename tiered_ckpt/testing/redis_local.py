@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .measure import start_local_server
+from .servers import start_local_server
 
 
 def _port_free(port: int) -> bool:
