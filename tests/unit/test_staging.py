@@ -127,7 +127,8 @@ async def test_max_inflight_backpressure_holds_the_next_save_until_a_buffer_free
         h1 = await engine.save(1, state_of(1.0))
         second = asyncio.create_task(engine.save(2, state_of(2.0)))
         await wait_until(lambda: engine.pool.waiting == 1, what="save 2 waiting for a staging buffer")
-        assert not second.done() and engine.pool.buffers == 1
+        # save 1 holds the only buffer a save may hold; the next one may be made ahead, never taken
+        assert not second.done() and engine.pool.held == 1 and engine.pool.buffers <= 2
         release.set()
         h2 = await second
         await h1.wait()
@@ -223,3 +224,24 @@ async def test_slower_tiers_start_once_the_staging_memory_tier_is_marked_durable
         monkeypatch.setattr(engine.io.driver("disk"), "write", write)
         await (await engine.save(1, state_of(1.0))).wait()
         assert order.index("mark host") < order.index("disk write"), order
+
+
+async def test_the_next_saves_buffer_is_made_ahead_while_the_memory_tier_fills_up(make_config):
+    """keep_last = 2, max_inflight = 1: saves 1-3 each need a buffer of their own before retention hands the
+    first one back. Each next one is made in the background once the previous save is staged, so saves 2 and
+    3 take a ready buffer instead of allocating one while the caller waits; then step 1's files come back and
+    save 4 takes them: three buffers in all."""
+    async with tc.Engine(make_config(tiers=[{"keep_last": 2}])) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        first, made = engine.pool.retained[1], []
+        for step in (2, 3):
+            await wait_until(lambda: len(engine.pool.free) == 1, what=f"a buffer made ahead for save {step}")
+            made.append(engine.pool.free[0])
+            await (await engine.save(step, state_of(float(step)))).wait()
+            assert engine.pool.retained[step] is made[-1]
+        assert engine.pool.free == (first,)  # step 1 retired: its files are the next buffer; nothing else made
+        await (await engine.save(4, state_of(4.0))).wait()
+        assert engine.pool.retained[4] is first and engine.pool.free == (made[0],)  # step 2 retired: the next
+        for step in (3, 4):
+            _, out = await load_values(engine, step=step, tiers=["host"])
+            assert torch.all(out["w"] == step)

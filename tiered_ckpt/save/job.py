@@ -80,6 +80,8 @@ class SaveJob:
             raise
         self.handle.set_staged()
         self.flat.tensors = []  # drop references to the caller's tensors
+        if buffer.files is not None:
+            self.services.pool.prepare_next(buffer.files.nbytes)
 
     async def _run(self, staging: asyncio.Task[None]) -> None:
         commit, handle = self.services.commit, self.handle

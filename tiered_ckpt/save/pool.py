@@ -58,22 +58,32 @@ class StagingPool:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.arena = arena
         self._free: list[StagingBuffer] = []
-        self._count = 0  # buffers in flight or free (retained ones do not count)
+        self._count = 0  # buffers in flight, free or being made (retained ones do not count)
+        self._held: set[int] = set()  # ids of the buffers saves hold; with those being made for a save (_making),
+        self._making = 0  # at most max_inflight
         self._retained: dict[int, StagingBuffer] = {}  # step → the buffer whose files hold it on the memory tier
         self.waiting = 0  # saves waiting for a buffer (backpressure at work)
         self.taking_back = 0  # retired files being moved home (each waits for readers that map them)
+        self._preparing: asyncio.Future[None] | None = None  # the next save's buffer, made ahead (_prepare_next)
         self._cond = asyncio.Condition()
 
     @property
     def exhausted(self) -> bool:
-        return not self._free and self._count >= self.max_inflight
+        """The next save cannot take a buffer until a save in flight gives one back."""
+        return self.held >= self.max_inflight or (not self._free and self._count >= self.max_inflight)
+
+    @property
+    def held(self) -> int:
+        """Buffers that saves hold now (staging or persisting from them): at most max_inflight."""
+        return len(self._held) + self._making
 
     async def acquire(self, nbytes: int) -> StagingBuffer:
         await self._drop_vanished()
         async with self._cond:
             self.waiting += 1
             try:
-                await self._cond.wait_for(lambda: self._free or self._count < self.max_inflight)
+                await self._cond.wait_for(lambda: self.held < self.max_inflight
+                                          and (self._free or self._count < self.max_inflight))
             finally:
                 self.waiting -= 1
             buf = next((b for b in self._free if b.capacity >= nbytes and (b.files is None or
@@ -82,25 +92,32 @@ class StagingPool:
                 self._free.remove(buf)
                 buf.in_use = True
                 stale = None
+                self._held.add(id(buf))
             else:
                 stale = self._free.pop() if self._free else None  # another size (the state changed): replace it
                 if stale is None:
                     self._count += 1
+                self._making += 1
         if buf is not None:
             if buf.files is None or await asyncio.to_thread(buf.files.intact):
                 return buf
             log.warning("a staging buffer's files in the memory tier were removed, truncated or replaced by someone "
                         "else; it is dropped and a new one made (staging into it would kill the process: SIGBUS)")
             stale, buf.in_use = buf, False
+            self._held.discard(id(buf))
+            self._making += 1
         try:
             if stale is not None:
                 await self._discard(stale)
             buf = await asyncio.to_thread(self._new, nbytes)
             buf.in_use = True
+            self._making -= 1
+            self._held.add(id(buf))
             return buf
         except BaseException:
             async with self._cond:
                 self._count -= 1
+                self._making -= 1
                 self._cond.notify()
             raise
 
@@ -117,6 +134,9 @@ class StagingPool:
     async def release(self, buf: StagingBuffer) -> None:
         """A save is done with `buf` (a retained buffer stays with its checkpoint until `reclaim`)."""
         buf.in_use = False
+        async with self._cond:
+            self._held.discard(id(buf))
+            self._cond.notify()
         if buf.step is not None:
             if buf.step not in self._retained:  # retired while its save still read it: free it now
                 await self._take_home(buf, counted=False)
@@ -132,7 +152,37 @@ class StagingPool:
                 buf.step = step
                 self._retained[step] = buf
                 self._count -= 1
+                self._held.discard(id(buf))
                 self._cond.notify()
+
+    def prepare_next(self, nbytes: int) -> None:
+        """A save just staged into the memory tier's files. While that tier is still filling up (fewer buffers
+        than keep_last + max_inflight exist), make the next save's buffer now, in the background, while training
+        runs: else each of the first keep_last + 1 saves would allocate and populate one (about 1 s/GiB here)
+        while the caller waits. Once the tier is full, retention hands retired checkpoints' files back
+        instead, and nothing is made. Memory stays within keep_last + 1 + max_inflight states."""
+        if self.arena is None or self._preparing is not None or self._free:
+            return
+        if self._count + len(self._retained) >= self.arena.keep_last + self.max_inflight:
+            return
+        self._count += 1  # counted now: a save arriving meanwhile waits for this buffer instead of making another
+        self._preparing = asyncio.ensure_future(self._prepare(nbytes))
+
+    async def _prepare(self, nbytes: int) -> None:
+        try:
+            buf = await asyncio.to_thread(self._new, nbytes)
+        except BaseException as e:
+            async with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            if not isinstance(e, asyncio.CancelledError):
+                log.warning("the next staging buffer could not be made ahead (%s); the next save makes it", e)
+            return
+        finally:
+            self._preparing = None
+        async with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
 
     async def reclaim(self, tier: str, step: int) -> None:
         """Retention retires `step` from `tier`: if a buffer holds it, its files come home as a free buffer."""
@@ -185,6 +235,8 @@ class StagingPool:
         await asyncio.to_thread(_drop, buf)
 
     async def clear(self) -> None:
+        if self._preparing is not None:
+            await asyncio.wait([self._preparing])  # (a buffer in the making: it lands in _free, then goes)
         free, self._free = self._free, []
         for buf in free:
             await self._discard(buf)

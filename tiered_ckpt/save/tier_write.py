@@ -51,6 +51,11 @@ class TierWrite:
             self.settled.set()
 
     async def _run(self) -> None:
+        if self.tier == self.source.files_tier:
+            # the parts are already this tier's files: a save never falls behind here (committing is a rename),
+            # and skipping would throw away a copy that is done
+            await self._write(lambda: None)
+            return
         turns = self.io.turns(self.tier)
         newer = await turns.take(self.step)
         if newer is not None:
