@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import math
 import os
 import sys
 from typing import Any, Awaitable, Callable
@@ -16,6 +17,7 @@ from .errors import ConfigError, TieredCkptError
 from .lifecycle.gc import GRACE, in_flight
 from .sizes import format_size
 from .state import PerRankMark, Pickled, TensorAlias, TensorRef, decode_skeleton, path_str
+from .storage.index import open_index
 from .storage.redis_connect import redact
 
 DEFAULT_CONFIG = os.environ.get("TIERED_CKPT_CONFIG", "tiers/local.toml")
@@ -93,6 +95,7 @@ async def _with_engine(args: argparse.Namespace, fn: Callable[[Engine, argparse.
 def config_check(path: str) -> int:
     try:
         cfg = load_config(path)
+        open_index(cfg.engine.index)  # parses a Redis URL and its options (nothing is connected)
     except ConfigError as e:
         print(f"invalid: {e}", file=sys.stderr)
         return 2
@@ -155,8 +158,8 @@ def _duration(text: str) -> float:
         value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a duration like 90s, 30m or 2h, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a duration must be >= 0, got {text!r}")
+    if not math.isfinite(value) or value < 0:  # nan and inf: never a duration
+        raise argparse.ArgumentTypeError(f"a duration must be a finite number >= 0, got {text!r}")
     return value
 
 

@@ -191,3 +191,14 @@ def test_verify_progress_counts_only_what_it_reads_and_bars_show_only_on_a_termi
     piped = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "-c", str(config), "gc"], cwd=REPO,
                            capture_output=True, text=True, timeout=60)
     assert piped.returncode == 0 and piped.stderr == "" and "gc of job 'cli'" in piped.stdout
+
+
+def test_gc_grace_must_be_a_finite_duration(tmp_path, shm_dir, capsys):
+    config = write_config(tmp_path, shm_dir)
+    for grace in ("nan", "inf", "nanh", "-1s"):
+        try:
+            status = cli.main(["-c", str(config), "gc", f"--grace={grace}"])
+        except SystemExit as e:  # argparse refuses it, naming the option
+            status = e.code
+        err = capsys.readouterr().err
+        assert status == 2 and "--grace" in err and "finite" in err and "Traceback" not in err, (grace, err)

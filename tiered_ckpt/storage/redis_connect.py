@@ -26,8 +26,8 @@ Options, in the query string (taken out before the URL reaches redis-py, which w
 from __future__ import annotations
 
 import asyncio
+import math
 import random
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
@@ -37,7 +37,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
 from ..config import REDIS_SCHEMES
-from ..errors import ConfigError
+from ..errors import ConfigError, redact
 
 T = TypeVar("T")
 OPTIONS = ("wait", "wait_timeout", "failover_timeout", "max_connections", "sentinel_username", "sentinel_password")
@@ -82,8 +82,9 @@ def parse_url(url: str, *, key: str) -> RedisURL:
             value = cast(ours[name])
         except ValueError:
             value = None
-        if value is None or value < low:
-            raise ConfigError(f"{redact(url)}: option {name}={ours[name]!r} must be a number >= {low}", key=key)
+        if value is None or not math.isfinite(value) or not value >= low:  # nan and inf too: never meant
+            raise ConfigError(f"{redact(url)}: option {name}={ours[name]!r} must be a finite number >= {low}",
+                              key=key)
         return value
 
     options = dict(
@@ -132,25 +133,6 @@ def _single_identity(parts: Any) -> str:
     if parts.scheme == "unix":
         return f"unix://{parts.path}"
     return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
-
-
-_SECRET_OPTION = re.compile(r"([?&][^=&?]*password=)[^&]*")
-
-
-def redact(url: str) -> str:
-    """`url` with no secret left: the password of its userinfo (everything from `://` to the last `@` before
-    the host, so a password holding `@`, `:` or `/` is hidden whole) and every `*password=` option. For
-    messages, logs and the CLI. A string that is not a URL comes back unchanged."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    rest = _SECRET_OPTION.sub(r"\1***", rest)  # first: an option's value may hold an '@' too
-    userinfo, at, hostpart = rest.rpartition("@")
-    if not at:
-        return f"{scheme}{sep}{rest}"
-    user, colon, _ = userinfo.partition(":")
-    shown = f"{user}:***" if colon else "***"  # a lone userinfo may be a password (redis://secret@host)
-    return f"{scheme}{sep}{shown}@{hostpart}"
 
 
 class NotReplicated(Exception):

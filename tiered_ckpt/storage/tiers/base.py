@@ -21,16 +21,26 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class NoOptions:
-    pass
+    """A driver's Options: a frozen dataclass whose fields are the TOML keys. Field metadata (a plain dict) may
+    say `"size": True` (accepts "64MiB"), and bound a number: `"min"` (inclusive), `"above"` (exclusive),
+    `"max"`, with `"why"` for the error; the config refuses a number outside them, and any float that is not
+    finite, naming the key."""
 
 
 class Tier(ABC):
     Options: ClassVar[type] = NoOptions
 
     def __init__(self, name: str, options: Any):
+        self.check_options(name, options)
         self.name = name
         self.options = options
         self.executor: Executor | None = None
+
+    @classmethod
+    def check_options(cls, name: str, options: Any) -> None:
+        """What the fields' bounds cannot say (a non-empty list, values that depend on each other): a
+        ConfigError naming `tiers.<name>.<key>`. Run when the config is parsed or checked (before any
+        connection) and when the driver is built."""
 
     def bind(self, *, rank: int, world_size: int, node: int, num_nodes: int) -> None:
         """Where this process sits (rank, node), for tiers whose placement depends on it. Called before open()."""

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ...errors import TierError, TierFull, TierNotFound
+from ...errors import ConfigError, TierError, TierFull, TierNotFound
 from ..files import check_creatable, fsync_dir
 from .base import FileTier
 
-SIZE = {"size": True}
 TMP = ".tmp-"
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
@@ -27,12 +26,18 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 @dataclass(frozen=True)
 class LocalOptions:
     path: str
-    capacity: int | None = field(default=None, metadata=SIZE)
+    capacity: int | None = field(default=None, metadata={"size": True, "min": 1, "why": "omit it for no limit"})
     fsync: bool = True
 
 
 class LocalTier(FileTier):
     Options = LocalOptions
+
+    @classmethod
+    def check_options(cls, name: str, options: LocalOptions) -> None:
+        if not options.path.strip():
+            raise ConfigError("must name a folder (an empty path would be the current folder)",
+                              key=f"tiers.{name}.path")
 
     def __init__(self, name: str, options: LocalOptions):
         super().__init__(name, options)

@@ -19,13 +19,11 @@ T = TypeVar("T")
 # page tables filled in one call, not one fault per page while the part is hashed and copied
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
-SIZE = {"size": True}
-
 
 @dataclass(frozen=True)
 class MemoryOptions:
     path: str = "/dev/shm/tiered_ckpt"
-    capacity: int | None = field(default=16 * 2**30, metadata=SIZE)
+    capacity: int | None = field(default=16 * 2**30, metadata={"size": True, "min": 1})
     fsync: bool = False
 
 

@@ -27,10 +27,9 @@ from typing import Any, Sequence
 import redis.asyncio as aioredis
 
 from ...errors import ConfigError, TierError, TierFull, TierNotFound, TierUnavailable
-from ..redis_connect import ERRORS, RedisDeployment, classify, redact
+from ..redis_connect import ERRORS, RedisDeployment, classify, parse_url, redact
 from .base import Tier, scatter
 
-SIZE = {"size": True}
 MAX_BULK = 512 * 2**20
 SEP = "#"  # never in engine keys ([A-Za-z0-9._/-]): marks chunk keys
 
@@ -38,23 +37,29 @@ SEP = "#"  # never in engine keys ([A-Za-z0-9._/-]): marks chunk keys
 @dataclass(frozen=True)
 class RedisOptions:
     urls: tuple[str, ...]
-    node: int | None = None  # this process's node; default: torchrun's GROUP_RANK, else by hostname
+    node: int | None = field(default=None, metadata={"min": 0})  # default: torchrun's GROUP_RANK, else by hostname
     prefix: str = "tiered_ckpt:"
-    chunk_size: int = field(default=64 * 2**20, metadata=SIZE)
-    connections: int = 8
-    socket_timeout: float = 120.0
+    chunk_size: int = field(default=64 * 2**20, metadata={"size": True, "min": 1, "max": MAX_BULK - 2**20,
+                                                          "why": "Redis caps a value at 512 MiB"})
+    connections: int = field(default=8, metadata={"min": 1})
+    socket_timeout: float = field(default=120.0, metadata={"above": 0})
 
 
 class RedisPeerTier(Tier):
     Options = RedisOptions
 
-    def __init__(self, name: str, options: RedisOptions):
-        super().__init__(name, options)
+    @classmethod
+    def check_options(cls, name: str, options: RedisOptions) -> None:
         if not options.urls:
             raise ConfigError("needs at least one url", key=f"tiers.{name}.urls")
         if not 0 < options.chunk_size <= MAX_BULK - 2**20:
             raise ConfigError(f"must be between 1 byte and {MAX_BULK - 2**20} (Redis caps a value at 512 MiB)",
                               key=f"tiers.{name}.chunk_size")
+        for url in options.urls:
+            parse_url(url, key=f"tiers.{name}.urls")
+
+    def __init__(self, name: str, options: RedisOptions):
+        super().__init__(name, options)
         self.node = options.node if options.node is not None else 0
         self._clients: list[Any] = []
         # redis+cluster:// and redis+sentinel:// urls (checked here, so a bad one fails at config time)
