@@ -53,6 +53,27 @@ def test_passwords_are_redacted_from_urls():
     assert redact("redis://host:6379/0") == "redis://host:6379/0"
 
 
+@pytest.mark.parametrize("scheme, tail", [("redis", "h:6379/3"), ("rediss+cluster", "h1:7000,h2:7001"),
+                                          ("redis+sentinel", "h1:26379,h2:26379/mymaster/2"), ("unix", "/tmp/r.sock")])
+def test_a_password_with_at_colon_and_slash_is_parsed_whole_and_redacted_whole(scheme, tail):
+    """The userinfo runs to the last '@' before the host: the server gets the whole password, messages none of it."""
+    from redis.connection import parse_url as redis_py_parse
+
+    from tiered_ckpt.storage.redis_connect import parse_url
+
+    url = f"{scheme}://al:p@ss:w/rd@{tail}"
+    assert redact(url) == f"{scheme}://al:***@{tail}"
+    parsed = parse_url(url, key="engine.index")
+    if parsed.kind == "single":
+        got = redis_py_parse(parsed.plain)
+        assert (got["username"], got["password"]) == ("al", "p@ss:w/rd")
+        assert got.get("path", got.get("host")) in ("h", "/tmp/r.sock") and got.get("db", 0) in (0, 3)
+    else:
+        assert (parsed.username, parsed.password) == ("al", "p@ss:w/rd")
+        assert parsed.hosts == (("h1", 7000), ("h2", 7001)) or parsed.service == "mymaster"
+    assert "p@ss" not in parsed.identity and "w/rd" not in parsed.identity
+
+
 def test_an_engine_dropped_with_saves_in_flight_warns(make_config, caplog):
     import asyncio
 

@@ -1,7 +1,9 @@
 """How the Redis index (and the Redis peer tier) reach a Redis deployment: one server, a Redis Cluster, or a
 master found through Sentinel, and what each failure of such a deployment is called.
 
-URLs (credentials are never shown: messages use `identity`, which has neither credentials nor options):
+URLs (credentials are never shown: messages use `identity`, which has neither credentials nor options, or
+`redact(url)`). The userinfo runs from `://` to the last `@` before the host, so a password may hold `@`, `:`
+and `/` as they are; `?`, `#` and `%` must be percent-encoded (`%3F`, `%23`, `%25`).
 
     redis://[user:pass@]host:port[/db]           one server (rediss:// with TLS; unix:///path.sock?db=N)
     redis+cluster://[user:pass@]host:port[,host:port...][/0]
@@ -31,7 +33,7 @@ import random
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
@@ -69,7 +71,31 @@ def parse_url(url: str, *, key: str) -> RedisURL:
     scheme, sep, _ = url.partition("://")
     if not sep or f"{scheme}://" not in REDIS_SCHEMES:
         raise ConfigError(f"{redact(url)}: expected one of {', '.join(s + '…' for s in REDIS_SCHEMES)}", key=key)
-    parts = urlsplit(url)
+    try:
+        return _parse(url, scheme, key)
+    except ValueError as e:  # urllib's (a port that is not a number, a bad IPv6 address): it may quote the URL
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{redact(url)}: not a valid URL (a port that is not a number? a password holding '?', "
+                          f"'#' or '%' must be percent-encoded)", key=key) from None
+
+
+def quoted_userinfo(url: str) -> str:
+    """`url` with its userinfo (from `://` to the last `@` before the host, the query left aside) percent-encoded,
+    so a password holding `@`, `:` or `/` reaches the URL parser (urllib, redis-py) whole. `?`, `#` and `%` in
+    a password must be percent-encoded already (they end the host part, or are decoded)."""
+    scheme, _, rest = url.partition("://")
+    body, q, query = rest.partition("?")
+    userinfo, at, hostpath = body.rpartition("@")
+    if not at:
+        return url
+    user, colon, password = userinfo.partition(":")
+    safe = quote(unquote(user), safe="") + (":" + quote(unquote(password), safe="") if colon else "")
+    return f"{scheme}://{safe}@{hostpath}{q}{query}"
+
+
+def _parse(url: str, scheme: str, key: str) -> RedisURL:
+    parts = urlsplit(quoted_userinfo(url))
     query = parse_qsl(parts.query, keep_blank_values=True)
     ours = {k: v for k, v in query if k in OPTIONS}
     rest = [(k, v) for k, v in query if k not in OPTIONS]
@@ -99,7 +125,7 @@ def parse_url(url: str, *, key: str) -> RedisURL:
     if rest:
         raise ConfigError(f"{redact(url)}: unknown option(s) {sorted(k for k, _ in rest)} (known: "
                           f"{', '.join(OPTIONS)})", key=key)
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")  # (quoted: the last '@' is the host's)
     username, _, password = userinfo.partition(":")
     hosts = []
     for item in hostlist.split(","):

@@ -62,6 +62,8 @@ class RedisPeerTier(Tier):
         super().__init__(name, options)
         self.node = options.node if options.node is not None else 0
         self._clients: list[Any] = []
+        # one server: its URL as redis-py takes it (a password holding '@', ':' or '/' percent-encoded)
+        self._plain = {i: parse_url(url, key=f"tiers.{name}.urls").plain for i, url in enumerate(options.urls)}
         # redis+cluster:// and redis+sentinel:// urls (checked here, so a bad one fails at config time)
         self._deployments = {i: RedisDeployment(url, key=f"tiers.{name}.urls", socket_timeout=options.socket_timeout)
                              for i, url in enumerate(options.urls) if url.startswith(("redis+", "rediss+"))}
@@ -74,7 +76,7 @@ class RedisPeerTier(Tier):
         # A blocking pool: past `connections`, a command waits for a free connection instead of failing.
         self._clients = [self._deployments[i].open() if i in self._deployments else
                          aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-                             url, max_connections=self.options.connections, timeout=None,
+                             self._plain[i], max_connections=self.options.connections, timeout=None,
                              socket_timeout=self.options.socket_timeout, socket_connect_timeout=10))
                          for i, url in enumerate(self.options.urls)]
         for deployment in self._deployments.values():
@@ -152,7 +154,8 @@ class RedisPeerTier(Tier):
         except ERRORS as e:
             raise self._fail(server, e, f"reading {key}") from e
         if any(c is None for c in chunks):
-            raise TierNotFound(f"{key}: chunk missing on redis {self.options.urls[server]} (evicted?)", tier=self.name)
+            raise TierNotFound(f"{key}: chunk missing on redis {redact(self.options.urls[server])} (evicted?)",
+                               tier=self.name)
         return length, chunks
 
     async def read_into(self, key: str, out: Sequence[memoryview]) -> int:
