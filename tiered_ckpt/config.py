@@ -98,6 +98,13 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> Config:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError("file not found", file=file) from None
+    except IsADirectoryError:
+        raise ConfigError("is a directory, not a TOML file", file=file) from None
+    except OSError as e:
+        raise ConfigError(f"cannot be read: {e.strerror or e}", file=file) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); TOML files are "
+                          f"UTF-8", file=file) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"invalid TOML: {e}", file=file) from None
     config = parse_config(raw, source=file)
