@@ -123,6 +123,15 @@ class FileTier(Tier):
         """Count `nbytes` that entered the tier without `write` (negative: that left it without `delete`), e.g.
         a staging file renamed under a key. Raises TierFull past the capacity."""
 
+    def count_only(self, owned: Callable[[str], bool]) -> None:
+        """Before open(): count toward `capacity` only the files whose key (their path below the tier's folder)
+        `owned` accepts, e.g. one job's, when other jobs share the folder. Default: a tier counts nothing."""
+
+    def make_folder(self, path: Path) -> None:
+        """Create folder `path` (inside the tier's) and its missing parents, the tier's own folder with the mode
+        the tier wants for it (the memory tier's is private: 0700)."""
+        path.mkdir(parents=True, exist_ok=True)
+
     async def read_mapped(self, key: str, use: Callable[[memoryview], T]) -> tuple[bool, T | None]:
         """(True, use(view)) with `view` the stored value mapped read-only, or (False, None) when it cannot be
         mapped now (the caller then reads a copy). Only called when `maps_reads` is true."""
