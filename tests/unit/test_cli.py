@@ -248,7 +248,8 @@ def test_ls_and_verify_of_a_job_without_checkpoints_say_so_and_name_the_jobs_tha
     config = write_config(tmp_path, shm_dir)
     save(config, [1])
     assert cli.main(["-c", str(config), "--job", "clj", "ls"]) == 0
-    assert f"job 'clj': no checkpoints; jobs with checkpoints in file://{tmp_path}/index: cli" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"job 'clj': no checkpoints; jobs with checkpoints in file://{tmp_path}/index: cli" in out
     assert cli.main(["-c", str(config), "--job", "clj", "verify"]) == 2  # nothing was verified: not a pass
     assert (f"job 'clj' has no checkpoints to verify; jobs with checkpoints in file://{tmp_path}/index: cli"
             in capsys.readouterr().err)

@@ -229,7 +229,8 @@ async def _foreign_warning(job: str, found: Sequence[CheckpointStatus]) -> str:
     adopting would load a stranger's state, so no adopt is suggested then; only an index that is gone (moved,
     lost) is worth adopting from."""
     foreign = sorted({s.foreign for s in found if s.foreign})
-    live = [f for f in foreign if f.startswith("file://") and await asyncio.to_thread(os.path.isdir, f[len("file://"):])]
+    live = [f for f in foreign
+            if f.startswith("file://") and await asyncio.to_thread(os.path.isdir, f.removeprefix("file://"))]
     if live:
         return (f"job {job!r}: the tiers hold {len(found)} complete checkpoint(s) of another run, committed to its "
                 f"index {', '.join(live)}, which still exists: not loaded (they are that run's; load them with its "
