@@ -188,7 +188,10 @@ def _parse_tier(table: Any, i: int, source: str | None) -> TierConfig:
 def _check_tier(tier: TierConfig, driver: type, where: str, source: str | None) -> None:
     """The common keys' ranges, the driver's options' ranges, then the driver's own checks of its options."""
     check_ranges(tier, where, source)
-    if tier.options is not None and dataclasses.is_dataclass(tier.options):
+    if not isinstance(tier.options, getattr(driver, "Options", object)):
+        raise ConfigError(f"options must be a {driver.Options.__name__} (the {tier.kind} driver's), got "
+                          f"{type(tier.options).__name__}", key=f"{where}.options", file=source)
+    if dataclasses.is_dataclass(tier.options):
         check_ranges(tier.options, where, source)
     check_options = getattr(driver, "check_options", None)
     if check_options is not None:
@@ -215,7 +218,9 @@ def check_ranges(obj: Any, where: str, source: str | None) -> None:
 
 def _out_of_range(value: float, meta: Mapping[str, Any]) -> str | None:
     def shown(n: float) -> str:
-        return f"{format_size(n).replace('.00 ', ' ')} ({n} bytes)" if meta.get("size") and n >= 1024 else f"{n:g}"
+        if meta.get("size") and n >= 1024:
+            return f"{format_size(n).replace('.00 ', ' ')} ({n} bytes)"
+        return f"{n:g}" if isinstance(n, float) else str(n)
 
     if isinstance(value, float) and not math.isfinite(value):
         return f"must be a finite number, got {value}"
