@@ -106,6 +106,7 @@ def test_a_password_with_at_colon_and_slash_is_parsed_whole_and_redacted_whole(s
         assert (parsed.username, parsed.password) == ("al", "p@ss:w/rd")
         assert parsed.hosts == (("h1", 7000), ("h2", 7001)) or parsed.service == "mymaster"
     assert "p@ss" not in parsed.identity and "w/rd" not in parsed.identity
+    assert "p@ss" not in repr(parsed) and "p%40ss" not in repr(parsed)  # a repr in a log or a traceback: no secret
 
 
 def test_an_engine_dropped_with_saves_in_flight_warns(make_config, caplog):

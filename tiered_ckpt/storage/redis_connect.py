@@ -31,7 +31,7 @@ import asyncio
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
@@ -51,19 +51,19 @@ class RedisURL:
 
     kind: str  # "single", "cluster" or "sentinel"
     identity: str
-    plain: str
+    plain: str = field(repr=False)  # (it holds the password: never in a repr, a log or a traceback's locals)
     hosts: tuple[tuple[str, int], ...] = ()
     service: str | None = None
     db: int = 0
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     ssl: bool = False
     wait: int = 0
     wait_timeout: float = 2.0
     failover_timeout: float = 0.0
     max_connections: int = 64
     sentinel_username: str | None = None
-    sentinel_password: str | None = None
+    sentinel_password: str | None = field(default=None, repr=False)
 
 
 def parse_url(url: str, *, key: str) -> RedisURL:
