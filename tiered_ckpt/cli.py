@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import math
 import os
 import sys
 from typing import Any, Awaitable, Callable
@@ -16,6 +17,7 @@ from .errors import ConfigError, TieredCkptError
 from .lifecycle.gc import GRACE, in_flight
 from .sizes import format_size
 from .state import PerRankMark, Pickled, TensorAlias, TensorRef, decode_skeleton, path_str
+from .storage.index import CheckpointStatus, open_index
 from .storage.redis_connect import redact
 
 DEFAULT_CONFIG = os.environ.get("TIERED_CKPT_CONFIG", "tiers/local.toml")
@@ -69,19 +71,40 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(bench)
     args = parser.parse_args(argv)
     try:
-        if args.command == "config":
-            return config_check(args.file)
-        if args.command == "bench":
-            from .bench.run import run_bench
-
-            return run_bench(args)
-        commands: dict[str, Callable[[Engine, argparse.Namespace], Awaitable[int]]] = {
-            "ls": cmd_ls, "show": cmd_show, "verify": cmd_verify, "export": cmd_export, "delete": cmd_delete,
-            "gc": cmd_gc}
-        return asyncio.run(_with_engine(args, commands[args.command]))
+        status = _run(args)
+        sys.stdout.flush()  # here, where a reader that went away (`| head`) can be told from a failure
+        return status
+    except BrokenPipeError:
+        return _reader_went_away()
     except (TieredCkptError, LookupError) as e:
         print(f"tiered-ckpt: {e}", file=sys.stderr)
         return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "config":
+        return config_check(args.file)
+    if args.command == "bench":
+        from .bench.run import run_bench
+
+        return run_bench(args)
+    commands: dict[str, Callable[[Engine, argparse.Namespace], Awaitable[int]]] = {
+        "ls": cmd_ls, "show": cmd_show, "verify": cmd_verify, "export": cmd_export, "delete": cmd_delete,
+        "gc": cmd_gc}
+    return asyncio.run(_with_engine(args, commands[args.command]))
+
+
+def _reader_went_away() -> int:
+    """stdout's reader closed the pipe (`tiered-ckpt ls | head -1`): stop quietly, as the Python docs advise
+    (output still buffered would fail again at exit, so stdout points at /dev/null from now on)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file (a test's capture): nothing is left to flush at exit
+        return 1
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return 1
 
 
 async def _with_engine(args: argparse.Namespace, fn: Callable[[Engine, argparse.Namespace], Awaitable[int]]) -> int:
@@ -93,6 +116,7 @@ async def _with_engine(args: argparse.Namespace, fn: Callable[[Engine, argparse.
 def config_check(path: str) -> int:
     try:
         cfg = load_config(path)
+        open_index(cfg.engine.index)  # parses a Redis URL and its options (nothing is connected)
     except ConfigError as e:
         print(f"invalid: {e}", file=sys.stderr)
         return 2
@@ -155,15 +179,15 @@ def _duration(text: str) -> float:
         value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a duration like 90s, 30m or 2h, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a duration must be >= 0, got {text!r}")
+    if not math.isfinite(value) or value < 0:  # nan and inf: never a duration
+        raise argparse.ArgumentTypeError(f"a duration must be a finite number >= 0, got {text!r}")
     return value
 
 
 async def cmd_ls(engine: Engine, args: argparse.Namespace) -> int:
     rows = [c async for c in engine.list()]
     if not rows:
-        print(f"job {engine.job!r}: no checkpoints")
+        print(f"job {engine.job!r}: no checkpoints{await _jobs_hint(engine)}")
         return 0
     when = [_when(c.created) for c in rows]
     width = max(len("created"), *map(len, when))
@@ -252,34 +276,66 @@ def _short(value: Any, limit: int = 100) -> str:
 
 
 async def cmd_verify(engine: Engine, args: argparse.Namespace) -> int:
+    """Exit 0: every copy intact; 1: damage on a tier (or in the index) where the checkpoint is complete;
+    2: nothing to verify (no such step, a job without checkpoints)."""
+    statuses = [c async for c in engine.list()]
+    if not statuses:
+        raise LookupError(f"job {engine.job!r} has no checkpoints to verify{await _jobs_hint(engine)}")
+    if args.step is not None:
+        steps = ", ".join(str(s.step) for s in statuses)
+        statuses = [s for s in statuses if s.step == args.step]
+        if not statuses:
+            raise LookupError(f"job {engine.job!r} has no checkpoint {args.step} (its checkpoints: {steps})")
+    failures = 0
+    for status in statuses:
+        failures += await _verify_step(engine, status)
+    return 1 if failures else 0
+
+
+async def _verify_step(engine: Engine, status: CheckpointStatus) -> int:
+    """Verify one checkpoint on its tiers and in the index, print what was found; the damage counted."""
     from tqdm import tqdm
 
-    from .load.verify import verify
+    from .load.verify import verify, verify_index
 
-    steps = [args.step] if args.step is not None else [c.step async for c in engine.list()]
+    step = status.step
+    try:
+        m = await engine.read_manifest(step)
+    except TieredCkptError as e:
+        print(f"step {step}: {e}")
+        return 1
     failures = 0
-    for step in steps:
-        try:
-            m = await engine.read_manifest(step)
-        except TieredCkptError as e:
-            print(f"step {step}: {e}")
-            failures += 1
-            continue
-        status = await engine.status(step)
-        if status is None:
-            raise LookupError(f"job {engine.job!r} has no checkpoint {step}")
-        # the bytes verify reads: every part on each configured tier the checkpoint targets; a bar on a terminal only
-        with tqdm(total=m.nbytes * len(engine.io.order(status.tiers)), unit="B", unit_scale=True, desc=f"step {step}",
-                  file=sys.stderr, disable=None) as bar:
-            reports = await verify(engine.io, status, m, bar.update)
-        for r in reports:
-            state = "complete" if r.complete else "incomplete"
-            verdict = "ok" if r.ok else f"{len(r.bad)} bad part(s)"
-            print(f"step {step} tier {r.tier} ({state}): {r.parts} parts, {verdict}")
-            for line in r.bad:
-                print(f"    {line}")
-            failures += (not r.ok) and r.complete
-    return 1 if failures else 0
+    # the bytes verify reads: every part on each configured tier the checkpoint targets; a bar on a terminal only
+    with tqdm(total=m.nbytes * len(engine.io.order(status.tiers)), unit="B", unit_scale=True, desc=f"step {step}",
+              file=sys.stderr, disable=None) as bar:
+        reports = await verify(engine.io, status, m, bar.update)
+    for r in reports:
+        state = "complete" if r.complete else "incomplete"
+        verdict = "ok" if r.ok else f"{len(r.bad)} bad part(s)"
+        print(f"step {step} tier {r.tier} ({state}): {r.parts} parts, {verdict}")
+        for line in r.bad:
+            print(f"    {line}")
+        failures += (not r.ok) and r.complete
+    if status.incarnation is not None:  # listed from the tiers' manifests: the index has no record to check
+        return failures
+    index = await verify_index(engine.index, m)
+    if index.unreachable:
+        print(f"step {step} index {index.index}: not checked ({index.unreachable})")
+        return failures
+    verdict = "ok" if index.ok else f"{len(index.bad)} bad record(s)"
+    print(f"step {step} index {index.index}: manifest and {index.records - 1} rank record(s), {verdict}")
+    for line in index.bad:
+        print(f"    {line}")
+    return failures + ((not index.ok) and status.is_complete)
+
+
+async def _jobs_hint(engine: Engine) -> str:
+    """"; jobs with checkpoints in <index>: a, b", so a mistyped job name shows; "" when the index can't say."""
+    try:
+        jobs = await engine.index.jobs()
+    except TieredCkptError:
+        return ""
+    return f"; jobs with checkpoints in {engine.index.identity}: {', '.join(jobs) if jobs else 'none'}"
 
 
 async def cmd_export(engine: Engine, args: argparse.Namespace) -> int:
@@ -293,8 +349,14 @@ async def cmd_export(engine: Engine, args: argparse.Namespace) -> int:
         try:
             info = await engine.export(args.output, to=args.to, step=args.step, select=args.select, force=args.force,
                                        progress=progress)
+        except TieredCkptError:
+            raise
         except (FileExistsError, ValueError) as e:  # an existing PATH, a --select that matches nothing, a dtype
             print(f"tiered-ckpt: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:  # PATH's folder cannot be made or written (a file in the way, no permission)
+            print(f"tiered-ckpt: cannot write {args.output}: {e.strerror or e}"
+                  f"{f' ({e.filename})' if e.filename else ''}", file=sys.stderr)
             return 2
     print(f"step {info.step}: {info.tensors} tensors ({format_size(info.nbytes)}) and {info.values} plain values "
           f"-> {info.path} ({info.format})")

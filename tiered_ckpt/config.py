@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -11,11 +12,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ConfigError
-from .sizes import parse_size
+from .errors import ConfigError, redact
+from .sizes import format_size, parse_size
 from .storage.tiers.registry import driver_class
 
-SIZE = {"size": True}  # field metadata: accept "64MiB"-style strings
+
+def bounds(*, size: bool = False, why: str = "", **limits: float) -> dict[str, Any]:
+    """Field metadata of a config dataclass (drivers' Options write the same keys as a plain dict): `size`
+    accepts "64MiB"-style strings; `min` (inclusive), `above` (exclusive) and `max` bound the number; `why`
+    says why in the error. Every float must also be finite (check_ranges)."""
+    return {"size": size, "why": why, **limits}
+
+
 # one server, a Redis Cluster, or the master a Sentinel names (storage/redis_connect.py); rediss: with TLS
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://", "redis+sentinel://",
                  "rediss+sentinel://")
@@ -27,13 +35,13 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing
 class EngineConfig:
     job: str = "default"
     index: str = "file://./checkpoints/index"
-    part_size: int = field(default=64 * 2**20, metadata=SIZE)
-    max_inflight: int = 1
+    part_size: int = field(default=64 * 2**20, metadata=bounds(size=True, min=4096))
+    max_inflight: int = field(default=1, metadata=bounds(min=1))
     allow_pickle: bool = False
     adopt: bool = False  # load checkpoints whose manifests name another index (a moved or rebuilt index)
-    io_threads: int = 4
-    collective_timeout: float = 600.0
-    commit_timeout: float = 600.0
+    io_threads: int = field(default=4, metadata=bounds(min=1))
+    collective_timeout: float = field(default=600.0, metadata=bounds(above=0))
+    commit_timeout: float = field(default=600.0, metadata=bounds(above=0))
     # a memory tier first in the stack (every = 1, keep_last set) is the staging buffer: one copy to safe
     stage_in_memory_tier: bool = True
     checksum: str = "auto"  # of parts in new checkpoints: auto (xxh3 when xxhash is installed), xxh3, crc32c
@@ -46,13 +54,14 @@ class EngineConfig:
 class TierConfig:
     name: str
     kind: str
-    keep_last: int | None = None
-    every: int = 1
-    workers: int = 4
-    inflight: int = field(default=256 * 2**20, metadata=SIZE)
-    retries: int = 3
-    backoff: float = 0.2  # seconds before the first retry; doubled for each next one (at most 10 s), with jitter
-    timeout: float = 300.0
+    keep_last: int | None = field(default=None, metadata=bounds(min=1, why="omit it to keep every checkpoint"))
+    every: int = field(default=1, metadata=bounds(min=1))
+    workers: int = field(default=4, metadata=bounds(min=1))
+    inflight: int = field(default=256 * 2**20, metadata=bounds(size=True, min=1))
+    retries: int = field(default=3, metadata=bounds(min=0))
+    # seconds before the first retry; doubled for each next one (at most 10 s), with jitter
+    backoff: float = field(default=0.2, metadata=bounds(min=0))
+    timeout: float = field(default=300.0, metadata=bounds(above=0))
     skip_when_behind: bool = True  # a save still waiting for the tier when a newer one arrives is skipped there
     options: Any = None  # the driver's own frozen Options dataclass
 
@@ -89,6 +98,13 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> Config:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError("file not found", file=file) from None
+    except IsADirectoryError:
+        raise ConfigError("is a directory, not a TOML file", file=file) from None
+    except OSError as e:
+        raise ConfigError(f"cannot be read: {e.strerror or e}", file=file) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); TOML files are "
+                          f"UTF-8", file=file) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"invalid TOML: {e}", file=file) from None
     config = parse_config(raw, source=file)
@@ -126,9 +142,11 @@ def check_config(config: Config) -> None:
             validate_name(tier.name, "tier name")
         except ConfigError as e:
             raise ConfigError(str(e), key=f"tiers.{tier.name}.name", file=config.source) from None
+        _check_tier(tier, driver_class(tier.kind), f"tiers.{tier.name}", config.source)
 
 
 def _check_engine(engine: EngineConfig, source: str | None) -> None:
+    check_ranges(engine, "engine", source)
     try:
         validate_name(engine.job, "job")
     except ConfigError as e:
@@ -136,14 +154,9 @@ def _check_engine(engine: EngineConfig, source: str | None) -> None:
     if not engine.index.startswith(INDEX_SCHEMES):
         raise ConfigError("index must be file://PATH, redis://HOST:PORT/DB, redis+cluster://HOST:PORT[,HOST:PORT...] "
                           "or redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER/DB", key="engine.index", file=source)
-    if engine.part_size < 4096:
-        raise ConfigError("part_size must be at least 4KiB", key="engine.part_size", file=source)
-    for key in ("max_inflight", "io_threads"):
-        if getattr(engine, key) < 1:
-            raise ConfigError("must be >= 1", key=f"engine.{key}", file=source)
-    for key in ("collective_timeout", "commit_timeout"):
-        if not getattr(engine, key) > 0:
-            raise ConfigError("must be a positive number of seconds", key=f"engine.{key}", file=source)
+    if engine.index.startswith("file://") and not engine.index.removeprefix("file://").strip():
+        raise ConfigError("file:// names no folder (it would be the current one): give file://PATH",
+                          key="engine.index", file=source)
     from .checksum import available
 
     if engine.checksum != "auto" and engine.checksum not in available():
@@ -166,15 +179,58 @@ def _parse_tier(table: Any, i: int, source: str | None) -> TierConfig:
         raise ConfigError(str(e), key=f"{where}.kind" if "kind" in str(e) else f"{where}.name", file=source) from None
     common = {f.name for f in dataclasses.fields(TierConfig)} - {"options"}
     options = build(cls.Options, {k: v for k, v in table.items() if k not in common}, where, source)
-    tier = build(TierConfig, {k: v for k, v in table.items() if k in common}, where, source)
-    if tier.keep_last is not None and tier.keep_last < 1:
-        raise ConfigError("must be >= 1 (omit it to keep every checkpoint)", key=f"{where}.keep_last", file=source)
-    for key, low in (("every", 1), ("workers", 1), ("retries", 0), ("inflight", 1)):
-        if getattr(tier, key) < low:
-            raise ConfigError(f"must be >= {low}", key=f"{where}.{key}", file=source)
-    if not tier.timeout > 0:
-        raise ConfigError("must be a positive number of seconds", key=f"{where}.timeout", file=source)
-    return dataclasses.replace(tier, options=options)
+    tier = dataclasses.replace(build(TierConfig, {k: v for k, v in table.items() if k in common}, where, source),
+                               options=options)
+    _check_tier(tier, cls, where, source)
+    return tier
+
+
+def _check_tier(tier: TierConfig, driver: type, where: str, source: str | None) -> None:
+    """The common keys' ranges, the driver's options' ranges, then the driver's own checks of its options."""
+    check_ranges(tier, where, source)
+    if not isinstance(tier.options, getattr(driver, "Options", object)):
+        raise ConfigError(f"options must be a {driver.Options.__name__} (the {tier.kind} driver's), got "
+                          f"{type(tier.options).__name__}", key=f"{where}.options", file=source)
+    if dataclasses.is_dataclass(tier.options):
+        check_ranges(tier.options, where, source)
+    check_options = getattr(driver, "check_options", None)
+    if check_options is not None:
+        try:
+            check_options(tier.name, tier.options)
+        except ConfigError as e:
+            raise ConfigError(e.message, key=e.key or where, file=source) from None
+
+
+def check_ranges(obj: Any, where: str, source: str | None) -> None:
+    """Every number of config dataclass `obj` in its range: a float finite (nan and inf are never meant), and
+    within the bounds its field's metadata declares (`min`, `above`, `max`). Out of range: a ConfigError
+    naming the key, so a zero that would make nothing work (a semaphore of 0, a chunk of 0 bytes) is refused
+    before anything runs."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        problem = _out_of_range(value, f.metadata)
+        if problem:
+            why = f.metadata.get("why")
+            raise ConfigError(f"{problem}{f' ({why})' if why else ''}", key=f"{where}.{f.name}", file=source)
+
+
+def _out_of_range(value: float, meta: Mapping[str, Any]) -> str | None:
+    def shown(n: float) -> str:
+        if meta.get("size") and n >= 1024:
+            return f"{format_size(n).replace('.00 ', ' ')} ({n} bytes)"
+        return f"{n:g}" if isinstance(n, float) else str(n)
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    if "min" in meta and value < meta["min"]:
+        return f"must be at least {shown(meta['min'])}, got {shown(value)}"
+    if "above" in meta and not value > meta["above"]:
+        return f"must be more than {shown(meta['above'])}, got {shown(value)}"
+    if "max" in meta and value > meta["max"]:
+        return f"must be at most {shown(meta['max'])}, got {shown(value)}"
+    return None
 
 
 def build(cls: type, table: Mapping[str, Any], where: str, source: str | None) -> Any:
@@ -211,12 +267,12 @@ def _coerce(value: Any, hint: Any, is_size: bool) -> Any:
     origin = typing.get_origin(hint)
     if origin in (tuple, list):
         if not isinstance(value, list):
-            raise TypeError(f"expected a list, got {type(value).__name__} {value!r}")
+            raise TypeError(f"expected a list, got {type(value).__name__} {redact(repr(value))}")
         return tuple(_coerce(v, args[0], False) for v in value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (str, int, float, bool) and (type(value) is not hint):
-        raise TypeError(f"expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        raise TypeError(f"expected {hint.__name__}, got {type(value).__name__} {redact(repr(value))}")
     return value
 
 

@@ -68,6 +68,10 @@ class Engine:
         # else (distributed = false) the single-rank Coordinator from __init__: no process group, no collectives
         self.planner.coordinator = self.coordinator
         node, num_nodes = await self.coordinator.node()
+        for name in self.io:  # a file tier's capacity bounds this job's bytes, not those of others sharing its folder
+            tier = self.io.file_tier(name)
+            if tier is not None:
+                tier.count_only(Arena.owned_by(self.job))
         await self.io.open(rank=self.rank, world_size=self.world_size, node=node, num_nodes=num_nodes)
         await self.index.open()
         self.pool.arena = self._arena()

@@ -1,5 +1,26 @@
-"""One root exception; subclasses also derive from the matching builtin so callers can catch either."""
+"""One root exception; subclasses also derive from the matching builtin so callers can catch either; and
+`redact`, which keeps the secrets of a URL out of every message, log line and CLI output."""
 from __future__ import annotations
+
+import re
+
+_SECRET_OPTION = re.compile(r"([?&][^=&?]*password=)[^&]*")
+
+
+def redact(url: str) -> str:
+    """`url` with no secret left: the password of its userinfo (everything from `://` to the last `@` before
+    the host, so a password holding `@`, `:` or `/` is hidden whole) and every `*password=` option. For
+    messages, logs and the CLI. A string that is not a URL comes back unchanged."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest = _SECRET_OPTION.sub(r"\1***", rest)  # first: an option's value may hold an '@' too
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not at:
+        return f"{scheme}{sep}{rest}"
+    user, colon, _ = userinfo.partition(":")
+    shown = f"{user}:***" if colon else "***"  # a lone userinfo may be a password (redis://secret@host)
+    return f"{scheme}{sep}{shown}@{hostpart}"
 
 
 class TieredCkptError(Exception):
@@ -12,6 +33,7 @@ class ConfigError(TieredCkptError, ValueError):
     def __init__(self, message: str, *, key: str | None = None, file: str | None = None):
         where = ", ".join(p for p in (f"file {file}" if file else "", f"key {key!r}" if key else "") if p)
         super().__init__(f"{where}: {message}" if where else message)
+        self.message = message  # without the file and key: a caller that knows the file adds it
         self.key = key
         self.file = file
 

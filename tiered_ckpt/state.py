@@ -25,6 +25,7 @@ from .errors import StateError
 
 _EXT_TENSOR, _EXT_TUPLE, _EXT_PICKLE, _EXT_ALIAS, _EXT_PER_RANK = 1, 2, 3, 4, 5
 _PLAIN = (type(None), bool, int, float, str, bytes)
+MAX_DEPTH = 256  # containers inside containers: msgpack (and Python's stack) stop not far above
 
 
 @dataclass(frozen=True)
@@ -121,13 +122,61 @@ def _unsupported_dtypes() -> frozenset[torch.dtype]:
 _UNSUPPORTED = _unsupported_dtypes()
 
 
+def _check_key(key: Any, path: tuple[Any, ...]) -> None:
+    """A dict key the skeleton can store: a str of valid Unicode, or an int of 64 bits."""
+    if type(key) not in (str, int):
+        raise StateError(f"key {key!r} under {path_str(path)!r} must be a str or int")
+    if type(key) is int and not -(2**63) <= key < 2**64:
+        raise StateError(f"key {key} under {path_str(path)!r} does not fit in 64 bits (msgpack stores ints of at "
+                         f"most 64 bits); use a str key")
+    if type(key) is str:
+        _check_text(key, f"key {key!r} under {path_str(path)!r}")
+
+
+def _check_text(text: str, what: str) -> None:
+    """A str the skeleton can store: encodable as UTF-8 (a lone surrogate, e.g. from a bytes.decode with
+    errors="surrogateescape", is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise StateError(f"{what} holds {text[e.start]!r} at position {e.start}, a lone surrogate that is not valid "
+                         f"Unicode and cannot be stored as UTF-8 text; store it as bytes, or clean it (e.g. "
+                         f".encode('utf-8', 'surrogateescape'))") from None
+
+
 def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0) -> FlatState:
-    """Walk `state`; tensors go to FlatState.tensors, the rest into the skeleton. Errors name the key."""
+    """Walk `state`; tensors go to FlatState.tensors, the rest into the skeleton. Errors name the key: of a
+    value that cannot be stored, and of a container that contains itself (a tree is stored, not a graph)."""
     flat = FlatState(skeleton=None)
     seen: dict[int, list[tuple[torch.Tensor, str]]] = {}  # address → (tensor, saved name): ties are saved once
     names: set[str] = set()
+    open_containers: dict[int, tuple[Any, ...]] = {}  # id → path of each container being walked (a cycle's start)
 
     def walk(value: Any, path: tuple[Any, ...], per_rank: bool) -> Any:
+        if isinstance(value, (dict, list, tuple)):
+            if id(value) in open_containers:
+                raise StateError(f"{path_str(path)!r} is {path_str(open_containers[id(value)])!r} again: the state "
+                                 f"contains itself (a reference cycle), and a checkpoint stores a tree")
+            if len(path) >= MAX_DEPTH:
+                raise StateError(f"{path_str(path)!r} is nested {len(path)} containers deep; at most {MAX_DEPTH} "
+                                 f"can be stored")
+            open_containers[id(value)] = path
+            try:
+                return walk_container(value, path, per_rank)
+            finally:
+                del open_containers[id(value)]
+        return walk_leaf(value, path, per_rank)
+
+    def walk_container(value: Any, path: tuple[Any, ...], per_rank: bool) -> Any:
+        if isinstance(value, dict):
+            for k in value:
+                _check_key(k, path)
+            return {k: walk(v, path + (k,), per_rank) for k, v in value.items()}
+        if isinstance(value, tuple):
+            return tuple(walk(v, path + (i,), per_rank) for i, v in enumerate(value))
+        return [walk(v, path + (i,), per_rank) for i, v in enumerate(value)]
+
+    def walk_leaf(value: Any, path: tuple[Any, ...], per_rank: bool) -> Any:
         if isinstance(value, torch.Tensor):
             where = path_str(path)
             check_dtype(value, where)
@@ -147,20 +196,13 @@ def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0) -> FlatSta
             return TensorRef(len(flat.tensors) - 1)
         if isinstance(value, PerRank):
             return PerRankMark(walk(value.value, path, True))
-        if isinstance(value, dict):
-            for k in value:
-                if type(k) not in (str, int):
-                    raise StateError(f"key {k!r} under {path_str(path)!r} must be a str or int")
-            return {k: walk(v, path + (k,), per_rank) for k, v in value.items()}
-        if isinstance(value, tuple):
-            return tuple(walk(v, path + (i,), per_rank) for i, v in enumerate(value))
-        if isinstance(value, list):
-            return [walk(v, path + (i,), per_rank) for i, v in enumerate(value)]
         if _is_stateful(value):
             return walk(value.state_dict(), path, per_rank)
         if type(value) in _PLAIN:
             if type(value) is int and not -(2**63) <= value < 2**64:
                 raise StateError(f"int at {path_str(path)!r} does not fit in 64 bits")
+            if type(value) is str:
+                _check_text(value, f"the string at {path_str(path)!r}")
             return value
         if allow_pickle:
             try:
@@ -380,6 +422,10 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
             if value.device.type == "meta":
                 raise StateError(f"tensor {where!r} is on the meta device: it has no memory to load into "
                                  f"(materialize it first, e.g. model.to_empty(device=...))")
+            if _overlaps_itself(value):
+                raise StateError(f"tensor {where!r} (shape {tuple(value.shape)}, stride {value.stride()}) has elements "
+                                 f"that share one memory location (an expand()ed or overlapping view): it cannot be "
+                                 f"loaded into; give a tensor of its own memory (e.g. .clone() it first)")
             target.add(meta.index, where, value.detach())  # a dtype that differs is cast
             return value
         if _is_stateful(value) and not isinstance(value, (dict, list, tuple)):
@@ -437,6 +483,16 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
         raise StateError(f"the given state has no key in common with the checkpoint, whose top-level keys are "
                          f"{sorted(map(str, saved))}")
     return target
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Several elements of `t` are one memory location (a stride 0 along a dimension of size > 1, or any other
+    overlapping view): writing into it is refused by torch."""
+    local = t.to_local() if type(t).__name__ == "DTensor" else t
+    if any(stride == 0 and size > 1 for size, stride in zip(local.shape, local.stride())):
+        return True
+    check = getattr(torch, "_debug_has_internal_overlap", None)  # 1: overlaps; 0: no; 2: too hard to tell
+    return check is not None and check(local) == 1
 
 
 def _refuse_unexpected(path: tuple[Any, ...], given: Any, saved: Any) -> None:

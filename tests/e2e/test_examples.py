@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 def toml(tmp_path: Path, shm_dir: Path) -> Path:
     tmp_path.mkdir(parents=True, exist_ok=True)
     text = (REPO / "tiers" / "local.toml").read_text()
-    text = text.replace("/dev/shm/tiered_ckpt", str(shm_dir / "host")).replace("./checkpoints", str(tmp_path / "ck"))
+    text = text.replace('kind = "memory"', f'kind = "memory"\npath = "{shm_dir / "host"}"', 1)  # not the default
+    text = text.replace("./checkpoints", str(tmp_path / "ck"))
     path = tmp_path / "local.toml"
     path.write_text(text)
     return path

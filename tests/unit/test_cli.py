@@ -191,3 +191,86 @@ def test_verify_progress_counts_only_what_it_reads_and_bars_show_only_on_a_termi
     piped = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "-c", str(config), "gc"], cwd=REPO,
                            capture_output=True, text=True, timeout=60)
     assert piped.returncode == 0 and piped.stderr == "" and "gc of job 'cli'" in piped.stdout
+
+
+def test_gc_grace_must_be_a_finite_duration(tmp_path, shm_dir, capsys):
+    config = write_config(tmp_path, shm_dir)
+    for grace in ("nan", "inf", "nanh", "-1s"):
+        try:
+            status = cli.main(["-c", str(config), "gc", f"--grace={grace}"])
+        except SystemExit as e:  # argparse refuses it, naming the option
+            status = e.code
+        err = capsys.readouterr().err
+        assert status == 2 and "--grace" in err and "finite" in err and "Traceback" not in err, (grace, err)
+
+
+def test_a_config_that_is_a_folder_or_not_utf8_is_an_error_without_a_traceback(tmp_path, capsys):
+    not_utf8 = tmp_path / "latin1.toml"
+    not_utf8.write_bytes('[engine]\njob = "caf\xe9"\n'.encode("latin-1"))
+    for path, what in ((tmp_path, "is a directory"), (not_utf8, "is not UTF-8 text (byte 19")):
+        assert cli.main(["-c", str(path), "ls"]) == 2
+        assert f"tiered-ckpt: file {path}: {what}" in capsys.readouterr().err
+        assert cli.main(["config", "check", str(path)]) == 2
+        assert f"invalid: file {path}: {what}" in capsys.readouterr().err
+
+
+def test_export_into_a_folder_that_cannot_be_written_is_an_error_without_a_traceback(tmp_path, shm_dir, capsys):
+    config = write_config(tmp_path, shm_dir)
+    save(config, [1])
+    missing = tmp_path / "missing" / "deeper" / "x.pt"  # missing folders are created (docs/export.md)
+    assert cli.main(["-c", str(config), "export", "--to", "torch", "-o", str(missing)]) == 0 and missing.is_file()
+    capsys.readouterr()
+    for out in (config / "x.pt", Path("/proc/x.pt")):  # a file in the way; a folder where nothing can be created
+        assert cli.main(["-c", str(config), "export", "--to", "torch", "-o", str(out)]) == 2, out
+        assert f"tiered-ckpt: cannot write {out}" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path, shm_dir):
+    """`tiered-ckpt ls | head -1`: the pipe closes before the output is written; no BrokenPipeError shows."""
+    config = write_config(tmp_path, shm_dir)
+    save(config, [1, 2])
+    proc = subprocess.Popen([sys.executable, "-m", "tiered_ckpt.cli", "-c", str(config), "ls"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # long before the child has imported anything: its first write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1 and err == "", err
+
+
+def test_verify_of_a_step_that_does_not_exist_exits_2_naming_the_steps_that_do(tmp_path, shm_dir, capsys):
+    config = write_config(tmp_path, shm_dir)
+    save(config, [1, 2])
+    assert cli.main(["-c", str(config), "verify", "999"]) == 2
+    assert "job 'cli' has no checkpoint 999 (its checkpoints: 1, 2)" in capsys.readouterr().err
+
+
+def test_ls_and_verify_of_a_job_without_checkpoints_say_so_and_name_the_jobs_that_have_some(tmp_path, shm_dir,
+                                                                                            capsys):
+    config = write_config(tmp_path, shm_dir)
+    save(config, [1])
+    assert cli.main(["-c", str(config), "--job", "clj", "ls"]) == 0
+    out = capsys.readouterr().out
+    assert f"job 'clj': no checkpoints; jobs with checkpoints in file://{tmp_path}/index: cli" in out
+    assert cli.main(["-c", str(config), "--job", "clj", "verify"]) == 2  # nothing was verified: not a pass
+    assert (f"job 'clj' has no checkpoints to verify; jobs with checkpoints in file://{tmp_path}/index: cli"
+            in capsys.readouterr().err)
+
+
+def test_verify_checks_the_index_copies_of_the_manifest_and_rank_records(tmp_path, shm_dir, capsys):
+    """A load skips a damaged index copy for a tier's; verify must still report it (exit 1)."""
+    config = write_config(tmp_path, shm_dir)
+    save(config, [1])
+    assert cli.main(["-c", str(config), "verify", "1"]) == 0
+    assert f"step 1 index file://{tmp_path}/index: manifest and 1 rank record(s), ok" in capsys.readouterr().out
+    folder = tmp_path / "index" / "cli" / step_dir(1)
+    for record in (folder / "manifest", folder / "ranks" / "0"):
+        data = bytearray(record.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        record.write_bytes(bytes(data))
+    assert cli.main(["-c", str(config), "verify", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "step 1 tier host (complete): 4 parts, ok" in out and "step 1 tier disk (complete): 4 parts, ok" in out
+    assert f"step 1 index file://{tmp_path}/index: manifest and 1 rank record(s), 2 bad record(s)" in out
+    assert "manifest: IntegrityError" in out and "checksums of rank 0: IntegrityError" in out
+    (folder / "manifest").unlink()
+    assert cli.main(["-c", str(config), "verify", "1"]) == 1
+    assert "manifest: IncompleteCheckpoint" in capsys.readouterr().out

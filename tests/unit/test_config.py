@@ -101,3 +101,127 @@ def test_parse_size(text, value):
 def test_parse_size_rejects(bad):
     with pytest.raises(ValueError):
         parse_size(bad)
+
+
+# -- every number in range (issue items 8 and 9) ------------------------------------------------------------
+def every_kind(tmp_path) -> dict:
+    """A config with one tier of each built-in kind (nothing is connected: only parsed)."""
+    return {"engine": {"job": "j", "index": f"file://{tmp_path}/index"},
+            "tiers": [{"name": "host", "kind": "memory", "path": str(tmp_path / "shm")},
+                      {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")},
+                      {"name": "peer", "kind": "redis", "urls": ["redis://127.0.0.1:1/0"]},
+                      {"name": "s3", "kind": "s3", "bucket": "b"}]}
+
+
+def numeric_fields():
+    """(section, tier name or None, field) of every int and float field of every config dataclass."""
+    import dataclasses
+    import typing
+
+    from tiered_ckpt.config import EngineConfig, TierConfig
+    from tiered_ckpt.storage.tiers.registry import driver_class
+
+    classes = [("engine", None, EngineConfig), ("tiers", "disk", TierConfig)]
+    classes += [("tiers", name, driver_class(kind).Options)
+                for name, kind in (("host", "memory"), ("disk", "local"), ("peer", "redis"), ("s3", "s3"))]
+    for section, tier, cls in classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kinds = set(typing.get_args(hints[f.name])) or {hints[f.name]}
+            if kinds & {int, float} and bool not in kinds:
+                yield section, tier, f
+
+
+def out_of_range(f) -> list:
+    """Values field `f` must refuse: nan and ±inf for a float, and the first value past each declared bound."""
+    import typing
+
+    floats = float in (set(typing.get_args(f.type)) | {f.type}) or "float" in str(f.type)
+    bad = [float("nan"), float("inf"), -float("inf")] if floats else []
+    if "min" in f.metadata:
+        bad.append(f.metadata["min"] - (0.5 if floats else 1))
+    if "above" in f.metadata:
+        bad.append(f.metadata["above"])
+    if "max" in f.metadata:
+        bad.append(f.metadata["max"] + 1)
+    return [v for v in bad if not (f.metadata.get("size") and isinstance(v, (int, float)) and v < 0)]
+
+
+FIELDS = list(numeric_fields())
+
+
+@pytest.mark.parametrize("section, tier, f", FIELDS, ids=[f"{t or s}.{f.name}" for s, t, f in FIELDS])
+def test_every_number_declares_its_range(section, tier, f):
+    assert {"min", "above"} & set(f.metadata), f"{f.name}: declare a lower bound in the field's metadata"
+
+
+@pytest.mark.parametrize("section, tier, f", FIELDS, ids=[f"{t or s}.{f.name}" for s, t, f in FIELDS])
+def test_every_number_out_of_range_names_its_key_from_toml_and_from_code(tmp_path, section, tier, f):
+    import dataclasses
+
+    from tiered_ckpt.config import parse_config
+
+    good = parse_config(every_kind(tmp_path))
+    for value in out_of_range(f):
+        raw = every_kind(tmp_path)
+        table = raw["engine"] if section == "engine" else next(t for t in raw["tiers"] if t["name"] == tier)
+        table[f.name] = value
+        key = f"engine.{f.name}" if section == "engine" else f"tiers.{tier}.{f.name}"
+        with pytest.raises(tc.ConfigError) as err:
+            parse_config(raw)
+        assert err.value.key == key, (value, str(err.value))
+        # the same number set in code: Engine(config) checks it too
+        if section == "engine":
+            bad = dataclasses.replace(good, engine=dataclasses.replace(good.engine, **{f.name: value}))
+        else:
+            tiers = [t if t.name != tier else (
+                dataclasses.replace(t, **{f.name: value}) if f.name in {x.name for x in dataclasses.fields(t)}
+                else dataclasses.replace(t, options=dataclasses.replace(t.options, **{f.name: value})))
+                for t in good.tiers]
+            bad = dataclasses.replace(good, tiers=tuple(tiers))
+        with pytest.raises(tc.ConfigError) as err:
+            tc.Engine(bad)
+        assert err.value.key == key, (value, str(err.value))
+
+
+@pytest.mark.parametrize("tier, key, value", [
+    ("s3", "concurrency", 0),  # every multipart upload, listing and delete waited on a zero-sized semaphore
+    ("peer", "chunk_size", 0),
+    ("host", "capacity", 0), ("disk", "capacity", 0),
+    ("host", "path", ""), ("disk", "path", ""),  # the current folder
+])
+def test_zero_sizes_and_empty_paths_are_refused_when_parsed(tmp_path, tier, key, value):
+    from tiered_ckpt.config import parse_config
+
+    raw = every_kind(tmp_path)
+    next(t for t in raw["tiers"] if t["name"] == tier)[key] = value
+    with pytest.raises(tc.ConfigError) as err:
+        parse_config(raw)
+    assert err.value.key == f"tiers.{tier}.{key}", str(err.value)
+
+
+def test_a_bare_file_index_is_refused(tmp_path):
+    from tiered_ckpt.config import parse_config
+
+    raw = every_kind(tmp_path)
+    raw["engine"]["index"] = "file://"
+    with pytest.raises(tc.ConfigError, match="names no folder") as err:
+        parse_config(raw)
+    assert err.value.key == "engine.index"
+
+
+@pytest.mark.parametrize("option", ["failover_timeout=nan", "failover_timeout=inf", "wait_timeout=nan",
+                                    "failover_timeout=-1"])
+def test_redis_url_options_must_be_finite(make_config, tmp_path, capsys, option):
+    """failover_timeout=nan retried an unreachable index forever: Engine.open() never returned."""
+    from tiered_ckpt import cli
+
+    url = f"redis://:p@ss:w/rd@127.0.0.1:1/0?{option}"
+    with pytest.raises(tc.ConfigError, match="finite number") as err:
+        tc.Engine(make_config(index=url))
+    assert err.value.key == "engine.index" and "ss:w" not in str(err.value)
+    path = tmp_path / "c.toml"
+    path.write_text(f'[engine]\nindex = "{url}"\n[[tiers]]\nname = "d"\nkind = "local"\npath = "{tmp_path}/d"\n')
+    assert cli.main(["config", "check", str(path)]) == 2
+    err_text = capsys.readouterr().err
+    assert "engine.index" in err_text and "finite number" in err_text and "ss:w" not in err_text

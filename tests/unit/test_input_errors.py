@@ -40,6 +40,40 @@ async def test_tensors_that_cannot_be_stored_name_their_key(engine, make, what):
     await engine.close()  # nothing in flight: closing raises nothing
 
 
+@pytest.mark.parametrize("extra, what", [
+    ({"name": "caf\udce9"}, r"string at 'extra/name' holds '\\udce9' at position 3, a lone surrogate"),
+    ({"caf\udce9": 1}, r"key 'caf\\udce9' under 'extra' holds '\\udce9' at position 3, a lone surrogate"),
+    ({2**64: 1}, r"key 18446744073709551616 under 'extra' does not fit in 64 bits"),
+    ({-(2**63) - 1: 1}, r"key -9223372036854775809 under 'extra' does not fit in 64 bits"),
+])
+async def test_values_msgpack_cannot_store_are_refused_at_save_naming_the_key(engine, extra, what):
+    """Accepted before, they failed in the background with a raw UnicodeEncodeError or TypeError naming no key."""
+    with pytest.raises(tc.StateError, match=what):
+        await engine.save(1, {"w": torch.ones(2), "extra": extra})
+    assert [c async for c in engine.list()] == []
+
+
+async def test_a_state_that_contains_itself_is_refused_at_save_naming_the_key(engine):
+    looped: dict = {"lr": 0.1}
+    looped["again"] = looped
+    listed: list = [1]
+    listed.append({"inner": listed})
+    shared = {"x": 1}  # the same dict in two places is no cycle: saved twice
+    await (await engine.save(1, {"w": torch.ones(2), "a": shared, "b": shared})).wait()
+    with pytest.raises(tc.StateError, match=r"'extra/again' is 'extra' again: the state contains itself"):
+        await engine.save(2, {"w": torch.ones(2), "extra": looped})
+    with pytest.raises(tc.StateError, match=r"'hist/1/inner' is 'hist' again"):
+        await engine.save(2, {"w": torch.ones(2), "hist": listed})
+    deep: dict = {}
+    node = deep
+    for _ in range(400):  # no cycle, but deeper than msgpack (and the stack) go
+        node["d"] = {}
+        node = node["d"]
+    with pytest.raises(tc.StateError, match=r"'deep/d/d/.*' is nested 256 containers deep"):
+        await engine.save(2, {"w": torch.ones(2), "deep": deep})
+    assert [c.step async for c in engine.list()] == [1]
+
+
 def test_a_closed_checkpointer_says_so(make_config):
     ckpt = tc.Checkpointer(make_config())
     ckpt.close()
@@ -51,6 +85,28 @@ def test_passwords_are_redacted_from_urls():
     assert redact("redis://user:s3cret@host:6379/0") == "redis://user:***@host:6379/0"
     assert redact("rediss://:s3cret@host:6380") == "rediss://:***@host:6380"
     assert redact("redis://host:6379/0") == "redis://host:6379/0"
+
+
+@pytest.mark.parametrize("scheme, tail", [("redis", "h:6379/3"), ("rediss+cluster", "h1:7000,h2:7001"),
+                                          ("redis+sentinel", "h1:26379,h2:26379/mymaster/2"), ("unix", "/tmp/r.sock")])
+def test_a_password_with_at_colon_and_slash_is_parsed_whole_and_redacted_whole(scheme, tail):
+    """The userinfo runs to the last '@' before the host: the server gets the whole password, messages none of it."""
+    from redis.connection import parse_url as redis_py_parse
+
+    from tiered_ckpt.storage.redis_connect import parse_url
+
+    url = f"{scheme}://al:p@ss:w/rd@{tail}"
+    assert redact(url) == f"{scheme}://al:***@{tail}"
+    parsed = parse_url(url, key="engine.index")
+    if parsed.kind == "single":
+        got = redis_py_parse(parsed.plain)
+        assert (got["username"], got["password"]) == ("al", "p@ss:w/rd")
+        assert got.get("path", got.get("host")) in ("h", "/tmp/r.sock") and got.get("db", 0) in (0, 3)
+    else:
+        assert (parsed.username, parsed.password) == ("al", "p@ss:w/rd")
+        assert parsed.hosts == (("h1", 7000), ("h2", 7001)) or parsed.service == "mymaster"
+    assert "p@ss" not in parsed.identity and "w/rd" not in parsed.identity
+    assert "p@ss" not in repr(parsed) and "p%40ss" not in repr(parsed)  # a repr in a log or a traceback: no secret
 
 
 def test_an_engine_dropped_with_saves_in_flight_warns(make_config, caplog):

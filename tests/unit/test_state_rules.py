@@ -131,3 +131,18 @@ async def test_two_entries_with_one_path_are_refused(engine):
         await engine.save(1, {"a/b": torch.ones(3), "a": {"b": torch.ones(2)}})
     with pytest.raises(tc.StateError, match=r"two entries.*'0'"):
         await engine.save(1, {0: torch.ones(3), "0": torch.ones(2)})
+
+
+async def test_an_expanded_target_is_refused_before_any_byte_is_read_naming_the_key(engine):
+    """Several elements of a stride-0 view are one memory location: torch refuses to write into it, and the load
+    said so with a raw error naming no key."""
+    await (await engine.save(1, {"model": {"w": torch.ones(3, 4), "b": torch.ones(4)}})).wait()
+    b = torch.zeros(4)
+    expanded = torch.zeros(4).expand(3, 4)
+    with pytest.raises(tc.StateError, match=r"tensor 'model/w' \(shape \(3, 4\), stride \(0, 1\)\).*share one memory"):
+        await engine.load({"model": {"w": expanded, "b": b}})
+    assert torch.equal(b, torch.zeros(4)) and torch.equal(expanded, torch.zeros(3, 4))  # nothing was written
+    single = torch.zeros(1, 4).expand(1, 4)  # stride 0 along a dimension of size 1: one element each, fine
+    await (await engine.save(2, {"v": torch.ones(1, 4)})).wait()
+    await engine.load({"v": single}, step=2)
+    assert torch.equal(single, torch.ones(1, 4))

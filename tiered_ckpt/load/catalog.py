@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from typing import Awaitable, Callable, Sequence, TypeVar
 
 from ..errors import IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
@@ -219,8 +220,7 @@ class Catalog:
         on_tiers = [s for s in await self.statuses_from_tiers() if s.complete & set(allowed) and s.step not in buried]
         from_tiers = [s for s in on_tiers if s.foreign is None or self.adopt]
         if on_tiers and not from_tiers:
-            log.warning("job %r: the tiers hold %d complete checkpoint(s) committed to another index (%s); "
-                        "set adopt = true in [engine] to load them", self.job, len(on_tiers), on_tiers[-1].foreign)
+            log.warning("%s", await _foreign_warning(self.job, on_tiers))
         wanted = sorted((s for s in from_tiers if step is None or s.step == step), key=lambda s: s.step, reverse=True)
         passed_over = []
         for status in wanted:  # newest first: the first whose manifest and records read back intact
@@ -314,3 +314,19 @@ class Catalog:
         if not final:
             return None  # type: ignore[return-value]
         raise IncompleteCheckpoint(f"job {self.job!r}: no readable {what} ({'; '.join(errors)})")
+
+
+async def _foreign_warning(job: str, found: Sequence[CheckpointStatus]) -> str:
+    """What to say of complete checkpoints on the tiers that another index committed. A file index that still
+    exists on this machine is another run's, alive (another user's or job's run sharing a tier's folder):
+    adopting would load a stranger's state, so no adopt is suggested then; only an index that is gone (moved,
+    lost) is worth adopting from."""
+    foreign = sorted({s.foreign for s in found if s.foreign})
+    live = [f for f in foreign
+            if f.startswith("file://") and await asyncio.to_thread(os.path.isdir, f.removeprefix("file://"))]
+    if live:
+        return (f"job {job!r}: the tiers hold {len(found)} complete checkpoint(s) of another run, committed to its "
+                f"index {', '.join(live)}, which still exists: not loaded (they are that run's; load them with its "
+                f"config, or give this run a tier folder of its own)")
+    return (f"job {job!r}: the tiers hold {len(found)} complete checkpoint(s) committed to another index "
+            f"({found[-1].foreign}); set adopt = true in [engine] to load them")

@@ -1,13 +1,13 @@
 """Re-read every part of a checkpoint on every tier that holds it and check length and checksum, and check
-the sealed metadata copies (the manifest and every rank's record) on each tier."""
+the sealed metadata copies (the manifest and every rank's record) on each tier and in the index."""
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
-from ..errors import IntegrityError, TierError
-from ..storage.index import CheckpointStatus
+from ..errors import IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
+from ..storage.index import CheckpointStatus, Index
 from ..layout import PartKey, manifest_key, rank_meta_key
 from ..manifest import Manifest, RankMeta
 from ..storage.tier_io import PartRead, ReadLog, TierIO
@@ -76,3 +76,39 @@ async def _check_records(io: TierIO, tier: str, manifest: Manifest) -> list[str]
         except TierError as e:  # IntegrityError (corrupt) or TierNotFound
             bad.append(f"{key}: {type(e).__name__}: {e}")
     return bad
+
+
+@dataclass
+class IndexReport:
+    """The index's copies of one checkpoint's manifest and rank records (`unreachable`: not checked, and why)."""
+
+    index: str
+    records: int = 0
+    bad: list[str] = field(default_factory=list)
+    unreachable: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad
+
+
+async def verify_index(index: Index, manifest: Manifest) -> IndexReport:
+    """The index's copy of the manifest and of every rank's record: present and intact (each is sealed). A load
+    skips a damaged copy for a tier's, so only verify tells that the index's copies are damaged."""
+    job, step = manifest.job, manifest.step
+    report = IndexReport(index.identity)
+    records: list[tuple[str, Callable[[], Awaitable[bytes]], Callable[[bytes, str], object]]] = [
+        ("manifest", lambda: index.get_manifest(job, step), lambda data, src: Manifest.from_bytes(data, source=src))]
+    records += [(f"checksums of rank {r.rank}", lambda r=r: index.get_rank_meta(job, step, r.rank),
+                 lambda data, src: RankMeta.from_bytes(data, source=src)) for r in manifest.ranks]
+    for what, read, parse in records:
+        report.records += 1
+        try:
+            data = await read()
+            await asyncio.to_thread(parse, data, f"index {what} of step {step}")
+        except IndexUnavailable as e:
+            report.unreachable = str(e)
+            return report
+        except (IncompleteCheckpoint, IntegrityError) as e:  # missing, or corrupt
+            report.bad.append(f"{what}: {type(e).__name__}: {e}")
+    return report

@@ -12,11 +12,14 @@ import fcntl
 import itertools
 import logging
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
+from typing import Callable
 
 from ..errors import ConfigError
+from ..layout import job_prefix
 from ..storage.tiers.base import FileTier
 from .mapped import MappedParts
 from .pool import StagingBuffer
@@ -54,6 +57,14 @@ class Arena:
                      self.job)
 
     @staticmethod
+    def owned_by(job: str) -> Callable[[str], bool]:
+        """Whether a key of the memory tier is `job`'s: under its folder, or in a staging folder of one of its
+        processes (`.staging/<job>-<session>-r<rank>-…`; another job whose name begins with `<job>-` does not
+        match). What counts toward the tier's capacity."""
+        staging = re.compile(rf"{re.escape(STAGING_DIR)}/{re.escape(job)}-[0-9a-f]+-r\d+-")
+        return lambda key: key.startswith(job_prefix(job)) or staging.match(key) is not None
+
+    @staticmethod
     def home_for(tier: FileTier, job: str, session: str, rank: int) -> Path:
         """This process's folder of free buffers (host and pid in the name are for people; liveness is its lock)."""
         return tier.path_of(f"{STAGING_DIR}/{job}-{session}-r{rank}-{socket.gethostname()}-p{os.getpid()}")
@@ -62,7 +73,7 @@ class Arena:
         """Create `home` and hold an exclusive flock on its lock file for as long as this process lives: the
         kernel drops it when the process dies, which is how `clean_stale` tells a dead folder (PIDs are
         reused and differ between PID namespaces that share one /dev/shm)."""
-        self.home.mkdir(parents=True, exist_ok=True)
+        self.tier.make_folder(self.home)
         fd = os.open(self.home / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._lock_fd = fd

@@ -1,7 +1,9 @@
 """How the Redis index (and the Redis peer tier) reach a Redis deployment: one server, a Redis Cluster, or a
 master found through Sentinel, and what each failure of such a deployment is called.
 
-URLs (credentials are never shown: messages use `identity`, which has neither credentials nor options):
+URLs (credentials are never shown: messages use `identity`, which has neither credentials nor options, or
+`redact(url)`). The userinfo runs from `://` to the last `@` before the host, so a password may hold `@`, `:`
+and `/` as they are; `?`, `#` and `%` must be percent-encoded (`%3F`, `%23`, `%25`).
 
     redis://[user:pass@]host:port[/db]           one server (rediss:// with TLS; unix:///path.sock?db=N)
     redis+cluster://[user:pass@]host:port[,host:port...][/0]
@@ -26,18 +28,18 @@ Options, in the query string (taken out before the URL reaches redis-py, which w
 from __future__ import annotations
 
 import asyncio
+import math
 import random
-import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
 from ..config import REDIS_SCHEMES
-from ..errors import ConfigError
+from ..errors import ConfigError, redact
 
 T = TypeVar("T")
 OPTIONS = ("wait", "wait_timeout", "failover_timeout", "max_connections", "sentinel_username", "sentinel_password")
@@ -49,19 +51,19 @@ class RedisURL:
 
     kind: str  # "single", "cluster" or "sentinel"
     identity: str
-    plain: str
+    plain: str = field(repr=False)  # (it holds the password: never in a repr, a log or a traceback's locals)
     hosts: tuple[tuple[str, int], ...] = ()
     service: str | None = None
     db: int = 0
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     ssl: bool = False
     wait: int = 0
     wait_timeout: float = 2.0
     failover_timeout: float = 0.0
     max_connections: int = 64
     sentinel_username: str | None = None
-    sentinel_password: str | None = None
+    sentinel_password: str | None = field(default=None, repr=False)
 
 
 def parse_url(url: str, *, key: str) -> RedisURL:
@@ -69,7 +71,31 @@ def parse_url(url: str, *, key: str) -> RedisURL:
     scheme, sep, _ = url.partition("://")
     if not sep or f"{scheme}://" not in REDIS_SCHEMES:
         raise ConfigError(f"{redact(url)}: expected one of {', '.join(s + '…' for s in REDIS_SCHEMES)}", key=key)
-    parts = urlsplit(url)
+    try:
+        return _parse(url, scheme, key)
+    except ValueError as e:  # urllib's (a port that is not a number, a bad IPv6 address): it may quote the URL
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{redact(url)}: not a valid URL (a port that is not a number? a password holding '?', "
+                          f"'#' or '%' must be percent-encoded)", key=key) from None
+
+
+def quoted_userinfo(url: str) -> str:
+    """`url` with its userinfo (from `://` to the last `@` before the host, the query left aside) percent-encoded,
+    so a password holding `@`, `:` or `/` reaches the URL parser (urllib, redis-py) whole. `?`, `#` and `%` in
+    a password must be percent-encoded already (they end the host part, or are decoded)."""
+    scheme, _, rest = url.partition("://")
+    body, q, query = rest.partition("?")
+    userinfo, at, hostpath = body.rpartition("@")
+    if not at:
+        return url
+    user, colon, password = userinfo.partition(":")
+    safe = quote(unquote(user), safe="") + (":" + quote(unquote(password), safe="") if colon else "")
+    return f"{scheme}://{safe}@{hostpath}{q}{query}"
+
+
+def _parse(url: str, scheme: str, key: str) -> RedisURL:
+    parts = urlsplit(quoted_userinfo(url))
     query = parse_qsl(parts.query, keep_blank_values=True)
     ours = {k: v for k, v in query if k in OPTIONS}
     rest = [(k, v) for k, v in query if k not in OPTIONS]
@@ -82,8 +108,9 @@ def parse_url(url: str, *, key: str) -> RedisURL:
             value = cast(ours[name])
         except ValueError:
             value = None
-        if value is None or value < low:
-            raise ConfigError(f"{redact(url)}: option {name}={ours[name]!r} must be a number >= {low}", key=key)
+        if value is None or not math.isfinite(value) or not value >= low:  # nan and inf too: never meant
+            raise ConfigError(f"{redact(url)}: option {name}={ours[name]!r} must be a finite number >= {low}",
+                              key=key)
         return value
 
     options = dict(
@@ -98,7 +125,7 @@ def parse_url(url: str, *, key: str) -> RedisURL:
     if rest:
         raise ConfigError(f"{redact(url)}: unknown option(s) {sorted(k for k, _ in rest)} (known: "
                           f"{', '.join(OPTIONS)})", key=key)
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")  # (quoted: the last '@' is the host's)
     username, _, password = userinfo.partition(":")
     hosts = []
     for item in hostlist.split(","):
@@ -132,25 +159,6 @@ def _single_identity(parts: Any) -> str:
     if parts.scheme == "unix":
         return f"unix://{parts.path}"
     return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
-
-
-_SECRET_OPTION = re.compile(r"([?&][^=&?]*password=)[^&]*")
-
-
-def redact(url: str) -> str:
-    """`url` with no secret left: the password of its userinfo (everything from `://` to the last `@` before
-    the host, so a password holding `@`, `:` or `/` is hidden whole) and every `*password=` option. For
-    messages, logs and the CLI. A string that is not a URL comes back unchanged."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    rest = _SECRET_OPTION.sub(r"\1***", rest)  # first: an option's value may hold an '@' too
-    userinfo, at, hostpart = rest.rpartition("@")
-    if not at:
-        return f"{scheme}{sep}{rest}"
-    user, colon, _ = userinfo.partition(":")
-    shown = f"{user}:***" if colon else "***"  # a lone userinfo may be a password (redis://secret@host)
-    return f"{scheme}{sep}{shown}@{hostpart}"
 
 
 class NotReplicated(Exception):

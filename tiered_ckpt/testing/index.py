@@ -55,6 +55,12 @@ class IndexConformance:
         assert [s.step for s in await index.list("other")] == [7]
         assert await index.list("nobody") == []
 
+    async def test_jobs_are_those_with_a_checkpoint(self, index, opened):
+        assert await index.jobs() == []  # a fenced writer has no checkpoint yet
+        await index.begin(JOB, 1, ["disk"])
+        await (await opened("other-job")).begin("other-job", 7, ["disk"])
+        assert await index.jobs() == [JOB, "other-job"]
+
     async def test_manifest_and_rank_records_round_trip(self, index):
         await index.begin(JOB, 1, ["disk"])
         await index.put_manifest(JOB, 1, b"\x00manifest\xff")

@@ -1,15 +1,24 @@
 """The export's output file or folder: written beside its final name, then moved there in one rename."""
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
 from pathlib import Path
 
-from ...storage.files import fsync_dir
+from ...storage.files import check_creatable, fsync_dir
 
 
 def check_output(out: Path, *, directory: bool, force: bool) -> None:
+    """Before anything is read: `out` may be written (its folder exists and is writable, or can be created), and
+    replaced only with `force`."""
+    folder = out.parent
+    if folder.is_dir():
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "cannot create files in this folder", str(folder))
+    else:
+        check_creatable(folder)  # a file in the way, no permission (missing folders are created)
     if not out.exists() and not out.is_symlink():
         return
     if not force:

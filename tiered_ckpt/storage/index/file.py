@@ -239,6 +239,13 @@ class FileIndex:
                                         metadata=info.get("metadata") or {}, skipped=skipped))
         return out
 
+    async def jobs(self) -> list[str]:
+        """The jobs with a checkpoint folder here, sorted."""
+        def read() -> list[str]:
+            return sorted(d.name for d in _entries(self.root) if d.is_dir()
+                          and any(parse_step_dir(s.name) is not None for s in _entries(d)))
+        return await self._io(read)
+
     async def bury(self, job: str, step: int) -> None:
         await self._io(_atomic_write, self.root / job / TOMBSTONES / step_dir(step), b"")
 

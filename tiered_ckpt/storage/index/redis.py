@@ -428,6 +428,18 @@ class RedisIndex:
         return CheckpointStatus(step, tiers or tuple(failed), complete, failed, created, nbytes=info.get("nbytes"),
                                 metadata=info.get("metadata") or {}, skipped=skipped)
 
+    async def jobs(self) -> list[str]:
+        """The jobs with a checkpoint here (a job's sorted set of steps exists while it has one), sorted."""
+        assert self._client is not None
+        prefix, suffix = "tiered_ckpt:idx:", ":steps"
+
+        async def scan() -> list[str]:
+            return [k.decode() if isinstance(k, bytes) else k
+                    async for k in self._client.scan_iter(match=f"{prefix}*{suffix}", count=1000)]
+
+        keys = await self._call("listing jobs", scan)
+        return sorted({k[len(prefix):-len(suffix)].strip("{}") for k in keys})
+
     async def bury(self, job: str, step: int) -> None:
         await self._script(f"tombstone of step {step}", "bury", [self._k(job, "epoch"), self._k(job, "tombstones")],
                            [self.epoch, step, 1])

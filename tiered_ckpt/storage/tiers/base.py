@@ -21,16 +21,26 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class NoOptions:
-    pass
+    """A driver's Options: a frozen dataclass whose fields are the TOML keys. Field metadata (a plain dict) may
+    say `"size": True` (accepts "64MiB"), and bound a number: `"min"` (inclusive), `"above"` (exclusive),
+    `"max"`, with `"why"` for the error; the config refuses a number outside them, and any float that is not
+    finite, naming the key."""
 
 
 class Tier(ABC):
     Options: ClassVar[type] = NoOptions
 
     def __init__(self, name: str, options: Any):
+        self.check_options(name, options)
         self.name = name
         self.options = options
         self.executor: Executor | None = None
+
+    @classmethod
+    def check_options(cls, name: str, options: Any) -> None:
+        """What the fields' bounds cannot say (a non-empty list, values that depend on each other): a
+        ConfigError naming `tiers.<name>.<key>`. Run when the config is parsed or checked (before any
+        connection) and when the driver is built."""
 
     def bind(self, *, rank: int, world_size: int, node: int, num_nodes: int) -> None:
         """Where this process sits (rank, node), for tiers whose placement depends on it. Called before open()."""
@@ -112,6 +122,15 @@ class FileTier(Tier):
     def account(self, nbytes: int, what: str) -> None:
         """Count `nbytes` that entered the tier without `write` (negative: that left it without `delete`), e.g.
         a staging file renamed under a key. Raises TierFull past the capacity."""
+
+    def count_only(self, owned: Callable[[str], bool]) -> None:
+        """Before open(): count toward `capacity` only the files whose key (their path below the tier's folder)
+        `owned` accepts, e.g. one job's, when other jobs share the folder. Default: a tier counts nothing."""
+
+    def make_folder(self, path: Path) -> None:
+        """Create folder `path` (inside the tier's) and its missing parents, the tier's own folder with the mode
+        the tier wants for it (the memory tier's is private: 0700)."""
+        path.mkdir(parents=True, exist_ok=True)
 
     async def read_mapped(self, key: str, use: Callable[[memoryview], T]) -> tuple[bool, T | None]:
         """(True, use(view)) with `view` the stored value mapped read-only, or (False, None) when it cannot be

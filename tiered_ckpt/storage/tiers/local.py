@@ -13,13 +13,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, ClassVar, Sequence
 
-from ...errors import TierError, TierFull, TierNotFound
+from ...errors import ConfigError, TierError, TierFull, TierNotFound
 from ..files import check_creatable, fsync_dir
 from .base import FileTier
 
-SIZE = {"size": True}
 TMP = ".tmp-"
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
@@ -27,18 +26,26 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 @dataclass(frozen=True)
 class LocalOptions:
     path: str
-    capacity: int | None = field(default=None, metadata=SIZE)
+    capacity: int | None = field(default=None, metadata={"size": True, "min": 1, "why": "omit it for no limit"})
     fsync: bool = True
 
 
 class LocalTier(FileTier):
     Options = LocalOptions
+    folder_mode: ClassVar[int | None] = None  # the mode of the tier's folder when it creates it (None: the umask's)
+
+    @classmethod
+    def check_options(cls, name: str, options: LocalOptions) -> None:
+        if not options.path.strip():
+            raise ConfigError("must name a folder (an empty path would be the current folder)",
+                              key=f"tiers.{name}.path")
 
     def __init__(self, name: str, options: LocalOptions):
         super().__init__(name, options)
         self.root = Path(options.path)
         self._used: int | None = None  # bytes stored; counted at open() when a capacity is set
         self._used_lock = threading.Lock()  # account() runs in worker threads, the rest on the event loop
+        self._owned: Callable[[str], bool] = lambda key: True  # what counts toward the capacity (count_only)
 
     async def open(self) -> None:
         """Check that the directory exists or can be created; it is created at the first write, so a
@@ -47,8 +54,21 @@ class LocalTier(FileTier):
             await self.run_blocking(check_creatable, self.root)
         except OSError as e:
             raise TierError(f"cannot create directory {self.root}: {e}", tier=self.name) from e
-        if self.options.capacity is not None:  # count what earlier processes left here, once
-            self._used = await self.run_blocking(_tree_size, self.root)
+        if self.options.capacity is not None:  # count what earlier processes left here (this job's only), once
+            self._used = await self.run_blocking(_owned_size, self.root, self._owned)
+
+    def count_only(self, owned: Callable[[str], bool]) -> None:
+        self._owned = owned
+
+    def make_folder(self, path: Path) -> None:
+        if self.folder_mode is not None and not self.root.is_dir():
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.mkdir(self.root, self.folder_mode)
+                os.chmod(self.root, self.folder_mode)  # exactly this mode, whatever the umask
+            except FileExistsError:
+                pass  # another process made it first
+        path.mkdir(parents=True, exist_ok=True)
 
     @property
     def capacity(self) -> int | None:
@@ -105,7 +125,7 @@ class LocalTier(FileTier):
         tmp = path.with_name(f"{TMP}{path.name}.{uuid.uuid4().hex[:8]}")
         for attempt in range(3):  # a cleaner (gc) may remove an empty folder between the mkdir and the open
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                self.make_folder(path.parent)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 break
             except FileNotFoundError:
@@ -285,6 +305,17 @@ def _size_or_zero(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+def _owned_size(root: Path, owned: Callable[[str], bool]) -> int:
+    """Bytes of the files below `root` whose key (path relative to `root`) `owned` accepts."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            key = os.path.relpath(os.path.join(dirpath, f), root)
+            if owned(key):
+                total += _size_or_zero(Path(dirpath, f))
+    return total
 
 
 def _tree_size(path: Path) -> int:

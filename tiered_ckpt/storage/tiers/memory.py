@@ -9,6 +9,8 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import pwd
+import re
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
@@ -19,19 +21,31 @@ T = TypeVar("T")
 # page tables filled in one call, not one fault per page while the part is hashed and copied
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
-SIZE = {"size": True}
+
+
+def default_path() -> str:
+    """/dev/shm/tiered_ckpt-<user>: a folder of this user's own, so a second user of the machine is not locked
+    out of a folder the first one made, nor counts the first one's checkpoints. The user is the name the
+    password database gives this process's uid (no $USER needed), or `uid<N>` where there is none."""
+    uid = os.getuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:  # a container's arbitrary uid
+        name = ""
+    return f"/dev/shm/tiered_ckpt-{name if re.fullmatch(r'[A-Za-z0-9._-]+', name) else f'uid{uid}'}"
 
 
 @dataclass(frozen=True)
 class MemoryOptions:
-    path: str = "/dev/shm/tiered_ckpt"
-    capacity: int | None = field(default=16 * 2**30, metadata=SIZE)
+    path: str = field(default_factory=default_path)
+    capacity: int | None = field(default=16 * 2**30, metadata={"size": True, "min": 1})
     fsync: bool = False
 
 
 class MemoryTier(LocalTier):
     Options = MemoryOptions
     maps_reads = True
+    folder_mode = 0o700  # host memory of this user's jobs: no one else's business
 
     async def read_mapped(self, key: str, use: Callable[[memoryview], T]) -> tuple[bool, T | None]:
         """(True, use(view)) with `view` a read-only mapping of `key`'s value; (False, None) when it cannot be

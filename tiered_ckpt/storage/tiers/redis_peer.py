@@ -27,10 +27,9 @@ from typing import Any, Sequence
 import redis.asyncio as aioredis
 
 from ...errors import ConfigError, TierError, TierFull, TierNotFound, TierUnavailable
-from ..redis_connect import ERRORS, RedisDeployment, classify, redact
+from ..redis_connect import ERRORS, RedisDeployment, classify, parse_url, redact
 from .base import Tier, scatter
 
-SIZE = {"size": True}
 MAX_BULK = 512 * 2**20
 SEP = "#"  # never in engine keys ([A-Za-z0-9._/-]): marks chunk keys
 
@@ -38,25 +37,33 @@ SEP = "#"  # never in engine keys ([A-Za-z0-9._/-]): marks chunk keys
 @dataclass(frozen=True)
 class RedisOptions:
     urls: tuple[str, ...]
-    node: int | None = None  # this process's node; default: torchrun's GROUP_RANK, else by hostname
+    node: int | None = field(default=None, metadata={"min": 0})  # default: torchrun's GROUP_RANK, else by hostname
     prefix: str = "tiered_ckpt:"
-    chunk_size: int = field(default=64 * 2**20, metadata=SIZE)
-    connections: int = 8
-    socket_timeout: float = 120.0
+    chunk_size: int = field(default=64 * 2**20, metadata={"size": True, "min": 1, "max": MAX_BULK - 2**20,
+                                                          "why": "Redis caps a value at 512 MiB"})
+    connections: int = field(default=8, metadata={"min": 1})
+    socket_timeout: float = field(default=120.0, metadata={"above": 0})
 
 
 class RedisPeerTier(Tier):
     Options = RedisOptions
 
-    def __init__(self, name: str, options: RedisOptions):
-        super().__init__(name, options)
+    @classmethod
+    def check_options(cls, name: str, options: RedisOptions) -> None:
         if not options.urls:
             raise ConfigError("needs at least one url", key=f"tiers.{name}.urls")
         if not 0 < options.chunk_size <= MAX_BULK - 2**20:
             raise ConfigError(f"must be between 1 byte and {MAX_BULK - 2**20} (Redis caps a value at 512 MiB)",
                               key=f"tiers.{name}.chunk_size")
+        for url in options.urls:
+            parse_url(url, key=f"tiers.{name}.urls")
+
+    def __init__(self, name: str, options: RedisOptions):
+        super().__init__(name, options)
         self.node = options.node if options.node is not None else 0
         self._clients: list[Any] = []
+        # one server: its URL as redis-py takes it (a password holding '@', ':' or '/' percent-encoded)
+        self._plain = {i: parse_url(url, key=f"tiers.{name}.urls").plain for i, url in enumerate(options.urls)}
         # redis+cluster:// and redis+sentinel:// urls (checked here, so a bad one fails at config time)
         self._deployments = {i: RedisDeployment(url, key=f"tiers.{name}.urls", socket_timeout=options.socket_timeout)
                              for i, url in enumerate(options.urls) if url.startswith(("redis+", "rediss+"))}
@@ -69,7 +76,7 @@ class RedisPeerTier(Tier):
         # A blocking pool: past `connections`, a command waits for a free connection instead of failing.
         self._clients = [self._deployments[i].open() if i in self._deployments else
                          aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-                             url, max_connections=self.options.connections, timeout=None,
+                             self._plain[i], max_connections=self.options.connections, timeout=None,
                              socket_timeout=self.options.socket_timeout, socket_connect_timeout=10))
                          for i, url in enumerate(self.options.urls)]
         for deployment in self._deployments.values():
@@ -147,7 +154,8 @@ class RedisPeerTier(Tier):
         except ERRORS as e:
             raise self._fail(server, e, f"reading {key}") from e
         if any(c is None for c in chunks):
-            raise TierNotFound(f"{key}: chunk missing on redis {self.options.urls[server]} (evicted?)", tier=self.name)
+            raise TierNotFound(f"{key}: chunk missing on redis {redact(self.options.urls[server])} (evicted?)",
+                               tier=self.name)
         return length, chunks
 
     async def read_into(self, key: str, out: Sequence[memoryview]) -> int:

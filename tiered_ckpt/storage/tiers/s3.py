@@ -32,7 +32,6 @@ from ...errors import ConfigError, TierError, TierNotFound, TierUnavailable
 from .base import Tier, scatter
 
 log = logging.getLogger(__name__)
-SIZE = {"size": True}
 LAYOUT = ".tiered_ckpt-layout"  # under the prefix: {"spread": N} of a prefix written with spread
 RETRYABLE_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
                    "ThrottlingException", "RequestTimeTooSkewed", "503", "500", "502", "504"}
@@ -45,21 +44,29 @@ class S3Options:
     endpoint_url: str | None = None
     region: str | None = None
     profile: str | None = None
-    multipart_size: int = field(default=16 * 2**20, metadata=SIZE)
-    concurrency: int = 8
-    read_timeout: float = 120.0  # seconds a socket read may stall (the tier's `timeout` bounds a whole operation)
-    spread: int = 0  # 2-256: keys spread over this many sub-prefixes (S3's request rate is per prefix); 0: off
+    multipart_size: int = field(default=16 * 2**20, metadata={"size": True, "min": 5 * 2**20,
+                                                              "why": "the S3 minimum part size"})
+    concurrency: int = field(default=8, metadata={"min": 1})  # parts or ranges of one value in flight
+    # seconds a socket read may stall (the tier's `timeout` bounds a whole operation)
+    read_timeout: float = field(default=120.0, metadata={"above": 0})
+    # 2-256: keys spread over this many sub-prefixes (S3's request rate is per prefix); 0: off
+    spread: int = field(default=0, metadata={"min": 0, "max": 256})
 
 
 class S3Tier(Tier):
     Options = S3Options
 
-    def __init__(self, name: str, options: S3Options):
-        super().__init__(name, options)
+    @classmethod
+    def check_options(cls, name: str, options: S3Options) -> None:
         if options.multipart_size < 5 * 2**20:
             raise ConfigError("must be at least 5MiB (the S3 minimum part size)", key=f"tiers.{name}.multipart_size")
         if options.spread != 0 and not 2 <= options.spread <= 256:
             raise ConfigError("must be 0 (off) or between 2 and 256", key=f"tiers.{name}.spread")
+        if not options.bucket:
+            raise ConfigError("must name a bucket", key=f"tiers.{name}.bucket")
+
+    def __init__(self, name: str, options: S3Options):
+        super().__init__(name, options)
         self._prefix = options.prefix.strip("/") + "/" if options.prefix.strip("/") else ""
         self._shards = [f"{i:02x}/" for i in range(options.spread)] if options.spread else [""]
         self._layout_ok = False
