@@ -61,7 +61,7 @@ def test_cli_ls_show_verify_and_config_check(tmp_path, shm_dir):
     assert [line.split()[0] for line in ls.splitlines() if line.split() and line.split()[0].isdigit()] == ["5", "10"]
     show = run(*cli, "show", "10", "-c", str(cfg), "--job", "gpt").stdout
     assert "step 10" in show and "model/tok.weight" in show and "complete on: host, disk" in show
-    assert run(*cli, "verify", "-c", str(cfg), "--job", "gpt").stdout.count(", ok") == 4
+    assert run(*cli, "verify", "-c", str(cfg), "--job", "gpt").stdout.count(", ok") == 6  # 2 steps: 2 tiers + index
     part = next((shm_dir / "host").rglob("part-000000"))
     data = bytearray(part.read_bytes())
     data[100] ^= 0xFF
