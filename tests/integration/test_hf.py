@@ -14,6 +14,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 import tiered_ckpt as tc
+from tiered_ckpt.config import parse_config
 from tiered_ckpt.integrations.hf import TieredTrainer, cap_keep_last, export_pretrained, run_config
 
 pytestmark = pytest.mark.timeout(300)  # several real Trainer runs per test
@@ -52,7 +53,7 @@ def data() -> list[dict[str, torch.Tensor]]:
 
 
 def trainer(out: Path, shm: Path, *, steps: int = 12, cls: type = TieredTrainer, callbacks: tuple = (),
-            **args) -> Trainer:
+            tiers: tc.Config | None = None, **args) -> Trainer:
     """6 steps per epoch (24 samples, batches of 4): 12 steps cross an epoch; dropout on."""
     torch.set_num_threads(1)
     training = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, save_steps=4,
@@ -61,7 +62,7 @@ def trainer(out: Path, shm: Path, *, steps: int = 12, cls: type = TieredTrainer,
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
                                        bos_token_id=0, eos_token_id=0))
-    extra = {"tiers": run_config(out, shm_root=shm, part_size="64KiB")} if cls is TieredTrainer else {}
+    extra = {"tiers": tiers or run_config(out, shm_root=shm, part_size="64KiB")} if cls is TieredTrainer else {}
     return cls(model=model, args=training, train_dataset=data(), callbacks=list(callbacks), **extra)
 
 
@@ -194,3 +195,12 @@ def test_runs_are_keyed_by_their_output_directory(tmp_path, shm_dir):
                         capture_output=True, text=True, timeout=120)
     assert ls.returncode == 0 and [line.split()[0] for line in ls.stdout.splitlines()
                                    if line.split() and line.split()[0].isdigit()] == ["4"], ls.stdout + ls.stderr
+
+
+def test_a_save_that_fails_in_the_background_fails_the_run(tmp_path, shm_dir):
+    full = parse_config({"engine": {"job": "full", "index": f"file://{tmp_path}/index", "part_size": "64KiB"},
+                         "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk"),
+                                    "capacity": "16KiB", "retries": 0}]})
+    t = trainer(tmp_path / "run", shm_dir, tiers=full)
+    with pytest.raises(tc.SaveError, match="step 4 failed on 1 tier.*TierFull"):  # at the next save, or at the end
+        t.train()
