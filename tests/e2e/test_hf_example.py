@@ -96,8 +96,8 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys() and len(a) > 10
-    differ = [k for k in a if not (a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-                                   and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)))]
+    differ = [k for k in a if not (a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(
+        a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)))]
     assert not differ, differ
 
 

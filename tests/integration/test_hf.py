@@ -99,7 +99,8 @@ def test_a_failed_run_resumes_where_its_newest_checkpoint_left_off(tmp_path, shm
     assert_bit_equal(weights(resumed), weights(straight))  # data position, dropout RNG, optimizer, schedule
     assert_bit_equal(optimizer_tensors(resumed), optimizer_tensors(straight))
     assert resumed.lr_scheduler.get_last_lr() == straight.lr_scheduler.get_last_lr()
-    assert [h.get("loss") for h in resumed.state.log_history[:-1]] == [h.get("loss") for h in straight.state.log_history[:-1]]
+    losses = [[h.get("loss") for h in t.state.log_history[:-1]] for t in (resumed, straight)]
+    assert losses[0] == losses[1]
     assert sorted(p.name for p in out.iterdir()) == ["tiered_ckpt"]  # no checkpoint-N folders
     with tc.Checkpointer(resumed.tiers_config) as ckpt:
         statuses = {s.step: s for s in ckpt.list()}
@@ -191,8 +192,9 @@ def test_runs_are_keyed_by_their_output_directory(tmp_path, shm_dir):
     assert run_config(tmp_path / "a" / ".." / "a", shm_root=shm_dir).engine.job == a.engine.job
     trainer(tmp_path / "a", shm_dir, steps=4).train()
     assert trainer(tmp_path / "b", shm_dir, steps=4).last_checkpoint() is None
-    ls = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "ls", "-c", str(tmp_path / "a/tiered_ckpt/tiers.toml")],
-                        capture_output=True, text=True, timeout=120)
+    toml = tmp_path / "a" / "tiered_ckpt" / "tiers.toml"
+    ls = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "ls", "-c", str(toml)], capture_output=True,
+                        text=True, timeout=120)
     assert ls.returncode == 0 and [line.split()[0] for line in ls.stdout.splitlines()
                                    if line.split() and line.split()[0].isdigit()] == ["4"], ls.stdout + ls.stderr
 

@@ -105,8 +105,7 @@ def cap_keep_last(config: Config, save_total_limit: int | None) -> Config:
     if save_total_limit < 1:
         raise ValueError(f"save_total_limit must be at least 1 with tiered checkpoints, not {save_total_limit}")
     return dataclasses.replace(config, tiers=tuple(
-        dataclasses.replace(t, keep_last=save_total_limit if t.keep_last is None else min(t.keep_last, save_total_limit))
-        for t in config.tiers))
+        dataclasses.replace(t, keep_last=min(t.keep_last or save_total_limit, save_total_limit)) for t in config.tiers))
 
 
 @dataclasses.dataclass
@@ -181,17 +180,20 @@ class TieredCheckpointMixin:
             ckpt.close(raise_errors=raise_errors)
 
     # -- train: where to resume from ---------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | bool | int | None = None, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | int | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
         """`Trainer.train`. `resume_from_checkpoint`: True (the newest complete tiered checkpoint), a step, or
         `"checkpoint-N"` (step N) resume from the tiers; a folder of the Trainer's own (a run begun without
         tiered_ckpt) resumes as the Trainer would, and later saves go to the tiers."""
+        if trial is not None:  # trials would save the same steps into one job
+            raise ValueError(f"{type(self).__name__} does not support hyper-parameter search")
         try:
             if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
                 step = self._step_to_resume(resume_from_checkpoint)
                 if step is not None:  # else a folder of the Trainer's own, which it resumes from itself
                     self._resume = self._begin_resume(step)
                     resume_from_checkpoint = self._resume.folder
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         finally:
             failing = sys.exc_info()[0] is not None
             if self._resume is not None:
@@ -355,9 +357,15 @@ class TieredCheckpointMixin:
     def _raise_failed_saves(self) -> None:
         """Raise the failure of an earlier save that ended meanwhile (the tiers are written in the background)."""
         done = [h for h in self._pending if h.done()]
-        self._pending = [h for h in self._pending if not h.done()]
+        self._pending = [h for h in self._pending if h not in done]
+        failures = []
         for handle in done:
-            handle.wait()
+            try:
+                handle.wait()
+            except Exception as e:  # noqa: BLE001 - whatever failed the save
+                failures.append(e)
+        if failures:
+            raise failures[0]
 
     # -- weights for from_pretrained ------------------------------------------------------------------
     def export_pretrained(self, output_dir: str | os.PathLike[str], step: int | None = None) -> int:
@@ -375,8 +383,8 @@ class TieredTrainer(TieredCheckpointMixin, Trainer):
     """`transformers.Trainer` with tiered checkpoints (see the module's docstring)."""
 
 
-def export_pretrained(model: torch.nn.Module, tiers: str | os.PathLike[str] | Config, output_dir: str | os.PathLike[str],
-                      step: int | None = None) -> int:
+def export_pretrained(model: torch.nn.Module, tiers: str | os.PathLike[str] | Config,
+                      output_dir: str | os.PathLike[str], step: int | None = None) -> int:
     """Load the weights of checkpoint `step` (default: the newest complete one) into `model` (a
     `PreTrainedModel` of the trained architecture, e.g. `AutoModelForCausalLM.from_config(config)`) and write
     it with `save_pretrained`: a folder `from_pretrained` reads. One process, outside training. Returns the

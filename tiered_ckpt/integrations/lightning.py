@@ -136,7 +136,8 @@ class TieredCheckpointIO(CheckpointIO):
         self._write_pointer(key, self._export_command(step), {
             "format": POINTER_FORMAT, "version": 1, "job": self.job, "step": step, "id": meta["id"],
             "epoch": meta["epoch"], "global_step": meta["global_step"],
-            "note": f"a pointer: the checkpoint is step {step} of tiered_ckpt job {self.job!r} (tiered-ckpt show {step})"})
+            "note": f"a pointer: the checkpoint is step {step} of tiered_ckpt job {self.job!r} "
+                    f"(tiered-ckpt show {step})"})
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
