@@ -5,8 +5,11 @@
 
 Saves are lazy (DataStates-style): `save(step, lazy=True)` returns at once, the copy to host memory
 overlaps the next forward/backward, and `handle.staged()` is awaited just before optimizer.step()
-mutates the weights. The data of step s is a pure function of (seed, s), and the RNG state is part of
-the checkpoint, so a resumed run reproduces the uninterrupted run's losses exactly.
+mutates the weights.
+
+A resumed run reproduces the uninterrupted run's losses exactly (docs/state.md, *Resume that is exact*): the
+data of step s comes from a generator of its own seeded by (seed, s), never from the global RNG; the position
+(the step) is saved; and the global RNG, which the dropout draws from, is saved with `tc.PerRank` and restored.
 """
 from __future__ import annotations
 
@@ -25,26 +28,27 @@ import tiered_ckpt as tc
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()  # draws from the global RNG
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.mlp(self.ln2(x))
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, ctx: int, dim: int, layers: int, heads: int):
+    def __init__(self, vocab: int, ctx: int, dim: int, layers: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(ctx, dim)
-        self.blocks = nn.Sequential(*(Block(dim, heads) for _ in range(layers)))
+        self.blocks = nn.Sequential(*(Block(dim, heads, dropout) for _ in range(layers)))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied embeddings
@@ -83,16 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     vocab, ctx, bsz = 256, 64, 16
     dim, layers, heads = (32, 1, 2) if args.tiny else (256, 4, 4)
     torch.manual_seed(args.seed)
-    model = GPT(vocab, ctx, dim, layers, heads)
+    model = GPT(vocab, ctx, dim, layers, heads, dropout=0.1)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    train = {"step": 0, "rng": torch.get_rng_state()}
-    state = {"model": model, "optim": optim, "train": train}
+    train = {"step": 0}  # the data position: step s trains on batch(seed, s)
+    state = {"model": model, "optim": optim, "train": train, "rng": tc.PerRank(torch.get_rng_state())}
     nparams = sum(p.numel() for p in model.parameters())
 
     with tc.Checkpointer.from_toml(args.config, job=args.job) as ckpt:
         try:
             info = ckpt.load(state)
-            torch.set_rng_state(train["rng"])
+            torch.set_rng_state(state["rng"].value)  # the dropout masks go on as if never interrupted
             print(f"resumed from step {info.step} (tier {info.tier}, {info.seconds * 1e3:.1f} ms)", flush=True)
         except tc.IncompleteCheckpoint:
             print(f"starting fresh: {nparams / 1e6:.2f}M parameters", flush=True)
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 losses.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
                 losses.flush()
             if step % args.save_every == 0:
-                train["step"], train["rng"] = step, torch.get_rng_state()
+                train["step"], state["rng"] = step, tc.PerRank(torch.get_rng_state())
                 pending = ckpt.save(step, state, lazy=True)
             if step % 10 == 0 or step == args.steps:
                 ms = (time.perf_counter() - t0) * 1e3

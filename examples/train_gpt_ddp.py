@@ -3,10 +3,15 @@
     torchrun --nproc-per-node 2 examples/train_gpt_ddp.py --steps 200 --save-every 20
     torchrun --nproc-per-node 3 examples/train_gpt_ddp.py --steps 300 --save-every 20   # resumes, resharded
 
-Each step uses one global batch of 12 sequences (a pure function of the step), split evenly over the
-ranks, so 1, 2, 3, 4, 6 or 12 ranks compute the same gradients up to floating-point reduction order. The
-replicated DDP state is written once across the ranks (load-balanced), and on resume each part is read
-once and broadcast to the ranks that need it.
+Each step uses one global batch of 12 sequences (a pure function of the step, from a generator of its own),
+split evenly over the ranks, so 1, 2, 3, 4, 6 or 12 ranks compute the same gradients up to floating-point
+reduction order. The replicated DDP state is written once across the ranks (load-balanced), and on resume each
+part is read once and broadcast to the ranks that need it.
+
+Exact resume (docs/state.md): own generator, saved position (the step), and each rank's global RNG state saved
+with `tc.PerRank`. A rank's RNG state exists only for ranks that existed at save time, so it is restored when
+the world size is the same and left as seeded otherwise. (The model has no dropout here, so that the losses
+agree across world sizes; with dropout, the same code resumes bit for bit at the same world size.)
 """
 from __future__ import annotations
 
@@ -49,13 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = DistributedDataParallel(GPT(vocab, ctx, dim, layers, heads))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    progress = {"step": 0}
-    state = {"train": tc.TrainState(model, optim), "progress": progress}
+    progress = {"step": 0, "world": world}  # the data position, and the world size that saved it
+    state = {"train": tc.TrainState(model, optim), "progress": progress, "rng": tc.PerRank(torch.get_rng_state())}
     per_rank = GLOBAL_BATCH // world
 
     with tc.Checkpointer.from_toml(args.config, job=args.job) as ckpt:
         try:
-            info = ckpt.load(state)
+            info = ckpt.load({"train": state["train"], "progress": progress})
+            if progress.get("world") == world:  # each rank's own RNG state, saved by the rank of the same number
+                ckpt.load({"rng": state["rng"]}, step=info.step)
+                torch.set_rng_state(state["rng"].value)
+            elif rank == 0:
+                print(f"saved at world size {progress.get('world')}: the ranks' RNG states stay as seeded", flush=True)
+            progress["world"] = world
             if rank == 0:
                 print(f"resumed from step {info.step} at world size {world} (tier {info.tier})", flush=True)
         except tc.IncompleteCheckpoint:
@@ -80,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 losses.write(json.dumps({"step": step, "loss": mean_loss.item(), "world": world}) + "\n")
                 losses.flush()
             if step % args.save_every == 0:
-                progress["step"] = step
+                progress["step"], state["rng"] = step, tc.PerRank(torch.get_rng_state())
                 pending = ckpt.save(step, state, lazy=True)
             if rank == 0 and (step % 10 == 0 or step == args.steps):
                 print(f"step {step:5d}  loss {mean_loss.item():.4f}", flush=True)

@@ -208,6 +208,40 @@ def test_remove_and_resave_while_saves_are_in_flight(tmp_path, shm_dir, monkeypa
     io.teardown()
 
 
+def test_torch_load_of_a_pointer_names_the_command_that_converts_it(tmp_path, shm_dir):
+    """A user who torch.loads a pointer (`torch.load("last.ckpt")`, `Module.load_from_checkpoint`) gets an error
+    quoting the pointer's first lines: what the file is, and the `tiered-ckpt export` command that writes the
+    checkpoint as a torch.save file. That command works as printed; the plugin still reads the pointer, and
+    reads pointers of earlier releases (JSON only)."""
+    config = write_toml(tmp_path, shm_dir)
+    io = TieredCheckpointIO(config)
+    last = tmp_path / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.arange(4.0)}, "global_step": 7}, last)
+    io.teardown()
+
+    with pytest.raises(Exception) as default:  # weights_only=True, torch's default
+        torch.load(last)
+    assert type(default.value).__name__ == "UnpicklingError"
+    message = str(default.value)
+    assert "tiered_ckpt pointer file, not a torch save file" in message
+    command = message.split("GLOBAL ")[1].split(".tiered-ckpt export ")[1].split(" was not an allowed global")[0]
+    assert command == f"0 --to torch -o step0.pt --job lit -c {config}"
+    with pytest.raises(ModuleNotFoundError, match="tiered_ckpt pointer file, not a torch save file"):
+        torch.load(last, weights_only=False)
+
+    export = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "export", *command.split()], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert export.returncode == 0, export.stderr
+    exported = torch.load(tmp_path / "step0.pt", weights_only=True)
+    assert exported["global_step"] == 7 and torch.equal(exported["state_dict"]["w"], torch.arange(4.0))
+
+    assert TieredCheckpointIO(config).load_checkpoint(last)["global_step"] == 7
+    earlier = last.read_bytes().split(b"\n", 2)[2]  # the JSON alone: a pointer an earlier release wrote
+    assert earlier.startswith(b"{")
+    last.write_bytes(earlier)
+    assert TieredCheckpointIO(config).load_checkpoint(last)["global_step"] == 7
+
+
 def test_hyperparameter_objects_are_refused_unless_pickle_is_allowed(tmp_path, shm_dir):
     config = write_toml(tmp_path, shm_dir)
     path = Path(os.path.realpath(tmp_path / "ckpt" / "a.ckpt"))

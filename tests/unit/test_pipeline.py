@@ -1,4 +1,5 @@
 import asyncio
+import random
 
 import pytest
 
@@ -23,6 +24,22 @@ async def test_retryable_errors_are_retried_then_succeed():
 
     assert await p.submit(10, flaky, "op") == "ok"
     assert len(calls) == 3 and p.retried == 2
+
+
+async def test_retry_jitter_leaves_the_training_process_rng_alone():
+    """A retry during a save must not draw from Python's global RNG: the training process's (the Trainer saves
+    and restores it) would then differ between a run that retried and one that did not."""
+    p, calls = pipeline(), []
+
+    async def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise TierUnavailable("connection reset", tier="t")
+        return "ok"
+
+    before = random.getstate()
+    assert await p.submit(10, flaky, "op") == "ok"
+    assert p.retried == 2 and random.getstate() == before
 
 
 async def test_retries_are_bounded():

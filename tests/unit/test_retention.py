@@ -1,6 +1,7 @@
 """Retention and removal: keep_last and every, busy steps spared, bursts that skip a slow tier, other runs'
 bytes untouched, deletions (cut short too), and a tier whose delete hangs."""
 import asyncio
+import os
 
 import pytest
 import torch
@@ -142,3 +143,42 @@ async def test_a_deletion_cut_short_never_brings_the_checkpoint_back_and_is_fini
         await (await engine.save(2, state_of(2.0))).wait()  # the writer finishes the removal
         assert leftovers() == ["step-000000000002"] and await engine.index.buried(engine.job) == set()
         assert [c.step async for c in engine.list()] == [2]
+
+
+@pytest.mark.parametrize("lands", ["after the record is read", "between the temp file and the rename"])
+async def test_a_removal_landing_inside_unmark_neither_fails_nor_brings_the_step_back(tmp_path, monkeypatch, lands):
+    """Retention drops a tier of step 3 (`unmark` rewrites its `begun` record by temp file and rename) while a
+    removal of step 3 (`delete`, or retention on its last tier) removes its folder. Seen in Lightning DDP runs as
+    `FileNotFoundError: .../.tmp-begun... -> .../begun` in retention's log; the other order re-created the folder,
+    and the removed step was listed again, incomplete."""
+    import shutil
+
+    from tiered_ckpt.storage.index import file as file_index
+
+    index = file_index.FileIndex(tmp_path / "index")
+    await index.open()
+    await index.begin("j", 3, ["host", "disk"])
+    for tier in ("host", "disk"):
+        assert await index.mark_durable("j", 3, tier, 0, 1, "s")
+    folder = tmp_path / "index" / "j" / step_dir(3)
+    if lands == "after the record is read":
+        real_read = file_index._read_begun
+
+        def read_then_removed(path):
+            record = real_read(path)
+            shutil.rmtree(folder)
+            return record
+
+        monkeypatch.setattr(file_index, "_read_begun", read_then_removed)
+    else:
+        real_replace = os.replace
+
+        def removed_then_replace(src, dst):
+            if os.path.basename(dst) == "begun" and folder.exists():
+                shutil.rmtree(folder)
+            return real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", removed_then_replace)
+    await index.unmark("j", 3, "host")
+    monkeypatch.undo()
+    assert not folder.exists() and await index.list("j") == []

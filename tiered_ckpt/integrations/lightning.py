@@ -58,6 +58,12 @@ log = logging.getLogger(__name__)
 POINTER_FORMAT = "tiered_ckpt.lightning-pointer"  # the "format" of a pointer file
 METADATA_KEY = "lightning"  # the key of the manifest's metadata this plugin writes
 _POINTER_MAX = 64 * 1024  # a pointer is a few hundred bytes; a larger file is not one
+# A pointer's first two lines, before its JSON, are a pickle GLOBAL opcode: `torch.load(pointer)` then fails with
+# an error that quotes them (weights_only=True: "Unsupported global: GLOBAL <line 1>.<line 2>"; weights_only=False:
+# "No module named '<line 1>'", so line 1 has no dot), instead of "invalid load key, '{'". Line 2 is the command
+# that converts the checkpoint.
+POINTER_HINT = "tiered_ckpt pointer file, not a torch save file: load it through TieredCheckpointIO, or convert it"
+_HINT_LINE = b"c" + POINTER_HINT.encode() + b"\n"
 
 
 class TieredCheckpointIO(CheckpointIO):
@@ -127,10 +133,11 @@ class TieredCheckpointIO(CheckpointIO):
         self._meta[step] = meta
         self._inflight[step] = handle
         self._supersedes[step] = sorted(older)
-        self._write_pointer(key, {"format": POINTER_FORMAT, "version": 1, "job": self.job, "step": step,
-                                  "id": meta["id"], "epoch": meta["epoch"], "global_step": meta["global_step"],
-                                  "note": f"a pointer: the checkpoint is step {step} of tiered_ckpt job "
-                                          f"{self.job!r} (tiered-ckpt show {step})"})
+        self._write_pointer(key, self._export_command(step), {
+            "format": POINTER_FORMAT, "version": 1, "job": self.job, "step": step, "id": meta["id"],
+            "epoch": meta["epoch"], "global_step": meta["global_step"],
+            "note": f"a pointer: the checkpoint is step {step} of tiered_ckpt job {self.job!r} "
+                    f"(tiered-ckpt show {step})"})
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -301,8 +308,13 @@ class TieredCheckpointIO(CheckpointIO):
             self._failures.clear()
             raise first
 
-    def _write_pointer(self, key: str, data: dict[str, Any]) -> None:
-        text = json.dumps(data, indent=1) + "\n"
+    def _export_command(self, step: int) -> str:
+        """The CLI command that writes checkpoint `step` as a file torch.load reads."""
+        config = f" -c {self.config.source}" if self.config.source else " -c TIERS.toml"
+        return f"tiered-ckpt export {step} --to torch -o step{step}.pt --job {self.job}{config}"
+
+    def _write_pointer(self, key: str, command: str, data: dict[str, Any]) -> None:
+        text = _HINT_LINE.decode() + command.replace("\n", " ") + "\n" + json.dumps(data, indent=1) + "\n"
         if _is_local(key):
             os.makedirs(os.path.dirname(key), exist_ok=True)
             tmp = f"{key}.tmp-{uuid.uuid4().hex[:8]}"
@@ -389,6 +401,8 @@ def _read_pointer(key: str) -> tuple[bool, dict[str, Any] | None]:
         return False, None
     with fs.open(key, "rb") as f:
         head = f.read(_POINTER_MAX + 1)
+    if head.startswith(_HINT_LINE):  # the hint and the export command; pointers of earlier releases are JSON only
+        head = head.split(b"\n", 2)[2] if head.count(b"\n") >= 2 else b""
     if len(head) > _POINTER_MAX or not head.lstrip().startswith(b"{"):
         return True, None
     try:

@@ -18,6 +18,7 @@ from ..errors import TierError, TierTimeout
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+_jitter = random.Random()  # its own: a retry never draws from the training process's global RNG
 
 
 class ByteBudget:
@@ -119,7 +120,7 @@ class TierPipeline:
                     raise e
                 attempt += 1
                 self.retried += 1
-                delay = min(self.max_backoff, self.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+                delay = min(self.max_backoff, self.backoff * 2 ** (attempt - 1)) * _jitter.uniform(0.5, 1.5)
                 log.warning("tier %s: %s failed (%s); retry %d/%d in %.2fs", self.name, what, e, attempt,
                             self.retries, delay)
                 await asyncio.sleep(delay)

@@ -42,6 +42,7 @@ from ..config import REDIS_SCHEMES
 from ..errors import ConfigError, redact
 
 T = TypeVar("T")
+_jitter = random.Random()  # its own: a retry never draws from the training process's global RNG
 OPTIONS = ("wait", "wait_timeout", "failover_timeout", "max_connections", "sentinel_username", "sentinel_password")
 
 
@@ -322,7 +323,7 @@ class RedisDeployment:
                     # the old primary, demoted: new connections resolve the endpoint again (a managed service
                     # points its name at the new primary)
                     await self.client.connection_pool.disconnect()
-            await asyncio.sleep(delay * (0.5 + random.random()))
+            await asyncio.sleep(delay * (0.5 + _jitter.random()))
             delay = min(delay * 2, 1.0)
 
     async def write(self, args: Sequence[Any], *, key: str, script: str | None = None) -> Any:

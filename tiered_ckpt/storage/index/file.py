@@ -185,11 +185,15 @@ class FileIndex:
             d = self._dir(job, step)
             (d / "complete" / tier).unlink(missing_ok=True)
             fsync_dir(d / "complete", missing_ok=True)
-            begun = d / "begun"
-            if begun.exists():
-                record = _read_begun(begun)
+            try:
+                record = _read_begun(d / "begun")
+            except FileNotFoundError:  # never begun here, or removed meanwhile
+                record = None
+            if record is not None:
                 record["tiers"] = [t for t in record["tiers"] if t != tier]
-                _atomic_write(begun, seal(msgpack.packb(record)))
+                # a removal of the step (delete, or retention on its last tier) may remove the folder meanwhile:
+                # rewrite the record only in the folder as it is, never re-creating it
+                _rewrite(d / "begun", seal(msgpack.packb(record)))
             for p in [*(d / "durable").glob(f"{tier}.*"), *(d / "failed").glob(f"{tier}.*"),
                       *(d / "skipped").glob(f"{tier}.*")]:
                 p.unlink(missing_ok=True)
@@ -381,6 +385,22 @@ def _atomic_write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent, missing_ok=True)
+
+
+def _rewrite(path: Path, data: bytes) -> bool:
+    """Replace a record atomically in its folder as it is. False, with nothing written, when the folder was
+    removed meanwhile (a removal of the step won the race: re-creating the folder would bring the step back)."""
+    tmp = path.with_name(f".tmp-{path.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except FileNotFoundError:  # the folder went away before the temp file, or between it and the rename
+        return False
+    fsync_dir(path.parent, missing_ok=True)
+    return True
 
 
 def _atomic_create(path: Path) -> bool:
