@@ -16,11 +16,10 @@ import torch
 import uvloop
 
 from .. import Engine
-from ..config import parse_config
 from ..save.plan import Planner
 from ..sizes import format_size, parse_size
 from . import baselines
-from .measure import PeakRSS, drop_cache, mixed_state, state_nbytes
+from .measure import PeakRSS, drop_cache, engine_config, mixed_state, state_nbytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,14 +130,6 @@ def measure_all(state: dict[str, torch.Tensor], work: Path, shm: Path, part_size
     return r
 
 
-def _engine_config(disk: Path, shm: Path, part_size: int, nbytes: int, *, with_disk: bool = True) -> Any:
-    tiers = [{"name": "host", "kind": "memory", "path": str(shm), "capacity": 3 * nbytes + (1 << 30), "keep_last": 1}]
-    if with_disk:
-        tiers.append({"name": "disk", "kind": "local", "path": str(disk / "parts"), "keep_last": 1})
-    return parse_config({"engine": {"job": "bench", "index": f"file://{disk}/index", "part_size": part_size,
-                                    "max_inflight": 1}, "tiers": tiers})
-
-
 def _spread(ratios: list[float]) -> dict[str, float]:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
@@ -149,7 +140,7 @@ async def measure_tiered(state: dict[str, torch.Tensor], disk: Path, shm: Path, 
     ratio compares two runs under the same machine conditions; `pairs` holds the median and spread of the
     per-pair ratios (the machine's noise moves both sides of a pair together)."""
     nbytes = state_nbytes(state)
-    config = _engine_config(disk, shm, part_size, nbytes)
+    config = engine_config(disk, shm, part_size, nbytes)
     raw_dir = disk / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {}
@@ -242,7 +233,7 @@ async def measure_memory_only(state: dict[str, torch.Tensor], disk: Path, shm: P
                               repeats: int) -> dict[str, dict[str, float]]:
     """The memory tier alone (no disk competing for the cores): save blocking, durable and load, each paired
     with a memcpy measured right before it."""
-    config = _engine_config(disk, shm / "memory-only", part_size, state_nbytes(state), with_disk=False)
+    config = engine_config(disk, shm / "memory-only", part_size, state_nbytes(state), with_disk=False)
     pairs: dict[str, list[float]] = {"save blocking / memcpy": [], "durable / memcpy": [], "load / memcpy": []}
     async with Engine(config) as engine:
         await (await engine.save(0, state)).wait()  # allocates the buffers
