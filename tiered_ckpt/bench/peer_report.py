@@ -87,7 +87,8 @@ def _problems(size: dict[str, Any]) -> list[str]:
         elif p.get("mismatch"):
             lines.append(f"- **{what}: LOAD DID NOT REPRODUCE THE SAVED TENSORS**: {p['error']}")
         else:
-            when = f" (repetition {p['repetition']}; earlier ones are in the table)" if p.get("repetition", 1) > 1 else ""
+            late = p.get("repetition", 1) > 1
+            when = f" (repetition {p['repetition']}; the earlier ones are in the table)" if late else ""
             lines.append(f"- {what}: failed{when}: {p['error']}")
     return ["", "Not measured:", *lines] if lines else []
 
