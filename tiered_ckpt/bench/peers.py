@@ -213,9 +213,9 @@ def run_cli(sizes: list[int], repeats: int, names: list[str], first_saves: int, 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--libraries", default=",".join(ORDER),
-                   help=f"which to run, in this order (default all: {','.join(ORDER)})")
+                   help=f"with --peers: which to run (default all, always in this order: {','.join(ORDER)})")
     p.add_argument("--first-saves", type=int, default=0, metavar="N",
-                   help="also report the blocked time of saves 1..N of each fresh process")
+                   help="with --peers: also report the blocked time of saves 1..N of each fresh process")
 
 
 def main(argv: list[str] | None = None) -> int:

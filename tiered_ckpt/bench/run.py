@@ -18,16 +18,18 @@ import uvloop
 from .. import Engine
 from ..save.plan import Planner
 from ..sizes import format_size, parse_size
-from . import baselines
+from . import baselines, peers
 from .measure import PeakRSS, drop_cache, engine_config, mixed_state, state_nbytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default="1GiB", help="state size (default 1GiB of mixed tensor sizes)")
+    p.add_argument("--size", default=None,
+                   help="state size (default 1GiB of mixed tensor sizes; with --peers, sizes, default 100MiB,1GiB)")
     p.add_argument("--dir", default=None, help="disk directory (default: a temp dir under ./.bench)")
     p.add_argument("--shm", default="/dev/shm", help="memory-tier directory (default /dev/shm)")
     p.add_argument("--part-size", default="64MiB")
-    p.add_argument("--repeats", type=int, default=3, help="median of this many runs per figure")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="median of this many runs per figure (default 3; with --peers, fresh processes: 2)")
     p.add_argument("--no-dcp", action="store_true", help="skip the DCP baselines")
     p.add_argument("--json", help="also write the raw figures here")
     p.add_argument("--redis", default="auto",
@@ -44,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index-storm", metavar="N[,N...]",
                    help="only the Redis index commit storm of N simulated ranks (e.g. 1024,4096), against a local "
                         "redis-server and a local 3-master cluster, or --redis URL (bench/index_storm.py)")
+    p.add_argument("--peers", action="store_true",
+                   help="only tiered_ckpt beside torch.save, DCP async_save, torch_checkpointing, torchsnapshot and "
+                        "dlrover, each in fresh processes: the second save of a process (bench/peers.py)")
+    peers.add_arguments(p)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -52,6 +58,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
         urls = [args.redis] if args.redis not in ("auto", "off") else []
         return run_cli([int(n) for n in args.index_storm.split(",")], urls, 64, 10_000)
+    if args.peers:
+        return peers.run_cli([parse_size(s) for s in (args.size or "100MiB,1GiB").split(",")], args.repeats or 2,
+                             args.libraries.split(","), args.first_saves, Path(args.dir or ".bench"),
+                             Path(args.shm), args.json)
+    args.size, args.repeats = args.size or "1GiB", args.repeats or 3
     nbytes = parse_size(args.size)
     base = Path(args.dir) if args.dir else Path(".bench")
     base.mkdir(parents=True, exist_ok=True)
