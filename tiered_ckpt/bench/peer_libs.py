@@ -223,8 +223,7 @@ class TorchSnapshotTake(TorchSnapshot):
 
     async def save(self, step: int, state: State, started: float) -> Pending:
         await asyncio.to_thread(self.snapshot.take, str(self.step_folder(step)), {"model": self.wrap(state)})
-        fsync_tree(self.step_folder(step))
-        return Pending(started)
+        return Watched(started, lambda: None, self.step_folder(step))  # blocked: the take; durable: + the fsync
 
 
 class Dlrover(Library):
