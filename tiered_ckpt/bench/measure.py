@@ -6,9 +6,11 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+
+from ..config import parse_config
 
 
 def median_time(fn: Callable[[], object], repeats: int, setup: Callable[[], object] = lambda: None) -> float:
@@ -32,6 +34,25 @@ def drop_cache(path: Path) -> None:
         try:
             os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Make a file or folder tree durable: fsync every file, every folder, and the folder holding it (what a
+    library that writes through the page cache without fsync leaves to be done)."""
+    for d, _, files in os.walk(path) if path.is_dir() else [(str(path.parent), [], [path.name])]:
+        for name in files:
+            fd = os.open(Path(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    folders = [Path(d) for d, _, _ in os.walk(path)] + [path.parent]
+    for folder in folders:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
         finally:
             os.close(fd)
 
@@ -65,9 +86,10 @@ class PeakRSS:
         return self.peak - self.start
 
 
-def mixed_state(nbytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def mixed_state(nbytes: int, seed: int = 0, even: bool = False) -> dict[str, torch.Tensor]:
     """About `nbytes` of float32/bfloat16 tensors: 60% in large (64 MiB), 30% medium (4 MiB), 10% small
-    (64 KiB) tensors, like a transformer's weights, biases and norms."""
+    (64 KiB) tensors, like a transformer's weights, biases and norms. `even`: an even number of elements in
+    every tensor (torchsnapshot 0.1.0 cannot save a bfloat16 tensor of an odd number)."""
     g = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for share, size, dtype in ((0.6, 64 << 20, torch.float32), (0.3, 4 << 20, torch.bfloat16),
@@ -77,6 +99,7 @@ def mixed_state(nbytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
         while budget > 0:
             n = min(size, budget)
             elems = max(n // torch.empty((), dtype=dtype).element_size(), 1)
+            elems = max(elems - elems % 2, 2) if even else elems
             state[f"{dtype}-{size}-{i}"] = torch.randn(elems, generator=g).to(dtype)
             budget -= n
             i += 1
@@ -85,3 +108,13 @@ def mixed_state(nbytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def state_nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def engine_config(disk: Path, shm: Path, part_size: int, nbytes: int, *, with_disk: bool = True) -> Any:
+    """The benchmarks' tiered_ckpt: a memory tier (/dev/shm) and a disk tier, both keep_last = 1, max_inflight = 1,
+    the embedded file index."""
+    tiers = [{"name": "host", "kind": "memory", "path": str(shm), "capacity": 3 * nbytes + (1 << 30), "keep_last": 1}]
+    if with_disk:
+        tiers.append({"name": "disk", "kind": "local", "path": str(disk / "parts"), "keep_last": 1})
+    return parse_config({"engine": {"job": "bench", "index": f"file://{disk}/index", "part_size": part_size,
+                                    "max_inflight": 1}, "tiers": tiers})

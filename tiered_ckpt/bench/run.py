@@ -16,19 +16,20 @@ import torch
 import uvloop
 
 from .. import Engine
-from ..config import parse_config
 from ..save.plan import Planner
 from ..sizes import format_size, parse_size
-from . import baselines
-from .measure import PeakRSS, drop_cache, mixed_state, state_nbytes
+from . import baselines, peers
+from .measure import PeakRSS, drop_cache, engine_config, mixed_state, state_nbytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default="1GiB", help="state size (default 1GiB of mixed tensor sizes)")
+    p.add_argument("--size", default=None,
+                   help="state size (default 1GiB of mixed tensor sizes; with --peers, sizes, default 100MiB,1GiB)")
     p.add_argument("--dir", default=None, help="disk directory (default: a temp dir under ./.bench)")
     p.add_argument("--shm", default="/dev/shm", help="memory-tier directory (default /dev/shm)")
     p.add_argument("--part-size", default="64MiB")
-    p.add_argument("--repeats", type=int, default=3, help="median of this many runs per figure")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="median of this many runs per figure (default 3; with --peers, fresh processes: 2)")
     p.add_argument("--no-dcp", action="store_true", help="skip the DCP baselines")
     p.add_argument("--json", help="also write the raw figures here")
     p.add_argument("--redis", default="auto",
@@ -45,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index-storm", metavar="N[,N...]",
                    help="only the Redis index commit storm of N simulated ranks (e.g. 1024,4096), against a local "
                         "redis-server and a local 3-master cluster, or --redis URL (bench/index_storm.py)")
+    p.add_argument("--peers", action="store_true",
+                   help="only tiered_ckpt beside torch.save, DCP async_save, torch_checkpointing, torchsnapshot and "
+                        "dlrover, each in fresh processes: the second save of a process (bench/peers.py)")
+    peers.add_arguments(p)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -53,6 +58,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
         urls = [args.redis] if args.redis not in ("auto", "off") else []
         return run_cli([int(n) for n in args.index_storm.split(",")], urls, 64, 10_000)
+    if args.peers:
+        return peers.run_cli([parse_size(s) for s in (args.size or "100MiB,1GiB").split(",")], args.repeats or 2,
+                             args.libraries.split(","), args.first_saves, Path(args.dir or ".bench"),
+                             Path(args.shm), args.json)
+    args.size, args.repeats = args.size or "1GiB", args.repeats or 3
     nbytes = parse_size(args.size)
     base = Path(args.dir) if args.dir else Path(".bench")
     base.mkdir(parents=True, exist_ok=True)
@@ -131,14 +141,6 @@ def measure_all(state: dict[str, torch.Tensor], work: Path, shm: Path, part_size
     return r
 
 
-def _engine_config(disk: Path, shm: Path, part_size: int, nbytes: int, *, with_disk: bool = True) -> Any:
-    tiers = [{"name": "host", "kind": "memory", "path": str(shm), "capacity": 3 * nbytes + (1 << 30), "keep_last": 1}]
-    if with_disk:
-        tiers.append({"name": "disk", "kind": "local", "path": str(disk / "parts"), "keep_last": 1})
-    return parse_config({"engine": {"job": "bench", "index": f"file://{disk}/index", "part_size": part_size,
-                                    "max_inflight": 1}, "tiers": tiers})
-
-
 def _spread(ratios: list[float]) -> dict[str, float]:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
@@ -149,7 +151,7 @@ async def measure_tiered(state: dict[str, torch.Tensor], disk: Path, shm: Path, 
     ratio compares two runs under the same machine conditions; `pairs` holds the median and spread of the
     per-pair ratios (the machine's noise moves both sides of a pair together)."""
     nbytes = state_nbytes(state)
-    config = _engine_config(disk, shm, part_size, nbytes)
+    config = engine_config(disk, shm, part_size, nbytes)
     raw_dir = disk / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {}
@@ -242,7 +244,7 @@ async def measure_memory_only(state: dict[str, torch.Tensor], disk: Path, shm: P
                               repeats: int) -> dict[str, dict[str, float]]:
     """The memory tier alone (no disk competing for the cores): save blocking, durable and load, each paired
     with a memcpy measured right before it."""
-    config = _engine_config(disk, shm / "memory-only", part_size, state_nbytes(state), with_disk=False)
+    config = engine_config(disk, shm / "memory-only", part_size, state_nbytes(state), with_disk=False)
     pairs: dict[str, list[float]] = {"save blocking / memcpy": [], "durable / memcpy": [], "load / memcpy": []}
     async with Engine(config) as engine:
         await (await engine.save(0, state)).wait()  # allocates the buffers
