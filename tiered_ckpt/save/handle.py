@@ -20,7 +20,7 @@ def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
 class SaveHandle:
     """Returned by Engine.save. `staged()`: the state may be mutated. `wait()`: every targeted tier done."""
 
-    def __init__(self, step: int, tiers: list[str]):
+    def __init__(self, step: int, tiers: list[str], *, started: float | None = None):
         loop = asyncio.get_running_loop()
         self.step = step
         self.tiers = tuple(tiers)
@@ -29,7 +29,7 @@ class SaveHandle:
         for f in (self._staged, *self._done.values()):
             f.add_done_callback(_quiet)
         self.observed = False
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started  # the save() call (perf_counter)
         self.durable_at: dict[str, float] = {}  # seconds from save() to durable, per tier
         self.skipped: dict[str, int] = {}  # tiers that could not keep up and skipped this save → the newer step
 

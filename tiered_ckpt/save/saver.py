@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -43,6 +44,7 @@ class Saver:
 
     async def save(self, step: int, state: Any, *, lazy: bool, metadata: dict[str, Any] | None,
                    ready_events: Mapping[Any, Any] | None) -> SaveHandle:
+        started = time.perf_counter()  # handle.durable_at counts from here
         if type(step) is not int or not 0 <= step < MAX_STEP:
             raise ValueError(f"step must be an int from 0 to 2**53 - 1 (the Redis index orders steps as doubles), "
                              f"got {step!r}")
@@ -55,7 +57,7 @@ class Saver:
         targets = [t.name for t in self.config.tiers if step % t.every == 0]
         if not targets:  # nothing to write (every tier skips this step): no collective, no index change
             await asyncio.to_thread(flatten, state, allow_pickle=engine.allow_pickle, rank=rank)  # bad input raises
-            handle = SaveHandle(step, targets)
+            handle = SaveHandle(step, targets, started=started)
             handle.set_staged()
             return handle
         await self.writer.become()  # before anything that can fail on one rank only: every rank runs its collective
@@ -68,7 +70,7 @@ class Saver:
                 raise
             raise await self._failed_before_plan(step, targets, e) from e
         events = producer_events(flat.tensors) if ready_events is None else ready_events
-        handle = SaveHandle(step, targets)
+        handle = SaveHandle(step, targets, started=started)
         plan = await self.planner.plan(flat.paths, flat.tensors)
         while len(self.jobs) >= self._max_jobs:  # bounded: a burst waits here, like a full staging pool
             await asyncio.wait([j.task for j in self.jobs if j.task is not None], return_when=asyncio.FIRST_COMPLETED)
