@@ -8,7 +8,9 @@ manifest names the algorithm of its checkpoint, so either kind verifies whatever
 Seals are always crc32c (small records; a fixed format)."""
 from __future__ import annotations
 
+import array
 import struct
+import sys
 from typing import Callable, Iterable
 
 import crc32c as _crc32c
@@ -21,6 +23,8 @@ except ImportError:  # an optional extra: pip install 'tiered_ckpt[xxhash]'
     _xxhash = None
 
 ALGORITHM = "crc32c"  # of seals, and of parts in checkpoints that predate the choice
+CHUNK_SIZE = 1 << 20  # each part's chunks get a digest too (format 4): a reader verifies and copies chunk by
+# chunk while the chunk is in cache, instead of a pass over the whole part to verify it and another to copy it
 SEAL = b"TCK\x01"  # magic and envelope version; then the body's crc32c (4 bytes, little endian), then the body
 Views = Iterable[memoryview | bytes | bytearray]
 
@@ -65,11 +69,65 @@ def resolve(name: str) -> str:
 
 
 def checksum(views: Views, algorithm: str = ALGORITHM) -> int:
-    fn = _ALGORITHMS.get(algorithm)
-    if fn is None or (algorithm == "xxh3" and _xxhash is None):
+    available_or_raise(algorithm)
+    return _ALGORITHMS[algorithm](views)
+
+
+def part_digests(view: memoryview, algorithm: str, chunk_size: int) -> tuple[int, bytes]:
+    """The part's checksum and the digest of each of its `chunk_size` chunks (8 bytes each, little endian), in
+    one pass over memory: each chunk is hashed twice while it is in cache, once into the part's running digest
+    and once on its own."""
+    available_or_raise(algorithm)
+    view = memoryview(view).cast("B")
+    digests = array.array("Q")
+    if algorithm == "xxh3":
+        assert _xxhash is not None
+        whole = _xxhash.xxh3_64()
+        for at in range(0, len(view), chunk_size):
+            chunk = view[at:at + chunk_size]
+            whole.update(chunk)
+            digests.append(_xxhash.xxh3_64_intdigest(chunk))
+        return whole.intdigest(), _little_endian(digests)
+    value = 0
+    for at in range(0, len(view), chunk_size):
+        chunk = view[at:at + chunk_size]
+        value = _crc32c.crc32c(chunk, value)
+        digests.append(_crc32c.crc32c(chunk))
+    return value, _little_endian(digests)
+
+
+class Running:
+    """A digest fed piece by piece, equal to checksum() of the pieces joined."""
+
+    def __init__(self, algorithm: str):
+        available_or_raise(algorithm)
+        self._xxh3 = _xxhash.xxh3_64() if algorithm == "xxh3" else None  # type: ignore[union-attr]
+        self._crc = 0
+
+    def update(self, piece: memoryview | bytes) -> None:
+        if self._xxh3 is not None:
+            self._xxh3.update(piece)
+        else:
+            self._crc = _crc32c.crc32c(piece, self._crc)
+
+    def value(self) -> int:
+        return self._xxh3.intdigest() if self._xxh3 is not None else self._crc
+
+
+def chunk_digest(chunk: memoryview | bytes, algorithm: str) -> int:
+    return _xxhash.xxh3_64_intdigest(chunk) if algorithm == "xxh3" else _crc32c.crc32c(chunk)  # type: ignore[union-attr]
+
+
+def _little_endian(values: array.array) -> bytes:
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tobytes()
+
+
+def available_or_raise(algorithm: str) -> None:
+    if algorithm not in _ALGORITHMS or (algorithm == "xxh3" and _xxhash is None):
         raise TieredCkptError(f"checksum {algorithm!r} is not available here (available: {available()}); a "
                               f"checkpoint made with xxh3 needs the xxhash package: pip install 'tiered_ckpt[xxhash]'")
-    return fn(views)
 
 
 def describe(algorithm: str, value: int) -> str:

@@ -164,7 +164,8 @@ async def test_verify_holds_a_few_parts_in_memory_not_the_checkpoint(make_config
         finally:
             tracemalloc.stop()
         assert all(r.ok for r in reports) and sum(r.parts for r in reports) == 2 * 128
-        assert peak < (VERIFY_PARTS + 4) * 64 * 1024, peak  # the whole checkpoint is 8 MiB
+        # a few parts, and one chunk buffer per I/O thread (4 per tier): the whole checkpoint is 8 MiB
+        assert peak < (VERIFY_PARTS + 4 + 2 * 4) * 64 * 1024, peak
 
 
 @pytest.mark.parametrize("field, value", [("part_size", 0), ("world_size", "2"), ("checksum", "md5"),
@@ -183,3 +184,32 @@ async def test_a_sealed_manifest_with_impossible_fields_is_an_integrity_error(en
     body[field] = value
     with pytest.raises(tc.IntegrityError, match="not a valid manifest"):
         Manifest.from_bytes(seal(msgpack.packb(body)), source="the test's manifest")
+
+
+async def test_a_chunk_is_verified_before_it_is_copied_and_a_corrupt_one_never_reaches_the_state(make_config):
+    """Parts of 2 MiB are read a chunk (1 MiB) at a time, each chunk verified against its own digest before it
+    is copied on. `a` fills chunk 0 and `b` chunk 1 of the one part. With chunk 1 corrupt on the memory tier,
+    the part comes from disk (a fallback naming the chunk); corrupt on both, the load fails, `a` (verified) may
+    be written and is named, and not one corrupt byte reaches `b`."""
+    state = {"a": torch.full((2**18,), 1.0), "b": torch.full((2**18,), 2.0)}
+    async with tc.Engine(make_config(part_size="2MiB")) as engine:
+        await (await engine.save(1, state)).wait()
+        manifest = await engine.read_manifest(1)
+        assert manifest.chunk_size == 2**20 and len(manifest.ranks[0].chunk_sums) == 2 * 8
+
+        def corrupt(tier):
+            path = part_file(engine, tier, 0)
+            data = bytearray(path.read_bytes())
+            data[2**20 + 100] ^= 0x40  # in b, in chunk 1
+            path.write_bytes(bytes(data))
+
+        corrupt("host")
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        info = await engine.load(out)
+        assert torch.equal(out["a"], state["a"]) and torch.equal(out["b"], state["b"])
+        assert [(f.tier, f.reason.split(":")[0]) for f in info.fallbacks] == [("host", "chunk 1")]
+        corrupt("disk")
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        with pytest.raises(tc.IntegrityError, match=r"chunk 1.*already overwritten with checkpoint data: \[.a.\];"):
+            await engine.load(out)
+        assert torch.count_nonzero(out["b"]) == 0

@@ -29,15 +29,15 @@ async def test_retention_spares_a_checkpoint_being_loaded(make_config, monkeypat
     async with tc.Engine(make_config(tiers=[{"keep_last": 1}, {"keep_last": 1}])) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
         host = engine.io.driver("host")
-        real_read, reading, release = host.read_mapped, asyncio.Event(), asyncio.Event()
+        real_read, reading, release = host.read_chunks, asyncio.Event(), asyncio.Event()
 
-        async def held_read(key, use):  # the memory tier's load path: verify in place, copy once
+        async def held_read(key, *args):  # the memory tier's load path: a chunk at a time, verified, copied once
             if "step-000000000001/" in key and key.endswith("rank-00000/part-000000"):  # hold one read (one worker slot)
                 reading.set()
                 await release.wait()
-            return await real_read(key, use)
+            return await real_read(key, *args)
 
-        monkeypatch.setattr(host, "read_mapped", held_read)
+        monkeypatch.setattr(host, "read_chunks", held_read)
         loading = asyncio.create_task(load_values(engine, step=1, tiers=["host"]))
         await reading.wait()
         for step in (2, 3):

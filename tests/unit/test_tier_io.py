@@ -80,8 +80,8 @@ def test_file_tiers_are_declared_not_guessed(tmp_path):
     io = TierIO(config.tiers, 1)
     try:
         host, disk = io.file_tier("host"), io.file_tier("disk")
-        assert host is not None and host.maps_reads and host.capacity == 16 * 2**30
-        assert disk is not None and not disk.maps_reads and disk.capacity is None
+        assert host is not None and host.capacity == 16 * 2**30
+        assert disk is not None and disk.capacity is None
         assert host.path_of("job/x") == tmp_path / "shm" / "job" / "x"
     finally:
         io.shutdown()

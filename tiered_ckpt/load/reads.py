@@ -121,14 +121,15 @@ def rank_spans(manifest: Manifest, rank: int) -> list[tuple[int, int]]:
 
 
 def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, int]],
-               reads: Reads) -> tuple[list[memoryview], tuple[str, ...]] | None:
-    """The buffers that one part's bytes scatter into, in order, and the keys of the targets whose own
-    memory some of them are; None if no wanted chunk is in the part."""
+               reads: Reads) -> tuple[list[memoryview], tuple[str, ...], tuple[int, ...]] | None:
+    """The buffers that one part's bytes scatter into, in order, the keys of the targets whose own memory some
+    of them are, and where in the part each of those begins; None if no wanted chunk is in the part."""
     start = part * manifest.part_size
     end = start + manifest.part_length(rank, part)
     first = max(bisect.bisect_right(spans, (start,)) - 1, 0)
     views: list[memoryview] = []
     targets: list[str] = []
+    starts: list[int] = []
     pos, wanted = start, False
     for offset, nbytes in spans[first:]:
         if offset >= end:
@@ -146,10 +147,11 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
             wanted = True
             if (rank, offset) in reads.direct:
                 targets.append(reads.direct[(rank, offset)])
+                starts.append(lo - start)
         pos = hi
     if end > pos:
         views.append(memoryview(bytearray(end - pos)))
-    return (views, tuple(targets)) if wanted else None
+    return (views, tuple(targets), tuple(starts)) if wanted else None
 
 
 def parts_to_read(manifest: Manifest, reads: Reads, only: set[tuple[int, int]] | None = None,
@@ -168,7 +170,9 @@ def parts_to_read(manifest: Manifest, reads: Reads, only: set[tuple[int, int]] |
             if found is not None:
                 key = PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path
                 parts[(rank, p)] = PartRead(key, found[0], manifest.part_length(rank, p), rank_meta.checksums[p],
-                                            found[1], bounce=True, algorithm=manifest.checksum)
+                                            found[1], bounce=True, algorithm=manifest.checksum,
+                                            chunk_size=manifest.chunk_size, chunk_sums=manifest.chunk_sums_of(rank, p),
+                                            target_starts=found[2])
     return parts
 
 

@@ -44,7 +44,8 @@ async def verify(io: TierIO, status: CheckpointStatus, manifest: Manifest,
                 # a part-sized buffer is allocated and freed in a thread: on the event loop either takes milliseconds
                 buffer = memoryview(await io.run_blocking(bytearray, length))
                 part = PartRead(PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path,
-                                [buffer], length, expected, algorithm=manifest.checksum)
+                                [buffer], length, expected, bounce=True, algorithm=manifest.checksum,
+                                chunk_size=manifest.chunk_size, chunk_sums=manifest.chunk_sums_of(rank, p))
                 del buffer
                 log = ReadLog()
                 try:

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import time
 from typing import Any
 
-from ..checksum import checksum
+from ..checksum import CHUNK_SIZE, part_digests
 from ..layout import manifest_key, rank_meta_key
 from ..manifest import Manifest, RankMeta
 from ..state import encode_skeleton
 from ..storage.tier_io import TierIO
 from .commit import Committer
 from .plan import Plan
+
+
+def chunk_size_for(part_size: int) -> int:
+    """The chunk that divides every part evenly: CHUNK_SIZE, or the largest power of two dividing `part_size`
+    below it; none (0) under 4 KiB (such parts are read whole)."""
+    chunk = math.gcd(part_size, CHUNK_SIZE)
+    return chunk if chunk >= 4096 else 0
 
 
 class Records:
@@ -26,8 +34,10 @@ class Records:
         self.skeleton = skeleton
         self.metadata = metadata
         self.algorithm = algorithm
-        self._part_sums: list[concurrent.futures.Future[int]] = []  # submitted as parts are staged
-        self._checksums: asyncio.Task[list[int]] | None = None
+        self.chunk_size = chunk_size_for(plan.part_size)
+        # per part: (its checksum, its chunks' digests), submitted as parts are staged
+        self._part_sums: list[concurrent.futures.Future[tuple[int, bytes]]] = []
+        self._checksums: asyncio.Task[list[tuple[int, bytes]]] | None = None
         self._manifest: asyncio.Task[bytes] | None = None
         self._rank_meta: asyncio.Task[bytes] | None = None
 
@@ -39,7 +49,8 @@ class Records:
             a, b = self.plan.part_range(len(self._part_sums))
             if b > up_to:
                 break
-            self._part_sums.append(self.io.submit_blocking(checksum, [view[a:b]], self.algorithm))
+            self._part_sums.append(self.io.submit_blocking(part_digests, view[a:b], self.algorithm,
+                                                          self.chunk_size or b - a or 1))
 
     def start_checksums(self, view: memoryview) -> None:
         """The whole buffer is staged: checksum what is left, once."""
@@ -47,12 +58,18 @@ class Records:
             self.hash_staged(view, view.nbytes)
             self._checksums = asyncio.ensure_future(self._gather())
 
-    async def _gather(self) -> list[int]:
+    async def _gather(self) -> list[tuple[int, bytes]]:
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in self._part_sums)))
 
     async def checksums(self) -> list[int]:
+        """Each part's checksum."""
         assert self._checksums is not None, "start_checksums() first"
-        return await asyncio.shield(self._checksums)
+        return [whole for whole, _ in await asyncio.shield(self._checksums)]
+
+    async def chunk_sums(self) -> bytes:
+        """Every chunk's digest, part after part (empty when parts are not cut into chunks)."""
+        assert self._checksums is not None, "start_checksums() first"
+        return b"".join(chunks for _, chunks in await asyncio.shield(self._checksums)) if self.chunk_size else b""
 
     async def hashing_done(self) -> None:
         """Wait until no hashing thread reads the staging buffer any more (success or not)."""
@@ -92,14 +109,15 @@ class Records:
             ranks=tuple(RankMeta(r, n) for r, n in enumerate(plan.rank_nbytes)),
             skeleton=b"",  # each rank's record carries its own skeleton
             created=time.time(), metadata=self.metadata, index=self.commit.index.identity,
-            incarnation=self.commit.incarnation)
+            incarnation=self.commit.incarnation, chunk_size=self.chunk_size)
         data = await asyncio.to_thread(manifest.to_bytes)  # 100k tensors: ~0.3 s of Python, off the loop
         await self.commit.put_manifest(self.step, data)
         return data
 
     async def _build_rank_meta(self) -> bytes:
-        sums = await self.checksums()
+        sums, chunk_sums = await self.checksums(), await self.chunk_sums()
         skeleton = await asyncio.to_thread(encode_skeleton, self.skeleton)
-        data = await asyncio.to_thread(lambda: RankMeta(self.plan.rank, self.plan.nbytes, tuple(sums), skeleton).to_bytes())
+        data = await asyncio.to_thread(lambda: RankMeta(self.plan.rank, self.plan.nbytes, tuple(sums), skeleton,
+                                                        chunk_sums).to_bytes())
         await self.commit.put_rank_meta(self.step, data)
         return data

@@ -17,7 +17,7 @@ from typing import Any, AsyncContextManager, Callable, Iterable, Iterator, Seque
 
 import torch
 
-from ..checksum import ALGORITHM, checksum, describe
+from ..checksum import ALGORITHM, Running, checksum, chunk_digest, describe
 from ..config import TierConfig
 from ..errors import IntegrityError, TierError
 from .pipeline import SaveTurns, TierPipeline
@@ -50,6 +50,10 @@ class PartRead:
     targets: tuple[str, ...] = ()
     bounce: bool = False
     algorithm: str = ALGORITHM  # of `checksum` (the manifest names it)
+    chunk_size: int = 0  # with chunk_sums (8 bytes a chunk): verified and copied a chunk at a time (format 4)
+    chunk_sums: bytes = b""
+    target_starts: tuple[int, ...] = ()  # where in the part each of `targets` begins
+    touched: tuple[str, ...] = ()  # targets that verified chunks reached, of a part whose read then failed
 
 
 @dataclass
@@ -226,6 +230,8 @@ class TierIO:
                     reason = await self._try_bounced_read(name, part, budgeted)
                 if reason is None:
                     log.overwritten.update(part.targets)
+                else:
+                    log.overwritten.update(part.touched)
             else:
                 reason = await self._try_read(name, part.key, part.views, part, budgeted)
             if reason is None:
@@ -236,36 +242,63 @@ class TierIO:
         raise IntegrityError(f"part {part.key}: no tier returned it intact "
                              f"({'; '.join(reasons) or 'no tier holds this checkpoint'})")
 
-    async def _try_mapped_read(self, name: str, part: PartRead, budgeted: bool) -> tuple[bool, str | None]:
-        """On a tier that maps values in place (the memory tier): verify the part where it lies, then copy it
-        once into `part.views`. (False, None) when the tier cannot map it now: read a copy instead."""
+    async def _try_chunked_read(self, name: str, part: PartRead, budgeted: bool) -> tuple[bool, str | None]:
+        """On a tier of files: read the part a chunk at a time into a buffer that stays in cache, check the
+        chunk's digest, then copy it to `part.views`: one pass over memory, and no byte of a chunk reaches its
+        destination before the chunk passed. A chunk that fails stops the read (the chunks before it are
+        written, verified; the part is then read whole from the next tier). The part's own checksum is checked
+        too, over the same cache-hot chunks. (False, None) when the tier cannot read it that way now."""
         driver = self.file_tier(name)
         assert driver is not None
+        size, sums = part.chunk_size, memoryview(part.chunk_sums).cast("B")
+        outcome: list[str] = []
 
-        def verify_then_copy(view: memoryview) -> str | None:
-            if len(view) != part.length:
-                return f"length {len(view)}, expected {part.length}"
-            actual = checksum([view], part.algorithm)
-            if actual != part.checksum:
-                return f"{describe(part.algorithm, actual)}, expected {describe(part.algorithm, part.checksum)}"
-            scatter([view], part.views)
-            return None
+        written = [0]  # bytes of the part that verified chunks put in place
 
+        def consume(chunk: memoryview, at: int) -> bool:
+            index = at // size
+            expected = int.from_bytes(sums[8 * index:8 * index + 8], "little")
+            actual = chunk_digest(chunk, part.algorithm)
+            if actual != expected:
+                outcome.append(f"chunk {index}: {describe(part.algorithm, actual)}, expected "
+                               f"{describe(part.algorithm, expected)}")
+                return False
+            whole.update(chunk)
+            scatter([chunk], part.views, at)
+            written[0] = at + len(chunk)
+            return True
+
+        whole = Running(part.algorithm)
         pipeline, what = self._pipelines[name], f"read {part.key}"
-        op = lambda: driver.read_mapped(part.key, verify_then_copy)  # noqa: E731
+        op = lambda: driver.read_chunks(part.key, size, part.length, consume)  # noqa: E731
         try:
-            return await (pipeline.submit(part.length, op, what) if budgeted else pipeline.attempt(op, what))
+            n = await (pipeline.submit(part.length, op, what) if budgeted else pipeline.attempt(op, what))
         except TierError as e:
             return True, f"{type(e).__name__}: {e}"
+        if n is None:
+            return False, None
+        if written[0]:  # verified chunks reached the destination, whatever comes next
+            starts = part.target_starts or (0,) * len(part.targets)
+            part.touched = tuple(t for t, at in zip(part.targets, starts) if at < written[0])
+        if n != part.length:
+            return True, f"length {n}, expected {part.length}"
+        if outcome:
+            return True, outcome[0]
+        if len(sums) != 8 * (-(-part.length // size)):
+            return True, f"{len(sums) // 8} chunk digests for {-(-part.length // size)} chunks"
+        if whole.value() != part.checksum:
+            return True, (f"{describe(part.algorithm, whole.value())}, expected "
+                          f"{describe(part.algorithm, part.checksum)} (the record's chunk digests disagree)")
+        return True, None
 
     async def _try_bounced_read(self, name: str, part: PartRead, budgeted: bool) -> str | None:
         """Read `part` into a bounce buffer (a fresh one for every attempt, retries included), verify it, then
-        copy it to `part.views`; None when that succeeded, else why not. A tier that maps values in place
-        skips the bounce buffer: one copy instead of two."""
-        mapping = self.file_tier(name)
-        if mapping is not None and mapping.maps_reads:
-            mapped, reason = await self._try_mapped_read(name, part, budgeted)
-            if mapped:
+        copy it to `part.views`; None when that succeeded, else why not. A tier of files reads a part with chunk
+        digests a chunk at a time instead (no bounce buffer, one pass)."""
+        files = self.file_tier(name)
+        if files is not None and part.chunk_size and part.chunk_sums:
+            done, reason = await self._try_chunked_read(name, part, budgeted)
+            if done:
                 return reason
         current: list[torch.Tensor] = []
 

@@ -105,9 +105,7 @@ class Tier(ABC):
 class FileTier(Tier):
     """A tier whose values are files under a folder of this machine (`local`, `memory`). The engine uses
     these methods, and no other of a driver's internals, to stage a save straight into the tier's files (the
-    memory tier first in the stack: see save/arena.py) and to verify a value where it lies on a load."""
-
-    maps_reads: ClassVar[bool] = False  # loads verify a value where it lies (read_mapped) instead of a copy
+    memory tier first in the stack: see save/arena.py) and to verify and copy a value a chunk at a time on a load."""
 
     @property
     @abstractmethod
@@ -132,10 +130,13 @@ class FileTier(Tier):
         the tier wants for it (the memory tier's is private: 0700)."""
         path.mkdir(parents=True, exist_ok=True)
 
-    async def read_mapped(self, key: str, use: Callable[[memoryview], T]) -> tuple[bool, T | None]:
-        """(True, use(view)) with `view` the stored value mapped read-only, or (False, None) when it cannot be
-        mapped now (the caller then reads a copy). Only called when `maps_reads` is true."""
-        return False, None
+    async def read_chunks(self, key: str, chunk_size: int, length: int,
+                          consume: Callable[[memoryview, int], bool]) -> int | None:
+        """Hand the stored value to `consume(chunk, offset)` one `chunk_size` piece at a time, in order, through
+        one small buffer that stays in cache (consume verifies a piece and copies it on while it is hot);
+        `consume` returns False to stop. Returns the value's stored length (when it is not `length`, nothing is
+        handed over), or None when the value cannot be read that way now (the caller reads a copy instead)."""
+        return None
 
 
 async def start_tier(tier: Tier, executor: Executor, *, rank: int = 0, world_size: int = 1, node: int = 0,

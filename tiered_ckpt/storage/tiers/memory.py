@@ -1,26 +1,19 @@
 """Host memory as files under /dev/shm: a restarted trainer on the same node can still load from it.
 
 The same file driver as `local`, without fsync (tmpfs has no disk behind it) and with a capacity by
-default, because tmpfs pages come out of the node's RAM. Reads can also map a value in place
-(`read_mapped`): a load then verifies the part where it lies and copies it once, into its destination.
+default, because tmpfs pages come out of the node's RAM. A load reads a part a chunk at a time under a shared
+flock (`read_chunks`), so a retired part file is never rewritten as a staging buffer under a reader.
 """
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
 import pwd
 import re
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from pathlib import Path
 
-from ...errors import TierError, TierNotFound
 from .local import LocalTier
-
-T = TypeVar("T")
-# page tables filled in one call, not one fault per page while the part is hashed and copied
-MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-
 
 
 def default_path() -> str:
@@ -44,44 +37,19 @@ class MemoryOptions:
 
 class MemoryTier(LocalTier):
     Options = MemoryOptions
-    maps_reads = True
     folder_mode = 0o700  # host memory of this user's jobs: no one else's business
 
-    async def read_mapped(self, key: str, use: Callable[[memoryview], T]) -> tuple[bool, T | None]:
-        """(True, use(view)) with `view` a read-only mapping of `key`'s value; (False, None) when it cannot be
-        pinned (the caller then reads a copy). The file of a value can be reused by a staging buffer once
-        its checkpoint is retired (the engine renames it away under an exclusive flock, then writes it):
-        a shared flock, taken while the file is still the one under `key`, keeps that from happening while
-        `use` runs, so what `use` verifies is what it copies."""
-        path = self._path(key)
-
-        def pinned() -> tuple[bool, T | None]:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    return False, None  # being retired right now
-                st = os.fstat(fd)
-                try:
-                    if os.stat(path).st_ino != st.st_ino:
-                        return False, None  # retired between the open and the lock
-                except FileNotFoundError:
-                    return False, None
-                if st.st_size == 0:
-                    return True, use(memoryview(b""))
-                with mmap.mmap(fd, st.st_size, flags=MAP_FLAGS, prot=mmap.PROT_READ) as mapped:
-                    view = memoryview(mapped)
-                    try:
-                        return True, use(view)
-                    finally:
-                        view.release()
-            finally:
-                os.close(fd)  # releases the lock
-
+    def _open_for_chunks(self, path: Path) -> int | None:
+        """Held with a shared flock for the whole read, taken while the file is still the one under its key (see
+        the arena takes files back under an exclusive one): a retired file is never rewritten as a staging buffer
+        under this reader. None while it
+        is being retired."""
+        fd = os.open(path, os.O_RDONLY)
         try:
-            return await self.run_blocking(pinned)
-        except FileNotFoundError:
-            raise TierNotFound(f"{path} not found", tier=self.name) from None
-        except OSError as e:
-            raise TierError(f"mapping {path}: {e}", tier=self.name) from e
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except (BlockingIOError, FileNotFoundError):
+            pass
+        os.close(fd)
+        return None
