@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -283,6 +284,7 @@ def _from_columns(cols: dict[str, Any]) -> tuple[TensorMeta, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
 def dtype_from_str(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):

@@ -83,12 +83,19 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
         meta = manifest.tensors[index]
         local = local_tensor(target)
         _, box_offsets, box_sizes = local_box(target)
-        direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == meta.torch_dtype
+        dtype = meta.torch_dtype
+        direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == dtype
         for chunk in meta.chunks:
-            overlap = _intersect(chunk.offsets, chunk.sizes, box_offsets, box_sizes)
-            if overlap is None or chunk.nbytes == 0:
+            if chunk.nbytes == 0:
                 continue
             key = (chunk.rank, chunk.byte_offset)
+            if direct and chunk.sizes == box_sizes and chunk.offsets == box_offsets:  # the same box: the most common
+                reads.dests[key] = tensor_bytes(local)
+                reads.direct[key] = where
+                continue
+            overlap = _intersect(chunk.offsets, chunk.sizes, box_offsets, box_sizes)
+            if overlap is None:
+                continue
             lo, hi = overlap
             dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box_offsets))]
             inside = lo == tuple(chunk.offsets) and hi == tuple(o + n for o, n in zip(chunk.offsets, chunk.sizes))
@@ -100,7 +107,7 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
                 scratch[key] = torch.empty(chunk.nbytes, dtype=torch.uint8)
                 reads.dests[key] = tensor_bytes(scratch[key])
                 reads.keep.append(scratch[key])
-            src = scratch[key].view(meta.torch_dtype).view(chunk.sizes)
+            src = scratch[key].view(dtype).view(chunk.sizes)
             src = src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, chunk.offsets))]
             reads.copies.append((src, dst))
     return reads

@@ -45,7 +45,8 @@ async def verify(io: TierIO, status: CheckpointStatus, manifest: Manifest,
                 buffer = memoryview(await io.run_blocking(bytearray, length))
                 part = PartRead(PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path,
                                 [buffer], length, expected, bounce=True, algorithm=manifest.checksum,
-                                chunk_size=manifest.chunk_size, chunk_sums=manifest.chunk_sums_of(rank, p))
+                                chunk_size=manifest.chunk_size, chunk_sums=manifest.chunk_sums_of(rank, p),
+                                check_whole=True)
                 del buffer
                 log = ReadLog()
                 try:

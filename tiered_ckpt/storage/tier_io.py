@@ -53,6 +53,7 @@ class PartRead:
     chunk_size: int = 0  # with chunk_sums (8 bytes a chunk): verified and copied a chunk at a time (format 4)
     chunk_sums: bytes = b""
     target_starts: tuple[int, ...] = ()  # where in the part each of `targets` begins
+    check_whole: bool = False  # read in chunks: also check the part's own checksum (verify does; a load need not)
     touched: tuple[str, ...] = ()  # targets that verified chunks reached, of a part whose read then failed
 
 
@@ -246,8 +247,9 @@ class TierIO:
         """On a tier of files: read the part a chunk at a time into a buffer that stays in cache, check the
         chunk's digest, then copy it to `part.views`: one pass over memory, and no byte of a chunk reaches its
         destination before the chunk passed. A chunk that fails stops the read (the chunks before it are
-        written, verified; the part is then read whole from the next tier). The part's own checksum is checked
-        too, over the same cache-hot chunks. (False, None) when the tier cannot read it that way now."""
+        written, verified; the part is then read whole from the next tier). The chunk digests are the sealed
+        record's, so they are enough for a load; `check_whole` also checks the part's own checksum, over the same
+        cache-hot chunks (verify does). (False, None) when the tier cannot read it that way now."""
         driver = self.file_tier(name)
         assert driver is not None
         size, sums = part.chunk_size, memoryview(part.chunk_sums).cast("B")
@@ -263,12 +265,13 @@ class TierIO:
                 outcome.append(f"chunk {index}: {describe(part.algorithm, actual)}, expected "
                                f"{describe(part.algorithm, expected)}")
                 return False
-            whole.update(chunk)
+            if whole is not None:
+                whole.update(chunk)
             scatter([chunk], part.views, at)
             written[0] = at + len(chunk)
             return True
 
-        whole = Running(part.algorithm)
+        whole = Running(part.algorithm) if part.check_whole else None
         pipeline, what = self._pipelines[name], f"read {part.key}"
         op = lambda: driver.read_chunks(part.key, size, part.length, consume)  # noqa: E731
         try:
@@ -286,7 +289,7 @@ class TierIO:
             return True, outcome[0]
         if len(sums) != 8 * (-(-part.length // size)):
             return True, f"{len(sums) // 8} chunk digests for {-(-part.length // size)} chunks"
-        if whole.value() != part.checksum:
+        if whole is not None and whole.value() != part.checksum:
             return True, (f"{describe(part.algorithm, whole.value())}, expected "
                           f"{describe(part.algorithm, part.checksum)} (the record's chunk digests disagree)")
         return True, None
