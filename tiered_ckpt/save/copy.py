@@ -46,6 +46,24 @@ def stream_steps(devices: Sequence[torch.device | None], events: Mapping[torch.d
     return steps
 
 
+PIECE = 4 << 20  # a large tensor is copied in pieces of this many bytes, each reported as it lands
+
+
+def _copy_reporting(src: torch.Tensor, dst: torch.Tensor, offset: int, report: Callable[[int], None]) -> None:
+    """Copy, reporting progress piece by piece, so the bytes are hashed right behind the copy, in cache."""
+    nbytes = dst.numel() * dst.element_size()
+    if nbytes <= PIECE or not src.is_contiguous():
+        dst.copy_(src)
+        report(offset + nbytes)
+        return
+    flat_src, flat_dst = src.reshape(-1), dst.view(-1)
+    per_piece = max(PIECE // dst.element_size(), 1)
+    for at in range(0, flat_dst.numel(), per_piece):
+        end = min(at + per_piece, flat_dst.numel())
+        flat_dst[at:end].copy_(flat_src[at:end])
+        report(offset + end * dst.element_size())
+
+
 def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
           events: Mapping[torch.device, Any] | None = None, staged_up_to: Callable[[int], None] | None = None) -> None:
     """Copy this rank's boxes into `buf` at the plan's offsets. Runs in a worker thread (copy_ drops the
@@ -73,9 +91,10 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
                 index, device = args
                 src, dst = sources[index], views[index]
                 if device is None:
-                    dst.copy_(src)
                     if report is not None and not streams:
-                        report(plan.local[index].offset + plan.local[index].nbytes)
+                        _copy_reporting(src, dst, plan.local[index].offset, report)
+                    else:
+                        dst.copy_(src)
                 else:
                     with torch.cuda.stream(streams[device]):
                         dst.copy_(src, non_blocking=True)

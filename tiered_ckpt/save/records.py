@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-from ..checksum import CHUNK_SIZE, part_digests
+from ..checksum import CHUNK_SIZE, Running, chunk_digest, part_digests
 from ..layout import manifest_key, rank_meta_key
 from ..manifest import Manifest, RankMeta
 from ..state import encode_skeleton
@@ -24,6 +24,32 @@ def chunk_size_for(part_size: int) -> int:
     return chunk if chunk >= 4096 else 0
 
 
+class PartStream:
+    """The parts' checksums and chunk digests of a staging buffer, fed in order, a range of whole chunks at a
+    time (the hashing thread runs one feed after the other)."""
+
+    def __init__(self, plan: Plan, algorithm: str, chunk_size: int):
+        self.plan, self.algorithm, self.chunked = plan, algorithm, chunk_size > 0
+        self.step = chunk_size or plan.part_size
+        self.results: list[tuple[int, bytes]] = []  # per finished part: (checksum, chunk digests)
+        self._part = 0
+        self._whole = Running(algorithm)
+        self._chunks = bytearray()
+
+    def feed(self, view: memoryview, a: int, b: int) -> None:
+        """Bytes [a, b) of the buffer, which start where the last feed ended and end on a chunk boundary (or
+        at the end of the buffer)."""
+        for at in range(a, b, self.step):
+            piece = view[at:min(at + self.step, b)]
+            self._whole.update(piece)
+            if self.chunked:
+                self._chunks += chunk_digest(piece, self.algorithm).to_bytes(8, "little")
+            if at + len(piece) == self.plan.part_range(self._part)[1]:  # the part's last byte
+                self.results.append((self._whole.value(), bytes(self._chunks)))
+                self._part += 1
+                self._whole, self._chunks = Running(self.algorithm), bytearray()
+
+
 class Records:
     def __init__(self, io: TierIO, commit: Committer, step: int, plan: Plan, skeleton: Any, metadata: dict[str, Any],
                  algorithm: str):
@@ -35,30 +61,44 @@ class Records:
         self.metadata = metadata
         self.algorithm = algorithm
         self.chunk_size = chunk_size_for(plan.part_size)
-        # per part: (its checksum, its chunks' digests), submitted as parts are staged
+        # per part: (its checksum, its chunks' digests), hashed after the copy (one thread a part) ...
         self._part_sums: list[concurrent.futures.Future[tuple[int, bytes]]] = []
+        # ... or streamed: chunk after chunk on the hashing thread, right behind the copy
+        self._stream = PartStream(plan, self.algorithm, self.chunk_size)
+        self._submitted = 0  # bytes handed to the stream
+        self._streamed: concurrent.futures.Future[None] | None = None  # the last piece handed over
         self._checksums: asyncio.Task[list[tuple[int, bytes]]] | None = None
         self._manifest: asyncio.Task[bytes] | None = None
         self._rank_meta: asyncio.Task[bytes] | None = None
 
     # -- checksums -------------------------------------------------------------------------------
     def hash_staged(self, view: memoryview, up_to: int) -> None:
-        """Every part that ends at or before `up_to` is staged in `view`: checksum it now, in a thread, while
-        the copy goes on (callable from the staging thread)."""
-        while len(self._part_sums) < self.plan.num_parts:
-            a, b = self.plan.part_range(len(self._part_sums))
-            if b > up_to:
-                break
-            self._part_sums.append(self.io.submit_blocking(part_digests, view[a:b], self.algorithm,
-                                                          self.chunk_size or b - a or 1))
+        """The first `up_to` bytes of `view` are staged (called from the staging thread as the copy goes on):
+        hash every whole chunk among them now, in order, on the hashing thread, while it is still in cache."""
+        step, total = self.chunk_size or self.plan.part_size, self.plan.nbytes
+        end = total if up_to >= total else up_to // step * step
+        if end > self._submitted:
+            self._streamed = self.io.submit_hashing(self._stream.feed, view, self._submitted, end)
+            self._submitted = end
 
     def start_checksums(self, view: memoryview) -> None:
-        """The whole buffer is staged: checksum what is left, once."""
-        if self._checksums is None:
-            self.hash_staged(view, view.nbytes)
-            self._checksums = asyncio.ensure_future(self._gather())
+        """The whole buffer is staged: hash what is left, once. Without hashing during the copy, every part
+        is hashed at once, each in a thread of its own."""
+        if self._checksums is not None:
+            return
+        if self._submitted:  # streamed while staging: finish the stream
+            self.hash_staged(view, self.plan.nbytes)
+        else:
+            for p in range(self.plan.num_parts):
+                a, b = self.plan.part_range(p)
+                self._part_sums.append(self.io.submit_blocking(part_digests, view[a:b], self.algorithm,
+                                                              self.chunk_size or b - a or 1))
+        self._checksums = asyncio.ensure_future(self._gather())
 
     async def _gather(self) -> list[tuple[int, bytes]]:
+        if self._streamed is not None:
+            await asyncio.wrap_future(self._streamed)
+            return self._stream.results
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in self._part_sums)))
 
     async def checksums(self) -> list[int]:
@@ -75,6 +115,8 @@ class Records:
         """Wait until no hashing thread reads the staging buffer any more (success or not)."""
         if self._part_sums:
             await asyncio.wait([asyncio.wrap_future(f) for f in self._part_sums])
+        if self._streamed is not None:
+            await asyncio.wait([asyncio.wrap_future(self._streamed)])
         if self._checksums is not None:
             await asyncio.wait([self._checksums])
 

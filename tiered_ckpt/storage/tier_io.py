@@ -117,6 +117,7 @@ class TierIO:
         # pipeline: a disk blocked in fsync must not starve the memory tier, whose speed is what lets the
         # next save reuse the staging buffer early.
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tiered_ckpt")
+        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="tiered_ckpt-hash")  # in order, right behind a copy
         self._tier_executors = {t.name: ThreadPoolExecutor(t.workers, thread_name_prefix=f"tiered_ckpt-{t.name}")
                                 for t in configs}
         self.bounce = BouncePool(max(2, io_threads))
@@ -166,12 +167,16 @@ class TierIO:
         self.shutdown()
 
     def shutdown(self) -> None:
-        for executor in (self._executor, *self._tier_executors.values()):
+        for executor in (self._executor, self._hashing, *self._tier_executors.values()):
             executor.shutdown(wait=False)
 
     def submit_blocking(self, fn: Callable[..., T], *args: Any) -> "concurrent.futures.Future[T]":
         """run_blocking from any thread (e.g. a staging copy handing finished parts to their checksums)."""
         return self._executor.submit(fn, *args)
+
+    def submit_hashing(self, fn: Callable[..., T], *args: Any) -> "concurrent.futures.Future[T]":
+        """On the one hashing thread: pieces handed over one after the other are hashed in that order."""
+        return self._hashing.submit(fn, *args)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """CPU work (memcpy, checksums) in a thread; the functions used here release the GIL."""
