@@ -40,6 +40,9 @@ class EngineConfig:
     allow_pickle: bool = False
     adopt: bool = False  # load checkpoints whose manifests name another index (a moved or rebuilt index)
     io_threads: int = field(default=4, metadata=bounds(min=1))
+    # background work (checksums, tier I/O) runs this much nicer than the process: a contended core goes to
+    # training; 0 keeps the process's priority
+    background_nice: int = field(default=10, metadata=bounds(min=0, max=19))
     collective_timeout: float = field(default=600.0, metadata=bounds(above=0))
     commit_timeout: float = field(default=600.0, metadata=bounds(above=0))
     # a memory tier first in the stack (every = 1, keep_last set) is the staging buffer: one copy to safe

@@ -43,7 +43,7 @@ class Engine:
         self.config = config
         self.job = config.engine.job
         self.coordinator = Coordinator()  # replaced at open() when a process group exists
-        self.io = TierIO(config.tiers, config.engine.io_threads)
+        self.io = TierIO(config.tiers, config.engine.io_threads, background_nice=config.engine.background_nice)
         self.index: Index = open_index(config.engine.index)
         self.catalog = Catalog(self.job, self.index, self.io, adopt=config.engine.adopt)
         self.pool = StagingPool(config.engine.max_inflight)

@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only tiered_ckpt beside torch.save, DCP async_save, torch_checkpointing, torchsnapshot and "
                         "dlrover, each in fresh processes: the second save of a process (bench/peers.py)")
     peers.add_arguments(p)
+    p.add_argument("--training-loop", action="store_true",
+                   help="only what checkpointing takes from a training loop: a ~2.2M-parameter GPT trained with no "
+                        "checkpoint, with lazy saves every 3 steps, and with DCP saving synchronously "
+                        "(bench/loop_share.py)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -58,6 +62,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
         urls = [args.redis] if args.redis not in ("auto", "off") else []
         return run_cli([int(n) for n in args.index_storm.split(",")], urls, 64, 10_000)
+    if args.training_loop:
+        from . import loop_share
+
+        print(loop_share.report(loop_share.measure(repeats=args.repeats or 3, base=Path(args.dir or ".bench"),
+                                                   shm=args.shm, dcp=not args.no_dcp)))
+        return 0
     if args.peers:
         return peers.run_cli([parse_size(s) for s in (args.size or "100MiB,1GiB").split(",")], args.repeats or 2,
                              args.libraries.split(","), args.first_saves, Path(args.dir or ".bench"),

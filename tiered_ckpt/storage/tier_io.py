@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncContextManager, Callable, Iterable, Iterator, Sequence, TypeVar
@@ -102,24 +105,38 @@ class BouncePool:
         self._dropped.clear()
 
 
+def _lower_priority(nice: int) -> None:
+    """A worker thread's start: raise its nice value (Linux: a thread's own), never above 19."""
+    if nice > 0 and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(
+                os.PRIO_PROCESS, threading.get_native_id()) + nice))
+        except OSError:
+            pass  # not allowed here: the thread runs at the process's priority
+
+
 class TierIO:
     """The configured tiers, fastest first: the only way into a driver. Every operation has the tier's timeout
     and retries (its pipeline's); writes and reads also hold the tier's byte budget and a worker slot."""
 
-    def __init__(self, configs: Sequence[TierConfig], io_threads: int):
+    def __init__(self, configs: Sequence[TierConfig], io_threads: int, *, background_nice: int = 0):
         self.configs = {t.name: t for t in configs}
         self._drivers: dict[str, Tier] = {t.name: driver_class(t.kind)(t.name, t.options) for t in configs}
         self._pipelines = {t.name: TierPipeline(t.name, workers=t.workers, inflight=t.inflight, retries=t.retries,
                                                 timeout=t.timeout, backoff=t.backoff,
                                                 skip_when_behind=t.skip_when_behind)
                            for t in configs}
-        # CPU work (staging copies, checksums, scatters) on one pool; each tier's I/O on its own, sized to its
-        # pipeline: a disk blocked in fsync must not starve the memory tier, whose speed is what lets the
-        # next save reuse the staging buffer early.
-        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tiered_ckpt")
-        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="tiered_ckpt-hash")  # in order, right behind a copy
-        self._tier_executors = {t.name: ThreadPoolExecutor(t.workers, thread_name_prefix=f"tiered_ckpt-{t.name}")
-                                for t in configs}
+        # The staging copy on threads of its own, at normal priority (a lazy save's copy must be done before the
+        # optimizer step); the rest of the CPU work (checksums, scatters) on one pool; each tier's I/O on its own,
+        # sized to its pipeline: a disk blocked in fsync must not starve the memory tier, whose speed is what
+        # lets the next save reuse the staging buffer early. Everything but the copy runs `background_nice`
+        # lower, so a core that training wants goes to training.
+        lower = functools.partial(_lower_priority, background_nice)
+        self._copies = ThreadPoolExecutor(io_threads, thread_name_prefix="tiered_ckpt-copy")
+        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tiered_ckpt", initializer=lower)
+        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="tiered_ckpt-hash", initializer=lower)
+        self._tier_executors = {t.name: ThreadPoolExecutor(t.workers, thread_name_prefix=f"tiered_ckpt-{t.name}",
+                                                           initializer=lower) for t in configs}
         self.bounce = BouncePool(max(2, io_threads))
 
     @property
@@ -167,12 +184,16 @@ class TierIO:
         self.shutdown()
 
     def shutdown(self) -> None:
-        for executor in (self._executor, self._hashing, *self._tier_executors.values()):
+        for executor in (self._copies, self._executor, self._hashing, *self._tier_executors.values()):
             executor.shutdown(wait=False)
 
     def submit_blocking(self, fn: Callable[..., T], *args: Any) -> "concurrent.futures.Future[T]":
         """run_blocking from any thread (e.g. a staging copy handing finished parts to their checksums)."""
         return self._executor.submit(fn, *args)
+
+    async def run_copy(self, fn: Callable[..., T], *args: Any) -> T:
+        """The staging copy, in a thread at the caller's priority (copy_ drops the GIL)."""
+        return await asyncio.get_running_loop().run_in_executor(self._copies, fn, *args)
 
     def submit_hashing(self, fn: Callable[..., T], *args: Any) -> "concurrent.futures.Future[T]":
         """On the one hashing thread: pieces handed over one after the other are hashed in that order."""
