@@ -13,11 +13,13 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from .checksum import resolve as resolve_checksum
 from .config import Config, check_config, load_config
+from .errors import ConfigError
 from .distributed.coordinator import Coordinator
 from .lifecycle.busy import BusySteps
 from .lifecycle.gc import GRACE, GcReport, GcScope, collect
 from .lifecycle.removal import Removal
 from .lifecycle.retention import Retention
+from .lifecycle.rules import Best, Rules
 from .lifecycle.writer import Writer
 from .load.catalog import Catalog
 from .load.export import ExportInfo
@@ -78,7 +80,8 @@ class Engine:
         self.committed.update(s.step for s in await self.catalog.statuses() if s.is_complete)
         removal = Removal(self.job, self.index, self.io, self.busy, self.committed, rank=self.rank,
                           world_size=self.world_size, reclaim=self.pool.reclaim)
-        retention = Retention(self.job, self.index, removal, self.busy, {t.name: t.keep_last for t in self.config.tiers})
+        rules = {t.name: Rules.of(t) for t in self.config.tiers}
+        retention = Retention(self.job, self.index, removal, self.busy, rules)
         writer = Writer(self.job, self.index, self.coordinator, removal)
         commit = Committer(self.index, self.job, rank=self.rank, world_size=self.world_size,
                            session=self.coordinator.session, timeout=engine.commit_timeout)
@@ -101,7 +104,7 @@ class Engine:
                 and first.keep_last is not None and mapped_supported(engine.part_size)):
             return None
         return Arena(first.name, tier, Arena.home_for(tier, self.job, self.session, self.rank), engine.part_size,
-                     first.keep_last, self.job)  # nothing on the tier changes before the first save
+                     first.keep_last, self.job, keep_best=first.keep_best or 0)  # nothing changes before a first save
 
     async def close(self, *, raise_errors: bool = True) -> None:
         """Wait for every save in flight, close tiers and index; raise an unobserved background error."""
@@ -177,14 +180,34 @@ class Engine:
         _, _, saver, _ = self._open_parts()
         return await saver.save(step, state, lazy=lazy, metadata=metadata, ready_events=ready_events)
 
-    async def load(self, state: Any, *, step: int | None = None, tiers: Sequence[str] | None = None) -> LoadInfo:
-        """Load the newest complete checkpoint (or `step`) into `state` in place.
+    async def load(self, state: Any, *, step: int | None = None, tiers: Sequence[str] | None = None,
+                   best: bool = False) -> LoadInfo:
+        """Load the newest complete checkpoint (or `step`; with best=True the best one by the tiers'
+        `best_metric`, see best()) into `state` in place.
 
         Reads each part from the fastest tier on which the checkpoint is complete; a missing part, a
         short read or a checksum mismatch falls back to the next tier (LoadInfo.fallbacks says which).
         `tiers` restricts which tiers may serve, in speed order. A load never changes the index."""
         _, _, _, loader = self._open_parts()
-        return await loader.load(state, step=step, tiers=tiers)
+        if best and step is not None:
+            raise ValueError(f"load(best=True) picks the step itself: give step={step} or best=True, not both")
+        return await loader.load(state, step=step, tiers=tiers, best=self._best_rule() if best else None)
+
+    async def best(self, tiers: Sequence[str] | None = None) -> CheckpointStatus:
+        """The checkpoint load(best=True) takes: the best by the tiers' `best_metric` (lowest with best_mode
+        "min", highest with "max") of save()'s metadata, among those complete on `tiers` (default: every
+        tier) that can be loaded. IncompleteCheckpoint when none carries the metric; ConfigError when no tier
+        names one. No collective: it reads the index (and the tiers' listings) on this process."""
+        self._open_parts()
+        allowed = self.io.names if tiers is None else list(tiers)
+        return await self.catalog.pick(None, allowed, self._best_rule())
+
+    def _best_rule(self) -> Best:
+        best = Best.of(self.config)
+        if best is None:
+            raise ConfigError("the best checkpoint is judged by a tier's best_metric: set keep_best and best_metric "
+                              "(and best_mode) on a tier", key="tiers.best_metric", file=self.config.source)
+        return best
 
     # -- what exists -----------------------------------------------------------------------------
     async def statuses(self) -> list[CheckpointStatus]:

@@ -93,8 +93,14 @@ class Checkpointer:
         return SyncSaveHandle(self._run(self.engine.save(step, state, lazy=lazy, metadata=metadata,
                                                          ready_events=events)), self)
 
-    def load(self, state: Any, *, step: int | None = None, tiers: Sequence[str] | None = None) -> LoadInfo:
-        return self._run(self.engine.load(state, step=step, tiers=tiers))
+    def load(self, state: Any, *, step: int | None = None, tiers: Sequence[str] | None = None,
+             best: bool = False) -> LoadInfo:
+        """Engine.load, blocking: the newest complete checkpoint, `step`, or with best=True the best one."""
+        return self._run(self.engine.load(state, step=step, tiers=tiers, best=best))
+
+    def best(self, tiers: Sequence[str] | None = None) -> CheckpointStatus:
+        """Engine.best, blocking: the checkpoint load(best=True) takes."""
+        return self._run(self.engine.best(tiers))
 
     def list(self) -> list[CheckpointStatus]:
         async def collect() -> list[CheckpointStatus]:
