@@ -89,10 +89,17 @@ class Loader:
         lacks are looked up in the other ranks' skeletons."""
         rank = self.coordinator.rank
         source = rank if rank < manifest.world_size else 0
-        others = [lambda r=r: decode_skeleton(manifest.skeleton_of(r)) for r in range(len(manifest.ranks)) if r != source]
+        decoded: dict[int, Any] = {}
+
+        def skeleton_of(r: int) -> Any:  # decoded on demand, once
+            if r not in decoded:
+                decoded[r] = decode_skeleton(manifest.skeleton_of(r))
+            return decoded[r]
+
+        others = [lambda r=r: skeleton_of(r) for r in range(len(manifest.ranks)) if r != source]
         saved = {t.path: SavedTensor(i, t.torch_dtype, t.shape) for i, t in enumerate(manifest.tensors)}
-        return match(state, decode_skeleton(manifest.skeleton_of(source)), tensors=saved, others=others,
-                     allow_pickle=self.allow_pickle, rank=rank, saved_world=manifest.world_size)
+        return match(state, skeleton_of(source), tensors=saved, others=others, allow_pickle=self.allow_pickle,
+                     rank=rank, saved_world=manifest.world_size, skeleton_of=skeleton_of)
 
     async def _agree_on_step(self, step: int | None, allowed: list[str], best: Best | None) -> CheckpointStatus:
         """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error)."""
