@@ -142,7 +142,8 @@ def _keys(obj: Any) -> list[tuple[str, str]]:
             text = f"{_human(value)} ({value} bytes)"
         elif value is None:
             text = {"keep_last": "all", "capacity": "unlimited", "keep_best": "none", "best_metric": "none",
-                    "keep_every": "none"}.get(f.name, "default")
+                    "keep_every": "none", "save_every_steps": "none", "save_every_seconds": "none"}.get(f.name,
+                                                                                                   "default")
         elif isinstance(value, bool):
             text = str(value).lower()
         elif isinstance(value, str):

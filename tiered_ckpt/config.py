@@ -48,6 +48,10 @@ class EngineConfig:
     # false: ignore torch.distributed's default process group and act as a world of one rank (rank 0 of 1),
     # with no collectives: one process saves the full state (e.g. Lightning's global rank 0), others only load
     distributed: bool = True
+    # when should_save(step) says yes (save/policy.py): every N steps, every T seconds (rank 0's clock), on SIGTERM
+    save_every_steps: int | None = field(default=None, metadata=bounds(min=1, why="omit it for no step rule"))
+    save_every_seconds: float | None = field(default=None, metadata=bounds(above=0, why="omit it for no time rule"))
+    save_on_sigterm: bool = False
 
 
 @dataclass(frozen=True)

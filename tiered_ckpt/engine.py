@@ -8,12 +8,13 @@ Lifecycle: `async with Engine(config) as engine` opens the tiers and the index; 
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from .checksum import resolve as resolve_checksum
 from .config import Config, check_config, load_config
-from .errors import ConfigError
+from .errors import ConfigError, TieredCkptError
 from .distributed.coordinator import Coordinator
 from .lifecycle.busy import BusySteps
 from .lifecycle.gc import GRACE, GcReport, GcScope, collect
@@ -33,10 +34,14 @@ from .save.handle import SaveHandle
 from .save.job import SaveServices
 from .save.mapped import supported as mapped_supported
 from .save.plan import Planner
+from .save.policy import SavePolicy
 from .save.pool import StagingPool
 from .save.saver import Saver
 from .storage.index import CheckpointStatus, Index, open_index
 from .storage.tier_io import TierIO
+
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -51,6 +56,7 @@ class Engine:
         self.pool = StagingPool(config.engine.max_inflight)
         self.planner = Planner(config.engine.part_size, self.coordinator)
         self.busy = BusySteps()
+        self.policy = SavePolicy.of(config.engine)  # should_save: when to save (save/policy.py)
         self.committed: set[int] = set()  # steps complete on some tier, as far as this process knows
         self._parts: tuple[Writer, Removal, Saver, Loader] | None = None  # built at open(): they need the rank
         self._state = "new"
@@ -68,7 +74,8 @@ class Engine:
         if engine.distributed:  # one rank of the default process group's world, when there is one
             self.coordinator = await Coordinator.create(engine.collective_timeout)
         # else (distributed = false) the single-rank Coordinator from __init__: no process group, no collectives
-        self.planner.coordinator = self.coordinator
+        self.planner.coordinator = self.policy.coordinator = self.coordinator
+        self.policy.arm()  # save_on_sigterm: the SIGTERM handler (from the main thread; tc.Checkpointer arms it)
         node, num_nodes = await self.coordinator.node()
         for name in self.io:  # a file tier's capacity bounds this job's bytes, not those of others sharing its folder
             tier = self.io.file_tier(name)
@@ -113,6 +120,7 @@ class Engine:
             return
         self._state = "closing"
         _, _, saver, _ = self._open_parts()
+        self.policy.disarm()
         await saver.wait_all()
         await self.io.close()
         await self.index.close()
@@ -178,7 +186,36 @@ class Engine:
         they are recorded here, on the calling thread's current streams. A failure of an earlier save that no
         one waited for is raised here (once), and this save is not started."""
         _, _, saver, _ = self._open_parts()
-        return await saver.save(step, state, lazy=lazy, metadata=metadata, ready_events=ready_events)
+        handle = await saver.save(step, state, lazy=lazy, metadata=metadata, ready_events=ready_events)
+        self.policy.saved()
+        if self.policy.last_save_due:  # should_save said yes for a SIGTERM: this was the last save
+            await self._finish(handle)
+        return handle
+
+    async def should_save(self, step: int) -> bool:
+        """Whether the loop should save `step` now, by the `[engine]` rules: `save_every_steps` (step divisible),
+        `save_every_seconds` (that long since the last save, by rank 0's clock) and `save_on_sigterm` (a SIGTERM
+        reached any rank). Every rank gets the same answer; call it on every rank at the same steps, as save().
+        With several ranks and a time or signal rule it is a collective (one small all_reduce). After a SIGTERM,
+        the save() that follows waits until the checkpoint is done on every tier it targets, then the process
+        ends as the signal would have ended it (the previous SIGTERM handler gets it). See docs/operations.md."""
+        self._open_parts()
+        return await self.policy.should_save(step)
+
+    async def _finish(self, handle: SaveHandle) -> None:
+        """The last save before the process ends: wait for every tier (a failure is logged), then let SIGTERM
+        take its course."""
+        if not handle.tiers:
+            log.error("step %d is the save after SIGTERM, but no tier takes that step (their `every`): nothing was "
+                      "saved", handle.step)
+        try:
+            await handle.wait()
+            log.warning("step %d is saved on %s; ending the process as SIGTERM asked", handle.step,
+                        ", ".join(handle.tiers))
+        except TieredCkptError as e:
+            log.error("the save of step %d after SIGTERM failed (%s); ending the process as SIGTERM asked",
+                      handle.step, e)
+        self.policy.finish()
 
     async def load(self, state: Any, *, step: int | None = None, tiers: Sequence[str] | None = None,
                    best: bool = False) -> LoadInfo:

@@ -344,10 +344,10 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
     did not exist at save time); `tensors` maps saved names to what was saved. A key the caller has that
     `saved` lacks is looked up in the other ranks' skeletons (`others`, decoded on demand), so a key held
     by one rank only can be loaded by any rank. `skeleton_of(r)`: saved rank r's skeleton, for a PerRank entry
-    whose `missing` function derives a new rank's value from every saved rank's. Tensors the caller has are filled in place; keys the
-    caller's plain dicts lack are not loaded (partial loads work); inside a stateful object's state dict,
-    values the object lacks (a fresh optimizer's state) are created and handed to load_state_dict. Raises
-    StateError naming the key on any mismatch, before anything is read."""
+    whose `missing` function derives a new rank's value from every saved rank's. Tensors the caller has are
+    filled in place; keys the caller's plain dicts lack are not loaded (partial loads work); inside a stateful
+    object's state dict, values the object lacks (a fresh optimizer's state) are created and handed to
+    load_state_dict. Raises StateError naming the key on any mismatch, before anything is read."""
     target = LoadTarget()
     decoded: list[Any] = []
     matched = [0]  # keys of the given state found in the checkpoint (an equal value loads as "no change")

@@ -70,6 +70,7 @@ class Checkpointer:
         except BaseException:
             self._stop()
             raise
+        self.engine.policy.arm()  # save_on_sigterm: here, in the caller's thread (the engine opened in the loop's)
 
     @staticmethod
     async def _open(config: Config) -> Engine:
@@ -92,6 +93,11 @@ class Checkpointer:
         events = producer_events()  # here, in the training thread, whose streams produce the tensors
         return SyncSaveHandle(self._run(self.engine.save(step, state, lazy=lazy, metadata=metadata,
                                                          ready_events=events)), self)
+
+    def should_save(self, step: int) -> bool:
+        """Engine.should_save, blocking: whether to save `step` now by the [engine] rules (the same answer on
+        every rank; after a SIGTERM, the save that follows is the last one before the process ends)."""
+        return self._run(self.engine.should_save(step))
 
     def load(self, state: Any, *, step: int | None = None, tiers: Sequence[str] | None = None,
              best: bool = False) -> LoadInfo:
@@ -132,6 +138,7 @@ class Checkpointer:
         if self._loop.is_closed():
             return
         try:
+            self.engine.policy.disarm()
             self._run(self.engine.close(raise_errors=raise_errors))
         finally:
             self._stop()
