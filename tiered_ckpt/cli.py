@@ -1,5 +1,5 @@
-"""`tiered-ckpt ls | show STEP|best | verify [STEP] | export [STEP] --to FORMAT -o PATH | delete STEP | gc [--dry-run] |
-config check FILE | bench`."""
+"""`tiered-ckpt ls | show STEP|best | verify [STEP] | export [STEP] --to FORMAT -o PATH | delete STEP |
+gc [--dry-run] | config check FILE | bench`."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +22,8 @@ from .storage.index import CheckpointStatus, open_index
 from .storage.redis_connect import redact
 
 DEFAULT_CONFIG = os.environ.get("TIERED_CKPT_CONFIG", "tiers/local.toml")
+UNSET = {"keep_last": "all", "capacity": "unlimited", "keep_best": "none", "best_metric": "none", "keep_every": "none",
+         "save_every_steps": "none", "save_every_seconds": "none"}  # what `config check` says of a key left unset
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,9 +143,7 @@ def _keys(obj: Any) -> list[tuple[str, str]]:
         if f.metadata.get("size") and value is not None:
             text = f"{_human(value)} ({value} bytes)"
         elif value is None:
-            text = {"keep_last": "all", "capacity": "unlimited", "keep_best": "none", "best_metric": "none",
-                    "keep_every": "none", "save_every_steps": "none", "save_every_seconds": "none"}.get(f.name,
-                                                                                                   "default")
+            text = UNSET.get(f.name, "default")
         elif isinstance(value, bool):
             text = str(value).lower()
         elif isinstance(value, str):

@@ -14,8 +14,8 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from .checksum import resolve as resolve_checksum
 from .config import Config, check_config, load_config
-from .errors import ConfigError, TieredCkptError
 from .distributed.coordinator import Coordinator
+from .errors import ConfigError, TieredCkptError
 from .lifecycle.busy import BusySteps
 from .lifecycle.gc import GRACE, GcReport, GcScope, collect
 from .lifecycle.removal import Removal
@@ -184,7 +184,8 @@ class Engine:
         staging buffers; a further save waits here for one. CUDA copies wait for `ready_events` (per device,
         from `tiered_ckpt.save.copy.producer_events()` in the thread that runs the training step); by default
         they are recorded here, on the calling thread's current streams. A failure of an earlier save that no
-        one waited for is raised here (once), and this save is not started."""
+        one waited for is raised here (once), and this save is not started. The save after should_save() said
+        yes for a SIGTERM is the last: it waits for every tier, and then the process ends (should_save)."""
         _, _, saver, _ = self._open_parts()
         handle = await saver.save(step, state, lazy=lazy, metadata=metadata, ready_events=ready_events)
         self.policy.saved()
