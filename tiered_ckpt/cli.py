@@ -1,5 +1,5 @@
-"""`tiered-ckpt ls | show STEP | verify [STEP] | export [STEP] --to FORMAT -o PATH | delete STEP | gc [--dry-run] |
-config check FILE | bench`."""
+"""`tiered-ckpt ls | show STEP|best | verify [STEP] | export [STEP] --to FORMAT -o PATH | delete STEP |
+gc [--dry-run] | config check FILE | bench`."""
 from __future__ import annotations
 
 import argparse
@@ -15,12 +15,15 @@ from .config import load_config
 from .engine import Engine
 from .errors import ConfigError, TieredCkptError
 from .lifecycle.gc import GRACE, in_flight
+from .lifecycle.rules import Best
 from .sizes import format_size
 from .state import PerRankMark, Pickled, TensorAlias, TensorRef, decode_skeleton, path_str
 from .storage.index import CheckpointStatus, open_index
 from .storage.redis_connect import redact
 
 DEFAULT_CONFIG = os.environ.get("TIERED_CKPT_CONFIG", "tiers/local.toml")
+UNSET = {"keep_last": "all", "capacity": "unlimited", "keep_best": "none", "best_metric": "none", "keep_every": "none",
+         "save_every_steps": "none", "save_every_seconds": "none"}  # what `config check` says of a key left unset
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with_config(sub.add_parser("ls", help="list checkpoints and the tiers that hold them"))
     show = with_config(sub.add_parser("show", help="describe one checkpoint"))
-    show.add_argument("step", type=int)
+    show.add_argument("step", type=_step_or_best, metavar="STEP|best",
+                      help="a step, or best: the best complete checkpoint by the tiers' best_metric")
     show.add_argument("--tensors", action="store_true", help="list every tensor")
     show.add_argument("--values", action="store_true", help="list every plain value")
     verify = with_config(sub.add_parser("verify", help="re-read every part on every tier and check checksums"))
@@ -139,7 +143,7 @@ def _keys(obj: Any) -> list[tuple[str, str]]:
         if f.metadata.get("size") and value is not None:
             text = f"{_human(value)} ({value} bytes)"
         elif value is None:
-            text = {"keep_last": "all", "capacity": "unlimited"}.get(f.name, "default")
+            text = UNSET.get(f.name, "default")
         elif isinstance(value, bool):
             text = str(value).lower()
         elif isinstance(value, str):
@@ -203,7 +207,23 @@ async def cmd_ls(engine: Engine, args: argparse.Namespace) -> int:
     return 0
 
 
+def _step_or_best(text: str) -> int | str:
+    if text == "best":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a step (an integer) or best, got {text!r}") from None
+
+
 async def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
+    if args.step == "best":  # the one load(best=True) takes
+        picked = await engine.best()
+        best = Best.of(engine.config)
+        assert best is not None
+        print(f"best by {best.metric} ({'lowest' if best.mode == 'min' else 'highest'}): step {picked.step}, "
+              f"{best.metric} = {picked.metadata.get(best.metric)!r}")
+        args.step = picked.step
     status = await engine.status(args.step)
     if status is None:
         raise LookupError(f"job {engine.job!r} has no checkpoint {args.step}")

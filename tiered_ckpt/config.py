@@ -51,6 +51,10 @@ class EngineConfig:
     # false: ignore torch.distributed's default process group and act as a world of one rank (rank 0 of 1),
     # with no collectives: one process saves the full state (e.g. Lightning's global rank 0), others only load
     distributed: bool = True
+    # when should_save(step) says yes (save/policy.py): every N steps, every T seconds (rank 0's clock), on SIGTERM
+    save_every_steps: int | None = field(default=None, metadata=bounds(min=1, why="omit it for no step rule"))
+    save_every_seconds: float | None = field(default=None, metadata=bounds(above=0, why="omit it for no time rule"))
+    save_on_sigterm: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,11 @@ class TierConfig:
     name: str
     kind: str
     keep_last: int | None = field(default=None, metadata=bounds(min=1, why="omit it to keep every checkpoint"))
+    # beside keep_last (lifecycle/rules.py): the keep_best best by metadata[best_metric], and every keep_every-th step
+    keep_best: int | None = field(default=None, metadata=bounds(min=1, why="omit it to keep no best checkpoints"))
+    best_metric: str | None = None  # a key of the metadata given to save(); required with keep_best
+    best_mode: str = "min"  # "min": the lowest value is the best; "max": the highest
+    keep_every: int | None = field(default=None, metadata=bounds(min=1, why="omit it to keep no step for ever"))
     every: int = field(default=1, metadata=bounds(min=1))
     workers: int = field(default=4, metadata=bounds(min=1))
     inflight: int = field(default=256 * 2**20, metadata=bounds(size=True, min=1))
@@ -134,6 +143,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> Config:
     for name in names:
         if names.count(name) > 1:
             raise ConfigError(f"tier name {name!r} is used twice", key="tiers.name", file=source)
+    _check_one_best_metric(tiers, source)
     return Config(engine=engine, tiers=tiers, source=source)
 
 
@@ -146,6 +156,7 @@ def check_config(config: Config) -> None:
         except ConfigError as e:
             raise ConfigError(str(e), key=f"tiers.{tier.name}.name", file=config.source) from None
         _check_tier(tier, driver_class(tier.kind), f"tiers.{tier.name}", config.source)
+    _check_one_best_metric(config.tiers, config.source)
 
 
 def _check_engine(engine: EngineConfig, source: str | None) -> None:
@@ -189,8 +200,10 @@ def _parse_tier(table: Any, i: int, source: str | None) -> TierConfig:
 
 
 def _check_tier(tier: TierConfig, driver: type, where: str, source: str | None) -> None:
-    """The common keys' ranges, the driver's options' ranges, then the driver's own checks of its options."""
+    """The common keys' ranges, the retention rules, the driver's options' ranges, then the driver's own checks
+    of its options."""
     check_ranges(tier, where, source)
+    _check_retention(tier, where, source)
     if not isinstance(tier.options, getattr(driver, "Options", object)):
         raise ConfigError(f"options must be a {driver.Options.__name__} (the {tier.kind} driver's), got "
                           f"{type(tier.options).__name__}", key=f"{where}.options", file=source)
@@ -202,6 +215,41 @@ def _check_tier(tier: TierConfig, driver: type, where: str, source: str | None) 
             check_options(tier.name, tier.options)
         except ConfigError as e:
             raise ConfigError(e.message, key=e.key or where, file=source) from None
+
+
+def _check_retention(tier: TierConfig, where: str, source: str | None) -> None:
+    """keep_best goes with best_metric (each alone means nothing), best_mode is min or max, and the rules beside
+    keep_last need keep_last: without it the tier keeps every checkpoint already."""
+    if tier.keep_best is not None and tier.best_metric is None:
+        raise ConfigError("is required with keep_best: the key of save()'s metadata that ranks checkpoints",
+                          key=f"{where}.best_metric", file=source)
+    if tier.best_metric is not None and tier.keep_best is None:
+        raise ConfigError("needs keep_best (how many of the best checkpoints to keep on this tier)",
+                          key=f"{where}.best_metric", file=source)
+    if tier.best_metric is not None and not (isinstance(tier.best_metric, str) and tier.best_metric):
+        raise ConfigError("must be a non-empty key of save()'s metadata", key=f"{where}.best_metric", file=source)
+    if tier.best_mode not in ("min", "max"):
+        raise ConfigError(f"must be \"min\" (the lowest value is the best) or \"max\", got {tier.best_mode!r}",
+                          key=f"{where}.best_mode", file=source)
+    for key in ("keep_best", "keep_every"):
+        if getattr(tier, key) is not None and tier.keep_last is None:
+            raise ConfigError("needs keep_last: without keep_last the tier keeps every checkpoint already (keep_last "
+                              "= 1 keeps only the newest beside the ones this rule keeps)", key=f"{where}.{key}",
+                              file=source)
+
+
+def _check_one_best_metric(tiers: typing.Sequence[TierConfig], source: str | None) -> None:
+    """Every tier that keeps the best ones means the same by "best": load(best=True) picks by it."""
+    first: TierConfig | None = None
+    for tier in tiers:
+        if tier.best_metric is None:
+            continue
+        if first is None:
+            first = tier
+        elif (tier.best_metric, tier.best_mode) != (first.best_metric, first.best_mode):
+            raise ConfigError(f"best_metric {tier.best_metric!r} ({tier.best_mode}) differs from tier {first.name!r}'s "
+                              f"{first.best_metric!r} ({first.best_mode}): a job has one metric, by which "
+                              f"load(best=True) picks", key=f"tiers.{tier.name}.best_metric", file=source)
 
 
 def check_ranges(obj: Any, where: str, source: str | None) -> None:

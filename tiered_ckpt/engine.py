@@ -8,16 +8,19 @@ Lifecycle: `async with Engine(config) as engine` opens the tiers and the index; 
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from .checksum import resolve as resolve_checksum
 from .config import Config, check_config, load_config
 from .distributed.coordinator import Coordinator
+from .errors import ConfigError, TieredCkptError
 from .lifecycle.busy import BusySteps
 from .lifecycle.gc import GRACE, GcReport, GcScope, collect
 from .lifecycle.removal import Removal
 from .lifecycle.retention import Retention
+from .lifecycle.rules import Best, Rules
 from .lifecycle.writer import Writer
 from .load.catalog import Catalog
 from .load.export import ExportInfo
@@ -31,10 +34,14 @@ from .save.handle import SaveHandle
 from .save.job import SaveServices
 from .save.mapped import supported as mapped_supported
 from .save.plan import Planner
+from .save.policy import SavePolicy
 from .save.pool import StagingPool
 from .save.saver import Saver
 from .storage.index import CheckpointStatus, Index, open_index
 from .storage.tier_io import TierIO
+
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -49,6 +56,7 @@ class Engine:
         self.pool = StagingPool(config.engine.max_inflight)
         self.planner = Planner(config.engine.part_size, self.coordinator)
         self.busy = BusySteps()
+        self.policy = SavePolicy.of(config.engine)  # should_save: when to save (save/policy.py)
         self.committed: set[int] = set()  # steps complete on some tier, as far as this process knows
         self._parts: tuple[Writer, Removal, Saver, Loader] | None = None  # built at open(): they need the rank
         self._state = "new"
@@ -66,7 +74,8 @@ class Engine:
         if engine.distributed:  # one rank of the default process group's world, when there is one
             self.coordinator = await Coordinator.create(engine.collective_timeout)
         # else (distributed = false) the single-rank Coordinator from __init__: no process group, no collectives
-        self.planner.coordinator = self.coordinator
+        self.planner.coordinator = self.policy.coordinator = self.coordinator
+        self.policy.arm()  # save_on_sigterm: the SIGTERM handler (from the main thread; tc.Checkpointer arms it)
         node, num_nodes = await self.coordinator.node()
         for name in self.io:  # a file tier's capacity bounds this job's bytes, not those of others sharing its folder
             tier = self.io.file_tier(name)
@@ -78,7 +87,8 @@ class Engine:
         self.committed.update(s.step for s in await self.catalog.statuses() if s.is_complete)
         removal = Removal(self.job, self.index, self.io, self.busy, self.committed, rank=self.rank,
                           world_size=self.world_size, reclaim=self.pool.reclaim)
-        retention = Retention(self.job, self.index, removal, self.busy, {t.name: t.keep_last for t in self.config.tiers})
+        rules = {t.name: Rules.of(t) for t in self.config.tiers}
+        retention = Retention(self.job, self.index, removal, self.busy, rules)
         writer = Writer(self.job, self.index, self.coordinator, removal)
         commit = Committer(self.index, self.job, rank=self.rank, world_size=self.world_size,
                            session=self.coordinator.session, timeout=engine.commit_timeout)
@@ -101,7 +111,7 @@ class Engine:
                 and first.keep_last is not None and mapped_supported(engine.part_size)):
             return None
         return Arena(first.name, tier, Arena.home_for(tier, self.job, self.session, self.rank), engine.part_size,
-                     first.keep_last, self.job)  # nothing on the tier changes before the first save
+                     first.keep_last, self.job, keep_best=first.keep_best or 0)  # nothing changes before a first save
 
     async def close(self, *, raise_errors: bool = True) -> None:
         """Wait for every save in flight, close tiers and index; raise an unobserved background error."""
@@ -110,6 +120,7 @@ class Engine:
             return
         self._state = "closing"
         _, _, saver, _ = self._open_parts()
+        self.policy.disarm()
         await saver.wait_all()
         await self.io.close()
         await self.index.close()
@@ -173,18 +184,68 @@ class Engine:
         staging buffers; a further save waits here for one. CUDA copies wait for `ready_events` (per device,
         from `tiered_ckpt.save.copy.producer_events()` in the thread that runs the training step); by default
         they are recorded here, on the calling thread's current streams. A failure of an earlier save that no
-        one waited for is raised here (once), and this save is not started."""
+        one waited for is raised here (once), and this save is not started. The save after should_save() said
+        yes for a SIGTERM is the last: it waits for every tier, and then the process ends (should_save)."""
         _, _, saver, _ = self._open_parts()
-        return await saver.save(step, state, lazy=lazy, metadata=metadata, ready_events=ready_events)
+        handle = await saver.save(step, state, lazy=lazy, metadata=metadata, ready_events=ready_events)
+        self.policy.saved()
+        if self.policy.last_save_due:  # should_save said yes for a SIGTERM: this was the last save
+            await self._finish(handle)
+        return handle
 
-    async def load(self, state: Any, *, step: int | None = None, tiers: Sequence[str] | None = None) -> LoadInfo:
-        """Load the newest complete checkpoint (or `step`) into `state` in place.
+    async def should_save(self, step: int) -> bool:
+        """Whether the loop should save `step` now, by the `[engine]` rules: `save_every_steps` (step divisible),
+        `save_every_seconds` (that long since the last save, by rank 0's clock) and `save_on_sigterm` (a SIGTERM
+        reached any rank). Every rank gets the same answer; call it on every rank at the same steps, as save().
+        With several ranks and a time or signal rule it is a collective (one small all_reduce). After a SIGTERM,
+        the save() that follows waits until the checkpoint is done on every tier it targets, then the process
+        ends as the signal would have ended it (the previous SIGTERM handler gets it). See docs/operations.md."""
+        self._open_parts()
+        return await self.policy.should_save(step)
+
+    async def _finish(self, handle: SaveHandle) -> None:
+        """The last save before the process ends: wait for every tier (a failure is logged), then let SIGTERM
+        take its course."""
+        if not handle.tiers:
+            log.error("step %d is the save after SIGTERM, but no tier takes that step (their `every`): nothing was "
+                      "saved", handle.step)
+        try:
+            await handle.wait()
+            log.warning("step %d is saved on %s; ending the process as SIGTERM asked", handle.step,
+                        ", ".join(handle.tiers))
+        except TieredCkptError as e:
+            log.error("the save of step %d after SIGTERM failed (%s); ending the process as SIGTERM asked",
+                      handle.step, e)
+        self.policy.finish()
+
+    async def load(self, state: Any, *, step: int | None = None, tiers: Sequence[str] | None = None,
+                   best: bool = False) -> LoadInfo:
+        """Load the newest complete checkpoint (or `step`; with best=True the best one by the tiers'
+        `best_metric`, see best()) into `state` in place.
 
         Reads each part from the fastest tier on which the checkpoint is complete; a missing part, a
         short read or a checksum mismatch falls back to the next tier (LoadInfo.fallbacks says which).
         `tiers` restricts which tiers may serve, in speed order. A load never changes the index."""
         _, _, _, loader = self._open_parts()
-        return await loader.load(state, step=step, tiers=tiers)
+        if best and step is not None:
+            raise ValueError(f"load(best=True) picks the step itself: give step={step} or best=True, not both")
+        return await loader.load(state, step=step, tiers=tiers, best=self._best_rule() if best else None)
+
+    async def best(self, tiers: Sequence[str] | None = None) -> CheckpointStatus:
+        """The checkpoint load(best=True) takes: the best by the tiers' `best_metric` (lowest with best_mode
+        "min", highest with "max") of save()'s metadata, among those complete on `tiers` (default: every
+        tier) that can be loaded. IncompleteCheckpoint when none carries the metric; ConfigError when no tier
+        names one. No collective: it reads the index (and the tiers' listings) on this process."""
+        self._open_parts()
+        allowed = self.io.names if tiers is None else list(tiers)
+        return await self.catalog.pick(None, allowed, self._best_rule())
+
+    def _best_rule(self) -> Best:
+        best = Best.of(self.config)
+        if best is None:
+            raise ConfigError("the best checkpoint is judged by a tier's best_metric: set keep_best and best_metric "
+                              "(and best_mode) on a tier", key="tiers.best_metric", file=self.config.source)
+        return best
 
     # -- what exists -----------------------------------------------------------------------------
     async def statuses(self) -> list[CheckpointStatus]:

@@ -40,13 +40,27 @@ class TensorAlias:
     name: str
 
 
+MISSING_POLICIES = ("error", "keep")
+
+
 @dataclass
 class PerRank:
     """Marks a value or a tensor as this rank's own. Each rank's is saved under a per-rank name and given
-    back to the same rank; a rank that did not exist at save time gets a clear error. After a load, the
-    loaded value is in `.value` (tensors are filled in place)."""
+    back to the same rank. After a load, the loaded value is in `.value` (tensors are filled in place).
+
+    `missing` says what a rank that did not exist at save time (a resume at a larger world size) gets:
+    "error" (the default: a StateError naming the key, on every rank), "keep" (the given value stays, nothing
+    is read), or a function of the saved ranks' values, `missing(saved) -> value`, with `saved[r]` saved rank
+    r's value (tensors as new CPU tensors, state dicts as dicts); what it returns becomes `.value`. Loading
+    does not use `missing` on ranks that existed; saving never does."""
 
     value: Any
+    missing: str | Callable[[list[Any]], Any] = "error"
+
+    def __post_init__(self) -> None:
+        if not (callable(self.missing) or (isinstance(self.missing, str) and self.missing in MISSING_POLICIES)):
+            raise ValueError(f"PerRank(missing=...) must be 'error', 'keep' or a function of the saved ranks' values, "
+                             f"got {self.missing!r}")
 
 
 @dataclass(frozen=True)
@@ -324,14 +338,16 @@ _WRAPPERS = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
 
 
 def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_pickle: bool, rank: int = 0,
-          saved_world: int = 1, others: Sequence[Callable[[], Any]] = ()) -> LoadTarget:
+          saved_world: int = 1, others: Sequence[Callable[[], Any]] = (),
+          skeleton_of: Callable[[int], Any] | None = None) -> LoadTarget:
     """Pair the caller's state with the saved skeleton `saved` (this rank's own, or rank 0's when this rank
     did not exist at save time); `tensors` maps saved names to what was saved. A key the caller has that
     `saved` lacks is looked up in the other ranks' skeletons (`others`, decoded on demand), so a key held
-    by one rank only can be loaded by any rank. Tensors the caller has are filled in place; keys the
-    caller's plain dicts lack are not loaded (partial loads work); inside a stateful object's state dict,
-    values the object lacks (a fresh optimizer's state) are created and handed to load_state_dict. Raises
-    StateError naming the key on any mismatch, before anything is read."""
+    by one rank only can be loaded by any rank. `skeleton_of(r)`: saved rank r's skeleton, for a PerRank entry
+    whose `missing` function derives a new rank's value from every saved rank's. Tensors the caller has are
+    filled in place; keys the caller's plain dicts lack are not loaded (partial loads work); inside a stateful
+    object's state dict, values the object lacks (a fresh optimizer's state) are created and handed to
+    load_state_dict. Raises StateError naming the key on any mismatch, before anything is read."""
     target = LoadTarget()
     decoded: list[Any] = []
     matched = [0]  # keys of the given state found in the checkpoint (an equal value loads as "no change")
@@ -343,15 +359,7 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
 
     def find_elsewhere(path: tuple[Any, ...]) -> Any:
         for skeleton in other_skeletons():
-            node = skeleton
-            for k in path:
-                if isinstance(node, dict) and k in node:
-                    node = node[k]
-                elif isinstance(node, (list, tuple)) and isinstance(k, int) and 0 <= k < len(node):
-                    node = node[k]
-                else:
-                    node = _MISSING
-                    break
+            node = _lookup(skeleton, path)
             if node is not _MISSING and not isinstance(node, PerRankMark):  # another rank's own stays its own
                 return node
         return _MISSING
@@ -362,21 +370,22 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
             raise StateError(f"tensor {where!r}: the checkpoint has no data for it (saved as {name!r})")
         return found
 
-    def materialize(saved_value: Any, path: tuple[Any, ...], per_rank: bool) -> Any:
+    def materialize(saved_value: Any, path: tuple[Any, ...], per_rank: bool, owner: int = rank) -> Any:
+        """A new value (new CPU tensors, filled by the reads) from the saved one; per-rank tensors are `owner`'s."""
         where = path_str(path)
         if isinstance(saved_value, (TensorRef, TensorAlias)):
             name = saved_value.name if isinstance(saved_value, TensorAlias) else (
-                per_rank_name(where, rank) if per_rank else where)
+                per_rank_name(where, owner) if per_rank else where)
             meta = saved_tensor(name, where)
             t = torch.empty(meta.shape, dtype=meta.dtype)
             target.add(meta.index, where, t)
             return t
         if isinstance(saved_value, PerRankMark):
-            return materialize(saved_value.inner, path, True)
+            return materialize(saved_value.inner, path, True, owner)
         if isinstance(saved_value, dict):
-            return {k: materialize(v, path + (k,), per_rank) for k, v in saved_value.items()}
+            return {k: materialize(v, path + (k,), per_rank, owner) for k, v in saved_value.items()}
         if isinstance(saved_value, (list, tuple)):
-            return type(saved_value)(materialize(v, path + (i,), per_rank) for i, v in enumerate(saved_value))
+            return type(saved_value)(materialize(v, path + (i,), per_rank, owner) for i, v in enumerate(saved_value))
         if isinstance(saved_value, Pickled):
             if not allow_pickle:
                 raise StateError(f"value at {where!r} was saved with pickle; set allow_pickle = true to load it")
@@ -390,8 +399,22 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
     def per_rank_inner(saved_value: PerRankMark, where: str) -> Any:
         if rank >= saved_world:
             raise StateError(f"{where!r} is per-rank and was saved by {saved_world} ranks; rank {rank} has no "
-                             f"saved value (load it without this entry, or give it a default after loading)")
+                             f"saved value (wrap it as tc.PerRank(value, missing=\"keep\") to keep the given "
+                             f"value, or missing=<function of the saved ranks' values>; or load without it)")
         return saved_value.inner
+
+    def derive(value: PerRank, path: tuple[Any, ...]) -> None:
+        """A rank the saved world lacked: `.value` becomes missing(every saved rank's value), once read."""
+        saved_values = []
+        for r in range(saved_world):
+            node = _lookup(skeleton_of(r), path) if skeleton_of is not None else _MISSING
+            if not isinstance(node, PerRankMark):
+                raise StateError(f"{path_str(path)!r}: saved rank {r} has no per-rank value there, so "
+                                 f"PerRank(missing=...) has nothing to derive rank {rank}'s from")
+            saved_values.append(materialize(node.inner, path, True, owner=r))
+        derive_value = value.missing
+        assert callable(derive_value)
+        target.assign.append(lambda: setattr(value, "value", derive_value(saved_values)))
 
     def walk(value: Any, saved_value: Any, path: tuple[Any, ...], extra: str, per_rank: bool) -> Any:
         """`extra`: what to do with saved keys the caller's dict lacks: "skip" (plain dicts: partial loads),
@@ -401,6 +424,11 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
         if isinstance(value, PerRank):
             if not isinstance(saved_value, PerRankMark):
                 raise StateError(f"{where!r} is PerRank in the given state but was not saved per rank")
+            if rank >= saved_world and value.missing == "keep":
+                return value  # the given value stays; nothing is read for it
+            if rank >= saved_world and callable(value.missing):
+                derive(value, path)
+                return value
             new = walk(value.value, per_rank_inner(saved_value, where), path, extra, True)
             if new is not value.value:
                 target.assign.append(lambda: setattr(value, "value", new))
@@ -483,6 +511,19 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
         raise StateError(f"the given state has no key in common with the checkpoint, whose top-level keys are "
                          f"{sorted(map(str, saved))}")
     return target
+
+
+def _lookup(skeleton: Any, path: tuple[Any, ...]) -> Any:
+    """The node of `skeleton` at `path`, or _MISSING."""
+    node = skeleton
+    for k in path:
+        if isinstance(node, dict) and k in node:
+            node = node[k]
+        elif isinstance(node, (list, tuple)) and isinstance(k, int) and 0 <= k < len(node):
+            node = node[k]
+        else:
+            return _MISSING
+    return node
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

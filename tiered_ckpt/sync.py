@@ -70,6 +70,7 @@ class Checkpointer:
         except BaseException:
             self._stop()
             raise
+        self.engine.policy.arm()  # save_on_sigterm: here, in the caller's thread (the engine opened in the loop's)
 
     @staticmethod
     async def _open(config: Config) -> Engine:
@@ -93,8 +94,19 @@ class Checkpointer:
         return SyncSaveHandle(self._run(self.engine.save(step, state, lazy=lazy, metadata=metadata,
                                                          ready_events=events)), self)
 
-    def load(self, state: Any, *, step: int | None = None, tiers: Sequence[str] | None = None) -> LoadInfo:
-        return self._run(self.engine.load(state, step=step, tiers=tiers))
+    def should_save(self, step: int) -> bool:
+        """Engine.should_save, blocking: whether to save `step` now by the [engine] rules (the same answer on
+        every rank; after a SIGTERM, the save that follows is the last one before the process ends)."""
+        return self._run(self.engine.should_save(step))
+
+    def load(self, state: Any, *, step: int | None = None, tiers: Sequence[str] | None = None,
+             best: bool = False) -> LoadInfo:
+        """Engine.load, blocking: the newest complete checkpoint, `step`, or with best=True the best one."""
+        return self._run(self.engine.load(state, step=step, tiers=tiers, best=best))
+
+    def best(self, tiers: Sequence[str] | None = None) -> CheckpointStatus:
+        """Engine.best, blocking: the checkpoint load(best=True) takes."""
+        return self._run(self.engine.best(tiers))
 
     def list(self) -> list[CheckpointStatus]:
         async def collect() -> list[CheckpointStatus]:
@@ -126,6 +138,7 @@ class Checkpointer:
         if self._loop.is_closed():
             return
         try:
+            self.engine.policy.disarm()
             self._run(self.engine.close(raise_errors=raise_errors))
         finally:
             self._stop()

@@ -206,3 +206,9 @@ def test_a_save_that_fails_in_the_background_fails_the_run(tmp_path, shm_dir):
     t = trainer(tmp_path / "run", shm_dir, tiers=full)
     with pytest.raises(tc.SaveError, match="step 4 failed on 1 tier.*TierFull"):  # at the next save, or at the end
         t.train()
+
+
+def test_save_on_sigterm_is_refused_since_the_trainer_never_asks_should_save(tmp_path, shm_dir):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="save_on_sigterm"):
+        trainer(out, shm_dir, tiers=run_config(out, shm_root=shm_dir, save_on_sigterm=True))

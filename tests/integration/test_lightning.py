@@ -300,3 +300,10 @@ def test_ddp_two_processes_save_and_resume(tmp_path, shm_dir):
     assert [os.path.basename(p) for p in second[0]["kept"]] == ["epoch=2-step=9.ckpt", "epoch=4-step=15.ckpt"]
     assert sorted(second[0]["checkpoints"]) == sorted([*second[0]["kept"], second[0]["last"]])
     assert engine_paths(config) == sorted([*second[0]["kept"], second[0]["last"]])
+
+
+def test_save_on_sigterm_is_refused_since_nothing_asks_should_save(tmp_path, shm_dir):
+    """ModelCheckpoint decides when to save and never asks should_save: a SIGTERM handler would only note the
+    signal, and the process would go on until SIGKILL."""
+    with pytest.raises(ValueError, match="save_on_sigterm"):
+        TieredCheckpointIO(write_toml(tmp_path, shm_dir), save_on_sigterm=True)

@@ -5,7 +5,8 @@
 fn must be importable (defined at module level). Each rank's return value comes back pickled; an
 exception on any rank fails the call with every rank's traceback; a hang is killed after `timeout`.
 `may_die` lists ranks that are expected to exit abnormally (killed-rank tests); `env(rank)` adds
-environment variables per rank (e.g. GROUP_RANK to place ranks on simulated nodes).
+environment variables per rank (e.g. GROUP_RANK to place ranks on simulated nodes); `exitcodes`, a dict,
+receives each rank's exit code (negative: the signal that ended it).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import torch.multiprocessing as mp
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-              may_die: frozenset[int] = frozenset(), env: Callable[[int], dict[str, str]] | None = None) -> list[Any]:
+              may_die: frozenset[int] = frozenset(), env: Callable[[int], dict[str, str]] | None = None,
+              exitcodes: dict[int, int | None] | None = None) -> list[Any]:
     ctx = mp.get_context("spawn")
     tmp = Path(tempfile.mkdtemp(prefix="tiered_ckpt-ranks-"))
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(tmp), args, env(r) if env else {}), daemon=True)
@@ -42,6 +44,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 p.kill()
                 p.join()
         results, errors = [], []
+        if exitcodes is not None:
+            exitcodes.update({r: p.exitcode for r, p in enumerate(procs)})
         for r, p in enumerate(procs):
             out = tmp / f"rank{r}.pkl"
             if not out.exists():

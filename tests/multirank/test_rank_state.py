@@ -92,6 +92,42 @@ def test_a_per_rank_entry_that_the_saved_world_lacks_fails_on_every_rank(tmp_pat
     assert all("rank 2" in e and "'rng'" in e and "saved by 2 ranks" in e for e in errors), errors
 
 
+async def _per_rank_entries_with_a_policy_for_new_ranks(rank: int, world: int, root: str) -> dict:
+    """Two loads at 3 ranks of a 2-rank checkpoint: the tensor entry derived from every saved rank's, the plain
+    entry kept (first load) or derived (second)."""
+    def newest_position(saved: list) -> dict:
+        assert len(saved) == 2
+        return {"position": max(s["position"] for s in saved)}
+
+    async with tc.Engine(config(root)) as engine:
+        out = {}
+        for loader_missing in ("keep", newest_position):
+            state = {"common": torch.zeros(2000),
+                     "rng": tc.PerRank(torch.zeros(5), missing=lambda saved: saved[0] + saved[1]),
+                     "loader": tc.PerRank({"position": -1}, missing=loader_missing)}
+            assert (await engine.load(state)).step == 1
+            out[str(loader_missing == "keep")] = {"rng": state["rng"].value.tolist(), "loader": state["loader"].value,
+                                                  "common": state["common"].unique().tolist()}
+        return out
+
+
+def test_per_rank_entries_load_at_a_larger_world_size_by_their_missing_policy(tmp_path):
+    """Saved at 2 ranks, loaded at 3: ranks 0 and 1 get their own values whatever `missing` says; rank 2, which
+    had none, keeps the given value ("keep", nothing read) or gets what the function makes of the saved ranks'
+    values (a tensor from both ranks' tensors, a plain value from both ranks' positions)."""
+    run_ranks(_save_rank_state, 2, str(tmp_path))
+    results = run_ranks(_per_rank_entries_with_a_policy_for_new_ranks, 3, str(tmp_path))
+    for rank, r in enumerate(results):
+        kept, derived = r["True"], r["False"]
+        assert kept["common"] == derived["common"] == [7.0]
+        if rank < 2:  # their own, read back
+            assert kept["rng"] == derived["rng"] == [100.0 + rank] * 5
+            assert kept["loader"] == derived["loader"] == {"position": 1000 * rank}
+        else:
+            assert kept["rng"] == derived["rng"] == [201.0] * 5  # rank 0's + rank 1's
+            assert kept["loader"] == {"position": -1} and derived["loader"] == {"position": 1000}
+
+
 async def _load_with_a_key_the_checkpoint_lacks_on_rank_1(rank: int, world: int, root: str) -> str:
     async with tc.Engine(config(root, collective_timeout=30)) as engine:  # out of step: fails within 30 s
         state = rank_state(rank, False)

@@ -118,7 +118,8 @@ def test_config_check_prints_every_effective_key_with_human_sizes_and_no_passwor
     assert set(engine) >= {"job", "index", "part_size", "max_inflight", "allow_pickle", "adopt", "io_threads",
                            "collective_timeout", "commit_timeout"}
     assert engine["part_size"] == "8 MiB (8388608 bytes)"
-    common = {"keep_last", "every", "workers", "inflight", "retries", "backoff", "timeout", "skip_when_behind"}
+    common = {"keep_last", "keep_best", "best_metric", "best_mode", "keep_every", "every", "workers", "inflight",
+              "retries", "backoff", "timeout", "skip_when_behind"}
     assert set(host) == common | {"path", "capacity", "fsync"}
     assert set(peer) >= common | {"urls", "node", "prefix", "chunk_size", "connections", "socket_timeout"}
     assert host["capacity"] == "1.50 GiB (1610612736 bytes)" and host["keep_last"] == "2"
@@ -274,3 +275,25 @@ def test_verify_checks_the_index_copies_of_the_manifest_and_rank_records(tmp_pat
     (folder / "manifest").unlink()
     assert cli.main(["-c", str(config), "verify", "1"]) == 1
     assert "manifest: IncompleteCheckpoint" in capsys.readouterr().out
+
+
+def test_show_best_describes_the_best_complete_checkpoint(tmp_path, shm_dir, capsys):
+    """`show best`: the checkpoint load(best=True) takes, by the disk's best_metric; without one configured, a
+    one-line error naming best_metric (status 2)."""
+    path = tmp_path / "c.toml"
+    path.write_text(f'[engine]\njob = "cli"\nindex = "file://{tmp_path}/index"\npart_size = "64KiB"\n'
+                    f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\nkeep_last = 1\n'
+                    f'keep_best = 1\nbest_metric = "val_loss"\n')
+
+    async def run():
+        async with tc.Engine.from_toml(path) as engine:
+            for step, loss in ((1, 3.0), (2, 0.25), (3, 1.0)):
+                await (await engine.save(step, {"w": torch.full((1000,), float(step))},
+                                         metadata={"val_loss": loss})).wait()
+
+    asyncio.run(run())
+    assert cli.main(["-c", str(path), "show", "best"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "best by val_loss (lowest): step 2, val_loss = 0.25" and lines[1].startswith("job 'cli' step 2 ")
+    assert cli.main(["-c", str(write_config(tmp_path, shm_dir)), "show", "best"]) == 2
+    assert "best_metric" in capsys.readouterr().err

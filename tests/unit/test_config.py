@@ -225,3 +225,58 @@ def test_redis_url_options_must_be_finite(make_config, tmp_path, capsys, option)
     assert cli.main(["config", "check", str(path)]) == 2
     err_text = capsys.readouterr().err
     assert "engine.index" in err_text and "finite number" in err_text and "ss:w" not in err_text
+
+
+# -- retention rules beside keep_last ------------------------------------------------------------------------------
+@pytest.mark.parametrize("disk, key", [
+    ({"keep_last": 2, "keep_best": 3}, "tiers.disk.best_metric"),  # keep_best needs a metric
+    ({"keep_last": 2, "best_metric": "val_loss"}, "tiers.disk.best_metric"),  # and a metric needs keep_best
+    ({"keep_last": 2, "keep_best": 3, "best_metric": ""}, "tiers.disk.best_metric"),
+    ({"keep_last": 2, "keep_best": 3, "best_metric": "val_loss", "best_mode": "median"}, "tiers.disk.best_mode"),
+    ({"keep_best": 3, "best_metric": "val_loss"}, "tiers.disk.keep_best"),  # without keep_last all is kept anyway
+    ({"keep_every": 1000}, "tiers.disk.keep_every"),
+    ({"keep_last": 2, "keep_best": 0, "best_metric": "val_loss"}, "tiers.disk.keep_best"),
+    ({"keep_last": 2, "keep_every": 0}, "tiers.disk.keep_every"),
+    ({"keep_last": 2, "keep_best": 1, "best_metric": "acc", "best_mode": "max"}, "tiers.disk.best_metric"),  # host's
+])
+def test_retention_rules_are_checked_naming_the_key_from_toml_and_from_code(tmp_path, disk, key):
+    import dataclasses
+
+    from tiered_ckpt.config import parse_config
+
+    raw = every_kind(tmp_path)
+    raw["tiers"][0].update({"keep_last": 1, "keep_best": 1, "best_metric": "val_loss"})  # host: the job's metric
+    with pytest.raises(tc.ConfigError) as err:
+        parse_config({**raw, "tiers": [raw["tiers"][0], {**raw["tiers"][1], **disk}]})
+    assert err.value.key == key, str(err.value)
+    good = parse_config({**raw, "tiers": raw["tiers"][:2]})
+    bad = dataclasses.replace(good, tiers=(good.tiers[0], dataclasses.replace(good.tiers[1], **disk)))
+    with pytest.raises(tc.ConfigError) as err:
+        tc.Engine(bad)
+    assert err.value.key == key, str(err.value)
+
+
+def test_retention_rules_parse_and_config_check_prints_them(tmp_path, capsys):
+    from tiered_ckpt.cli import main
+
+    path = tmp_path / "t.toml"
+    path.write_text(f"""
+[engine]
+index = "file://{tmp_path}/index"
+[[tiers]]
+name = "disk"
+kind = "local"
+path = "{tmp_path}/disk"
+keep_last = 2
+keep_best = 3
+best_metric = "val_loss"
+keep_every = 1000
+""")
+    [disk] = tc.load_config(path).tiers
+    assert (disk.keep_last, disk.keep_best, disk.best_metric, disk.best_mode, disk.keep_every) == \
+        (2, 3, "val_loss", "min", 1000)
+    assert main(["config", "check", str(path)]) == 0
+    keys = {k.strip(): v.strip() for k, v in (line.split("=", 1) for line in capsys.readouterr().out.splitlines()
+                                              if "=" in line)}
+    assert (keys["keep_best"], keys["best_metric"], keys["best_mode"], keys["keep_every"]) == ("3", "val_loss", "min",
+                                                                                              "1000")

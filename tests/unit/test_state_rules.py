@@ -146,3 +146,14 @@ async def test_an_expanded_target_is_refused_before_any_byte_is_read_naming_the_
     await (await engine.save(2, {"v": torch.ones(1, 4)})).wait()
     await engine.load({"v": single}, step=2)
     assert torch.equal(single, torch.ones(1, 4))
+
+
+async def test_per_rank_missing_policies_are_checked_and_unused_at_the_same_world_size(engine):
+    """`missing` is "error", "keep" or a function; anything else is refused when the PerRank is made. A rank that
+    existed at save time gets its own value whatever `missing` says (tests/multirank covers a larger world)."""
+    with pytest.raises(ValueError, match="missing=.*'error', 'keep' or a function"):
+        tc.PerRank(torch.zeros(3), missing="zero")
+    await (await engine.save(1, {"rng": tc.PerRank(torch.full((3,), 5.0)), "pos": tc.PerRank({"i": 7})})).wait()
+    state = {"rng": tc.PerRank(torch.zeros(3), missing=lambda saved: torch.ones(3)), "pos": tc.PerRank({}, "keep")}
+    await engine.load(state)
+    assert state["rng"].value.tolist() == [5.0] * 3 and state["pos"].value == {"i": 7}

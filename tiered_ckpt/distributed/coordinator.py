@@ -2,10 +2,11 @@
 
 Lifecycle: every rank constructs its Engine and opens it at the same point of the program (SPMD); `open`
 creates the side group and agrees on a session id. After that the engine issues collectives only from
-`save()` (the first one: the fencing epoch; a plan-cache miss: one all_gather) and from `load()` (step
-agreement, need-set gather, broadcasts, final agreement), always in
-program order and never from background tasks, so they cannot interleave with, or deadlock against, the
-training loop's own collectives on its own groups (KempnerForge#104). Commit and failure reporting go
+`save()` (the first one: the fencing epoch; a plan-cache miss: one all_gather), from `load()` (step
+agreement, need-set gather, broadcasts, final agreement) and from `should_save()` (one all_reduce, when a
+time or signal rule is on), always in program order and never from background tasks, so they cannot
+interleave with, or deadlock against, the training loop's own collectives on its own groups
+(KempnerForge#104). Commit and failure reporting go
 through the index, not through collectives. Every collective runs in a thread, so the event loop keeps
 serving background saves, and is bounded by the group's timeout.
 """
@@ -15,6 +16,7 @@ import asyncio
 import datetime
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..errors import RankFailed
@@ -62,6 +64,15 @@ class Coordinator:
         self.collectives += 1
         await asyncio.to_thread(dist.broadcast_object_list, box, src=src, group=self.group)
         return box[0]
+
+    async def all_reduce_max(self, values: list[int]) -> list[int]:
+        """Collective: the element-wise maximum of every rank's `values` (small integers; an "any rank" of flags)."""
+        if not self.distributed:
+            return list(values)
+        box = torch.tensor(values, dtype=torch.int64)
+        self.collectives += 1
+        await asyncio.to_thread(dist.all_reduce, box, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in box.tolist()]
 
     async def node(self) -> tuple[int, int]:
         """(this process's node, number of nodes): torchrun's GROUP_RANK when set, else hostnames in order."""

@@ -130,6 +130,9 @@ class TieredCheckpointMixin:
                   else tiers if isinstance(tiers, Config) else load_config(tiers))
         if not config.engine.distributed:
             raise ValueError("the Trainer runs its loop on every rank, so every rank saves: leave distributed = true")
+        if config.engine.save_on_sigterm:  # its handler would swallow SIGTERM: the Trainer never asks should_save
+            raise ValueError("save_on_sigterm is not supported: the Trainer decides when to save (save_steps) and never "
+                             "asks should_save, so SIGTERM would be noted and never acted on")
         self.tiers_config: Config = cap_keep_last(config, self.args.save_total_limit)
         self._ckpt: Checkpointer | None = None
         self._pending: list[SyncSaveHandle] = []  # saves not yet observed done

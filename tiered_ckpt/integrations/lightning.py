@@ -80,6 +80,9 @@ class TieredCheckpointIO(CheckpointIO):
                              "rank 0 only, with the full state")
         overrides["distributed"] = False
         config = config.replace_engine(**overrides) if isinstance(config, Config) else load_config(config, **overrides)
+        if config.engine.save_on_sigterm:  # its handler would swallow SIGTERM: nothing here asks should_save
+            raise ValueError("TieredCheckpointIO does not support save_on_sigterm: ModelCheckpoint decides when to save "
+                             "and never asks should_save, so SIGTERM would be noted and never acted on")
         # every save is a checkpoint ModelCheckpoint may keep (a top-k one, then last.ckpt): no tier may skip one
         # to catch up with a newer save
         self.config = dataclasses.replace(config, tiers=tuple(

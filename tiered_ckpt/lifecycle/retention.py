@@ -1,10 +1,12 @@
-"""Retention: keep_last per tier, applied as each save finishes there, and room made on a full tier.
+"""Retention: each tier's rules (keep_last, keep_best, keep_every: lifecycle/rules.py), applied as each save
+finishes there, and room made on a full tier.
 
 Only complete checkpoints count, so a save in flight never pushes out the last complete one, and busy
 steps (lifecycle/busy.py) are spared and looked at again once they are done. What the index lists decides
-first; then what the tier itself holds of this index's lineage (lifecycle/lineage.py), so a tier converges
-to keep_last whatever the index forgot (a Redis restarted empty or restored from an older snapshot, a crash
-between an unmark and the removal of the data). Removal itself is lifecycle/removal.py's.
+first (its metadata ranks the best ones: no manifest is read); then what the tier itself holds of this index's
+lineage (lifecycle/lineage.py), so a tier converges to its rules whatever the index forgot (a Redis restarted
+empty or restored from an older snapshot, a crash between an unmark and the removal of the data). Removal
+itself is lifecycle/removal.py's.
 """
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import logging
 from typing import Mapping
 
 from ..errors import TieredCkptError
+from ..manifest import Manifest
 from ..storage.index import CheckpointStatus, Index
 from . import lineage
 from .busy import BusySteps
 from .removal import Removal
+from .rules import Listed, Rules
 
 SCAN_EVERY = 16  # a tier whose listing costs requests (not files of this machine) is looked at every 16th pass
 
@@ -24,13 +28,12 @@ log = logging.getLogger(__name__)
 
 
 class Retention:
-    def __init__(self, job: str, index: Index, removal: Removal, busy: BusySteps,
-                 keep_last: Mapping[str, int | None]):
+    def __init__(self, job: str, index: Index, removal: Removal, busy: BusySteps, rules: Mapping[str, Rules]):
         self.job = job
         self.index = index
         self.removal = removal
         self.busy = busy
-        self.keep_last = dict(keep_last)
+        self.rules = dict(rules)
         self._lock = asyncio.Lock()
         self._next_pass: dict[str, asyncio.Future[None]] = {}  # per tier: the pass that has not started yet
         self._finishing: dict[str, set[int]] = {}  # per tier: saves waiting for that pass (not busy for it)
@@ -38,9 +41,10 @@ class Retention:
         self._passes: dict[str, int] = {}  # per tier: passes so far (when to look at the tier itself)
 
     async def apply(self, tier: str, *, finishing: int | None = None) -> None:
-        """Apply keep_last on `tier` as save `finishing` ends. Saves that finish while a pass runs share the
+        """Apply the tier's rules as save `finishing` ends. Saves that finish while a pass runs share the
         next pass: in a burst, retention costs one pass per pass, not one per save."""
-        if self.keep_last.get(tier) is None:
+        rules = self.rules.get(tier)
+        if rules is None or not rules.bounded:
             return
         if finishing is not None:
             self._finishing.setdefault(tier, set()).add(finishing)
@@ -53,22 +57,21 @@ class Retention:
         async with self._lock:
             self._next_pass.pop(tier, None)  # from here, a save that finishes waits for the pass after this one
             finishing = self._finishing.pop(tier, set())
-            keep_last = self.keep_last[tier]
-            assert keep_last is not None
+            rules = self.rules[tier]
             try:
                 statuses = await self.index.list(self.job)
                 busy = self.busy.steps(finishing_on=tier, finishing=finishing)
-                complete = sorted(s.step for s in statuses if tier in s.complete)
-                if complete:
-                    oldest_kept = complete[-keep_last:][0]
-                    for s in statuses:
-                        if tier in s.tiers and s.step < oldest_kept:
+                verdict = rules.judge([(s.step, s.metadata) for s in statuses if tier in s.complete])
+                oldest_last = verdict.oldest_last
+                if oldest_last is not None:
+                    for s in statuses:  # older than the keep_last window, complete or not, and kept by no rule
+                        if tier in s.tiers and s.step < oldest_last and s.step not in verdict.kept:
                             if s.step in busy:
                                 self._deferred.add(tier)  # look again once that save or load is done (revisit)
                             else:
                                 await self.removal.drop_tier(s, tier)
                 if self._scan_due(tier):
-                    await self._converge(tier, keep_last, statuses, busy)
+                    await self._converge(tier, rules, statuses, busy)
             except (TieredCkptError, OSError) as e:  # a tier or the index failing must never fail a save
                 log.warning("retention on tier %s did not finish (the next save tries again): %s: %s", tier,
                             type(e).__name__, e)
@@ -80,24 +83,31 @@ class Retention:
         self._passes[tier] = done + 1
         return self.removal.io.file_tier(tier) is not None or done % SCAN_EVERY == 0
 
-    async def _converge(self, tier: str, keep_last: int, statuses: list[CheckpointStatus], busy: set[int]) -> None:
+    async def _converge(self, tier: str, rules: Rules, statuses: list[CheckpointStatus], busy: set[int]) -> None:
         """What the tier holds of this index's lineage beyond what the index lists: steps the index does not
-        list (or whose record no longer targets this tier: a removal cut short). Whole ones count towards
-        keep_last beside the complete ones the index lists; the rest of them older than the oldest kept go."""
+        list (or whose record no longer targets this tier: a removal cut short). Whole ones count beside the
+        complete ones the index lists, judged by the same rules (their metadata from their manifests); the rest
+        of them older than the keep_last window go. Manifests are read newest first only as far as keep_last
+        needs, and beyond that only where keep_best or keep_every could keep the step."""
         io, by_step = self.removal.io, {s.step: s for s in statuses if "index" not in s.failed}
         copies = await lineage.scan(io, tier, self.job, self.index.identity)
         unlisted = sorted((st for st in copies if st not in by_step or tier not in by_step[st].tiers), reverse=True)
         if not unlisted:
             return
-        kept = [s.step for s in statuses if tier in s.complete]
-        for st in unlisted:  # newest first: only as many manifests are read as keep_last needs
-            if len([k for k in kept if k > st]) >= keep_last:
-                break
-            if st not in by_step and await self._whole(tier, copies[st]):
-                kept.append(st)
-        keep = sorted(kept)[-keep_last:]
+        assert rules.keep_last is not None
+        found: dict[int, Listed] = {s.step: (s.step, s.metadata) for s in statuses if tier in s.complete}
+        for st in unlisted:  # newest first
+            if st in by_step:
+                continue
+            if len([k for k in found if k > st]) >= rules.keep_last and not rules.may_keep_old(st):
+                continue
+            manifest = await self._whole(tier, copies[st])
+            if manifest is not None:
+                found[st] = (st, manifest.metadata)
+        verdict = rules.judge(list(found.values()))
+        oldest_last = verdict.oldest_last
         for st in unlisted:
-            if st in keep or (st not in by_step and (not keep or st > keep[0])):
+            if st in verdict.kept or (st not in by_step and (oldest_last is None or st > oldest_last)):
                 continue  # kept, or newer than what is kept (not ours to judge: gc's)
             if st in busy:
                 self._deferred.add(tier)
@@ -106,8 +116,8 @@ class Retention:
                      "does not list" if st not in by_step else "no longer keeps on this tier")
             await self.removal.remove_from_tier(tier, st)
 
-    async def _whole(self, tier: str, copies: list[lineage.Copy]) -> bool:
-        """A copy of this index that it committed and that is whole on the tier."""
+    async def _whole(self, tier: str, copies: list[lineage.Copy]) -> Manifest | None:
+        """The manifest of a copy of this index that it committed and that is whole on the tier, or None."""
         for copy in copies:
             if not copy.committed:
                 continue
@@ -116,27 +126,32 @@ class Retention:
             except TieredCkptError:
                 continue
             if manifest.index == self.index.identity and copy.whole(manifest):
-                return True
-        return False
+                return manifest
+        return None
 
     async def make_room(self, tier: str, *, finishing: int) -> bool:
-        """`tier` is full while save `finishing` writes to it: retire its oldest checkpoint that no save or load
-        is using, however keep_last is set, but never the newest complete one: a complete one the index lists,
-        or one of the lineage that the index does not list (left by a crash or forgotten). True if one was
-        retired (the caller tries again then)."""
+        """`tier` is full while save `finishing` writes to it: retire one of its checkpoints that no save or load
+        is using, however the rules are set, but never the newest complete one (a complete one the index lists,
+        or one of the lineage that the index does not list: left by a crash or forgotten). It gives up first what
+        no rule keeps, then what only keep_last keeps, then keep_every's, each oldest first, and the best ones
+        last, worst first (rules.Verdict.retire_order). Copies the index does not list count as kept by no rule
+        (nothing of them is known without reading their manifests, and a crash's leftovers are among them). True
+        if one was retired (the caller tries again then)."""
         async with self._lock:
             statuses = await self.index.list(self.job)
             by_step = {s.step: s for s in statuses if "index" not in s.failed}
             busy = self.busy.steps() | {finishing}
             copies = await lineage.scan(self.removal.io, tier, self.job, self.index.identity)
-            listed = sorted(s.step for s in statuses if tier in s.complete)
-            newest = max([*listed, *[st for st in copies if st not in by_step and st < finishing]], default=None)
-            candidates = sorted({*listed, *(st for st in copies if st not in by_step or tier not in by_step[st].tiers)})
-            for st in candidates:
+            listed = [(s.step, s.metadata) for s in statuses if tier in s.complete]
+            newest = max([*(st for st, _ in listed), *[st for st in copies if st not in by_step and st < finishing]],
+                         default=None)
+            unlisted = [st for st in copies if st not in by_step or tier not in by_step[st].tiers]
+            verdict = self.rules.get(tier, Rules(None)).judge(listed)
+            for st in verdict.retire_order({*(st for st, _ in listed), *unlisted}):
                 if st == newest or st in busy or st > finishing:
                     continue
-                log.warning("tier %s is full: retiring step %d early (keep_last cannot hold there) to make room for "
-                            "step %d", tier, st, finishing)
+                log.warning("tier %s is full: retiring step %d early (its retention rules cannot hold there) to make "
+                            "room for step %d", tier, st, finishing)
                 if st in by_step and tier in by_step[st].tiers:
                     await self.removal.drop_tier(by_step[st], tier)
                 else:
@@ -145,7 +160,7 @@ class Retention:
             return False
 
     async def revisit(self) -> None:
-        """A save finished: apply keep_last again on the tiers where a pass spared a step only because it was
+        """A save finished: apply the rules again on the tiers where a pass spared a step only because it was
         busy, so a burst does not leave a tier above keep_last (or a full memory tier) until the next save."""
         deferred, self._deferred = self._deferred, set()
         for tier in deferred:

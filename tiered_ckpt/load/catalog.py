@@ -18,6 +18,7 @@ from ..layout import index_dir, job_prefix, manifest_key, parse_key, rank_meta_k
 from ..manifest import Manifest, RankMeta
 from ..lifecycle import lineage
 from ..lifecycle.lineage import Copy
+from ..lifecycle.rules import Best
 from ..storage.tier_io import TierIO
 
 T = TypeVar("T")
@@ -102,12 +103,15 @@ class Catalog:
             out.append(status)
         return out
 
-    async def pick(self, step: int | None, allowed: Sequence[str]) -> CheckpointStatus:
-        """The newest checkpoint (or `step`) complete on one of `allowed`; IncompleteCheckpoint says why not.
-        The newest is the newest that can really be loaded: its manifest and records are readable, a tier still
-        holds its data, and a whole checkpoint of this index's lineage that the index forgot counts too."""
+    async def pick(self, step: int | None, allowed: Sequence[str], best: Best | None = None) -> CheckpointStatus:
+        """The newest checkpoint (or `step`, or with `best` the best one) complete on one of `allowed`;
+        IncompleteCheckpoint says why not. The newest is the newest that can really be loaded: its manifest and
+        records are readable, a tier still holds its data, and a whole checkpoint of this index's lineage that
+        the index forgot counts too."""
         self._checked = None
         statuses = await self.statuses()
+        if best is not None:
+            return await self._pick_best(statuses, allowed, best)
         if step is None:
             return await self._pick_newest(statuses, allowed)
         usable = [s for s in statuses if s.complete & set(allowed) and (s.foreign is None or self.adopt)]
@@ -158,6 +162,33 @@ class Catalog:
         detail = f"; passed over: {'; '.join(passed_over[:5])}" if passed_over else ""
         raise IncompleteCheckpoint(f"job {self.job!r} has no complete checkpoint on tiers {list(allowed)} "
                                    f"({len(statuses)} listed, none complete){detail}")
+
+    async def _pick_best(self, statuses: list[CheckpointStatus], allowed: Sequence[str],
+                         best: Best) -> CheckpointStatus:
+        """The best checkpoint by `best`'s metric, of those the index lists complete on `allowed` (those the tiers'
+        manifests list when the index is down), from their metadata: no manifest is read to rank them. Best first,
+        the first that a tier still holds and whose manifest and records read back; each one passed over is named
+        in a warning. Checkpoints without the metric are not candidates."""
+        usable = {s.step: s for s in statuses if s.complete & set(allowed) and (s.foreign is None or self.adopt)}
+        ranked = best.ranked([(s.step, s.metadata) for s in usable.values()])
+        if not ranked:
+            raise IncompleteCheckpoint(f"job {self.job!r}: no complete checkpoint on tiers {list(allowed)} has a "
+                                       f"number under {best.metric!r} in its metadata ({len(usable)} complete; "
+                                       f"pass metadata={{{best.metric!r}: ...}} to save())")
+        copies, unlisted_tiers = await self._scan(allowed)
+        passed_over: list[str] = []
+        for st in ranked:
+            try:
+                found = await self._still_held(usable[st], allowed, copies, unlisted_tiers)
+            except (IncompleteCheckpoint, IntegrityError) as e:
+                passed_over.append(f"step {st}: {e}")
+                continue
+            if passed_over:
+                log.warning("job %r: loading step %d, the best by %s that can be loaded; better one(s) cannot: %s",
+                            self.job, st, best.metric, "; ".join(passed_over[:5]))
+            return found
+        raise IncompleteCheckpoint(f"job {self.job!r}: no checkpoint with {best.metric!r} in its metadata can be "
+                                   f"loaded from tiers {list(allowed)}: {'; '.join(passed_over[:5])}")
 
     async def _scan(self, allowed: Sequence[str]) -> tuple[dict[str, dict[int, list[Copy]]], set[str]]:
         """This index's copies on every allowed tier (one listing each), and the tiers that could not be listed."""

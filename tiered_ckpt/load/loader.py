@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from ..distributed.coordinator import Coordinator
 from ..errors import IncompleteCheckpoint, RankFailed
 from ..lifecycle.busy import BusySteps
+from ..lifecycle.rules import Best
 from ..manifest import Manifest
 from ..state import LoadTarget, SavedTensor, decode_skeleton, match
 from ..storage.index import CheckpointStatus
@@ -37,13 +38,16 @@ class Loader:
         self.busy = busy
         self.allow_pickle = allow_pickle
 
-    async def load(self, state: Any, *, step: int | None, tiers: Sequence[str] | None) -> LoadInfo:
+    async def load(self, state: Any, *, step: int | None, tiers: Sequence[str] | None,
+                   best: Best | None = None) -> LoadInfo:
+        """`best`: load the best checkpoint by that metric instead of the newest (Engine.load refuses it with
+        `step`)."""
         started = time.perf_counter()
         allowed = self.io.names if tiers is None else list(tiers)
         unknown = [t for t in allowed if t not in self.io]
         if unknown:
             raise ValueError(f"unknown tier(s) {unknown}; configured: {self.io.names}")
-        status = await self._agree_on_step(step, allowed)
+        status = await self._agree_on_step(step, allowed, best)
         info = LoadInfo(status.step, None)
         order = [n for n in self.io.order(status.complete) if n in allowed]
         error: BaseException | None = None
@@ -85,20 +89,27 @@ class Loader:
         lacks are looked up in the other ranks' skeletons."""
         rank = self.coordinator.rank
         source = rank if rank < manifest.world_size else 0
-        others = [lambda r=r: decode_skeleton(manifest.skeleton_of(r)) for r in range(len(manifest.ranks)) if r != source]
-        saved = {t.path: SavedTensor(i, t.torch_dtype, t.shape) for i, t in enumerate(manifest.tensors)}
-        return match(state, decode_skeleton(manifest.skeleton_of(source)), tensors=saved, others=others,
-                     allow_pickle=self.allow_pickle, rank=rank, saved_world=manifest.world_size)
+        decoded: dict[int, Any] = {}
 
-    async def _agree_on_step(self, step: int | None, allowed: list[str]) -> CheckpointStatus:
+        def skeleton_of(r: int) -> Any:  # decoded on demand, once
+            if r not in decoded:
+                decoded[r] = decode_skeleton(manifest.skeleton_of(r))
+            return decoded[r]
+
+        others = [lambda r=r: skeleton_of(r) for r in range(len(manifest.ranks)) if r != source]
+        saved = {t.path: SavedTensor(i, t.torch_dtype, t.shape) for i, t in enumerate(manifest.tensors)}
+        return match(state, skeleton_of(source), tensors=saved, others=others, allow_pickle=self.allow_pickle,
+                     rank=rank, saved_world=manifest.world_size, skeleton_of=skeleton_of)
+
+    async def _agree_on_step(self, step: int | None, allowed: list[str], best: Best | None) -> CheckpointStatus:
         """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error)."""
         if not self.coordinator.distributed:
-            return await self.catalog.pick(step, allowed)
+            return await self.catalog.pick(step, allowed, best)
         choice: tuple[Any, ...]
         failure: BaseException | None = None
         if self.coordinator.rank == 0:
             try:
-                choice = ("ok", await self.catalog.pick(step, allowed))
+                choice = ("ok", await self.catalog.pick(step, allowed, best))
             except IncompleteCheckpoint as e:
                 choice = ("missing", str(e))
             except Exception as e:  # every rank must leave the broadcast below with the same answer

@@ -35,12 +35,14 @@ class Arena:
     """Where mapped buffers live on the memory tier (`tier`): free ones in a folder of this process (`home`,
     locked while the process lives), retained ones under the checkpoint's keys."""
 
-    def __init__(self, name: str, tier: FileTier, home: Path, part_size: int, keep_last: int, job: str):
+    def __init__(self, name: str, tier: FileTier, home: Path, part_size: int, keep_last: int, job: str, *,
+                 keep_best: int = 0):
         self.name = name
         self.tier = tier
         self.home = home
         self.part_size = part_size
         self.keep_last = keep_last
+        self.keep_best = keep_best  # the tier's best checkpoints, kept beside the newest keep_last
         self.job = job
         self._ids = itertools.count()
         self._lock_fd: int | None = None
@@ -106,16 +108,23 @@ class Arena:
                 os.close(fd)
         return freed
 
+    @property
+    def held(self) -> int:
+        """Checkpoints the tier keeps besides those in flight (keep_every's come on top, unbounded: a full tier
+        retires them before the best ones)."""
+        return self.keep_last + self.keep_best
+
     def check_fits(self, nbytes: int, max_inflight: int) -> None:
-        """The tier's capacity holds keep_last checkpoints, the one retention retires only after the next
-        commits, and those in flight; else a ConfigError saying what to change."""
+        """The tier's capacity holds keep_last (and keep_best) checkpoints, the one retention retires only after
+        the next commits, and those in flight; else a ConfigError saying what to change."""
         capacity = self.tier.capacity
-        need = (self.keep_last + 1 + max_inflight) * nbytes
+        need = (self.held + 1 + max_inflight) * nbytes
         if capacity is not None and need > capacity:
-            raise ConfigError(f"the memory tier holds keep_last + 1 + max_inflight = {self.keep_last} + 1 + "
-                              f"{max_inflight} states of {nbytes} bytes ({need} bytes) but its capacity is "
-                              f"{capacity}: raise capacity, or lower keep_last or max_inflight",
-                              key=f"tiers.{self.name}.capacity")
+            best, best_n = (" + keep_best", f" + {self.keep_best}") if self.keep_best else ("", "")
+            raise ConfigError(f"the memory tier holds keep_last{best} + 1 + max_inflight = {self.keep_last}{best_n} + "
+                              f"1 + {max_inflight} states of {nbytes} bytes ({need} bytes) but its capacity is "
+                              f"{capacity}: raise capacity, or lower keep_last{', keep_best' if best else ''} or "
+                              f"max_inflight", key=f"tiers.{self.name}.capacity")
 
     def new(self, nbytes: int, pin: bool) -> StagingBuffer:
         self.start()

@@ -157,13 +157,14 @@ class StagingPool:
 
     def prepare_next(self, nbytes: int) -> None:
         """A save just staged into the memory tier's files. While that tier is still filling up (fewer buffers
-        than keep_last + max_inflight exist), make the next save's buffer now, in the background, while training
-        runs: else each of the first keep_last + 1 saves would allocate and populate one (about 1 s/GiB here)
-        while the caller waits. Once the tier is full, retention hands retired checkpoints' files back
-        instead, and nothing is made. Memory stays within keep_last + 1 + max_inflight states."""
+        than keep_last (+ keep_best) + max_inflight exist), make the next save's buffer now, in the background,
+        while training runs: else each of the first keep_last + 1 saves would allocate and populate one (about
+        1 s/GiB here) while the caller waits. Once the tier is full, retention hands retired checkpoints' files
+        back instead, and nothing is made. Memory stays within keep_last (+ keep_best) + 1 + max_inflight
+        states."""
         if self.arena is None or self._preparing is not None or self._free:
             return
-        if self._count + len(self._retained) >= self.arena.keep_last + self.max_inflight:
+        if self._count + len(self._retained) >= self.arena.held + self.max_inflight:
             return
         self._count += 1  # counted now: a save arriving meanwhile waits for this buffer instead of making another
         self._preparing = asyncio.ensure_future(self._prepare(nbytes))
