@@ -56,3 +56,23 @@ async def test_an_old_format_checkpoint_loads_from_the_tier_alone(old_checkpoint
     async with tc.Engine(config(old_checkpoint, adopt=True)) as engine:  # it names the old index (format 2) or none (1)
         out = zeros()
         assert (await engine.load(out)).step == 3 and torch.equal(out["w"], saved_state()["w"])
+
+
+async def test_a_format_3_checkpoint_loads_and_verifies_without_chunk_digests(tmp_path):
+    """tests/data/format3 was saved by the release before chunk digests (format 3: incarnation folders, one
+    checksum per part). It loads (each part read whole and verified), verifies, and a new save beside it is
+    format 4. (Moved here, its file index is another index by identity: its folder stays for gc.)"""
+    root = tmp_path / "format3"
+    shutil.copytree(DATA / "format3", root)
+    async with tc.Engine(config(root)) as engine:
+        out = zeros()
+        assert (await engine.load(out)).step == 3
+        assert torch.equal(out["w"], saved_state()["w"]) and out["extra"] == {"lr": 0.5}
+        manifest = await engine.read_manifest(3)
+        assert manifest.version == 3 and manifest.chunk_size == 0 and manifest.incarnation
+        assert all(r.ok for r in await verify(engine.io, await engine.status(3), manifest))
+        await (await engine.save(4, saved_state())).wait()
+        new = await engine.read_manifest(4)
+        assert new.version == 4 and new.chunk_size == 64 * 1024 and len(new.ranks[0].chunk_sums) == 3 * 8
+        out = zeros()
+        assert (await engine.load(out)).step == 4 and torch.equal(out["w"], saved_state()["w"])
