@@ -32,6 +32,7 @@ class LocalOptions:
 
 class LocalTier(FileTier):
     Options = LocalOptions
+    read_span = 16 << 20  # read_chunks reads this much at a time: a disk wants large requests
     folder_mode: ClassVar[int | None] = None  # the mode of the tier's folder when it creates it (None: the umask's)
 
     @classmethod
@@ -159,6 +160,8 @@ class LocalTier(FileTier):
                           consume: Callable[[memoryview, int], bool]) -> int | None:
         path = self._path(key)
 
+        span = max(chunk_size, min(self.read_span, length) // chunk_size * chunk_size)
+
         def read() -> int | None:
             fd = self._open_for_chunks(path)
             if fd is None:
@@ -167,13 +170,20 @@ class LocalTier(FileTier):
                 size = os.fstat(fd).st_size
                 if size != length:
                     return size
-                buf = _chunk_buffer(chunk_size)
+                buf = _chunk_buffer(span)
                 at = 0
                 while at < size:
-                    n = os.preadv(fd, [buf[:min(chunk_size, size - at)]], at)
-                    if n <= 0 or not consume(buf[:n], at):
-                        break
-                    at += n
+                    want = min(span, size - at)
+                    got = 0
+                    while got < want:
+                        n = os.preadv(fd, [buf[got:want]], at + got)
+                        if n <= 0:
+                            return at + got  # shrank while reading
+                        got += n
+                    for piece in range(0, got, chunk_size):
+                        if not consume(buf[piece:min(piece + chunk_size, got)], at + piece):
+                            return size
+                    at += got
                 return size
             finally:
                 os.close(fd)  # (releases a reader's lock, where there is one)
@@ -316,7 +326,8 @@ _buffers = threading.local()
 
 
 def _chunk_buffer(chunk_size: int) -> memoryview:
-    """This thread's buffer for chunked reads: reused, so its pages stay allocated and its bytes in cache."""
+    """This thread's buffer for chunked reads: reused, so its pages stay allocated (and, as small as the memory
+    tier's reads keep it, its bytes in cache)."""
     buf = getattr(_buffers, "chunk", None)
     if buf is None or len(buf) < chunk_size:
         buf = _buffers.chunk = memoryview(bytearray(chunk_size))

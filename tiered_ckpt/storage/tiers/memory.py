@@ -37,6 +37,7 @@ class MemoryOptions:
 
 class MemoryTier(LocalTier):
     Options = MemoryOptions
+    read_span = 0  # a chunk at a time: RAM needs no large requests, and a chunk stays in cache
     folder_mode = 0o700  # host memory of this user's jobs: no one else's business
 
     def _open_for_chunks(self, path: Path) -> int | None:
