@@ -282,7 +282,10 @@ def _plain_values(skeleton: Any) -> list[tuple[str, str]]:
             return
         out.append((path_str(path), _short(node)))
 
-    walk(skeleton, ())
+    try:
+        walk(skeleton, ())
+    finally:
+        del walk  # a nested function that calls itself is a reference cycle (see tiered_ckpt.state)
     return out
 
 

@@ -101,7 +101,8 @@ def test_bench_runs_and_reports_every_ratio(tmp_path, shm_dir):
     for label, spread in f["pairs"].items():  # the table prints the JSON's per-pair medians and spread
         median, low, high = map(float, pairs[label])
         assert low <= median <= high and abs(median - spread["median"]) <= 0.0005 + 1e-9, label
-    assert f["small_tensors"]["tensors"] == 2000 and f["small_tensors"]["manifest_bytes"] > 0
+    assert [r["automatic_gc"] for r in f["small_tensors"]] == [True, False]  # Python's default, and as trainers run
+    assert all(r["tensors"] == 2000 and r["manifest_bytes"] > 0 and r["later_save_s"] > 0 for r in f["small_tensors"])
 
 
 def test_distributed_bench_runs_beside_dcp(tmp_path, shm_dir):

@@ -17,7 +17,7 @@ def positions(steps, op, device):
 
 def test_each_device_waits_for_its_producer_before_any_copy_and_syncs_after_all():
     devices = [CUDA0, None, CUDA1, CUDA0, None]
-    steps = stream_steps(devices, {CUDA0: "event0"})
+    steps = list(stream_steps(devices, {CUDA0: "event0"}))
     for d in (CUDA0, CUDA1):
         [made] = positions(steps, "stream", d)
         waits = [i for i, s in enumerate(steps) if s[0] in ("wait_event", "wait_stream") and s[1] == d]
@@ -30,7 +30,7 @@ def test_each_device_waits_for_its_producer_before_any_copy_and_syncs_after_all(
 
 
 def test_cpu_only_sources_need_no_stream_operation():
-    assert stream_steps([None, None], {}) == [("copy", 0, None), ("copy", 1, None)]
+    assert list(stream_steps([None, None], {})) == [("copy", 0, None), ("copy", 1, None)]
 
 
 def test_stage_copies_cpu_tensors_into_the_buffer():

@@ -91,7 +91,8 @@ def run_bench(args: argparse.Namespace) -> int:
         work = Path(tempfile.mkdtemp(prefix="small-", dir=base))
         shm = Path(tempfile.mkdtemp(prefix="tiered_ckpt-bench-small-", dir=args.shm))
         try:
-            small = uvloop.run(measure_small(args.small_tensors, work, shm))
+            small = [uvloop.run(measure_small(args.small_tensors, work / name, shm / name, automatic_gc=on))
+                     for name, on in (("gc-on", True), ("gc-off", False))]
         finally:
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(shm, ignore_errors=True)

@@ -28,9 +28,9 @@ def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[
     return tuple(t.shape), tuple(offsets), tuple(sizes)
 
 
-def layout_key(t: torch.Tensor) -> Any:
-    """A hashable description of how `t` is laid out over ranks: its shape, and for a DTensor its
-    placements and device mesh."""
+def layout_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """How `t` is laid out over ranks, as a tuple that keys can be concatenated from unambiguously: its number
+    of dimensions and shape, and for a DTensor (marked by a leading -1) also its placements and device mesh."""
     if not is_dtensor(t):
-        return t.shape
-    return t.shape, tuple(t.placements), tuple(t.device_mesh.mesh.flatten().tolist()), tuple(t.device_mesh.shape)
+        return (t.dim(), *t.shape)
+    return -1, t.shape, tuple(t.placements), tuple(t.device_mesh.mesh.flatten().tolist()), tuple(t.device_mesh.shape)

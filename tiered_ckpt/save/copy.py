@@ -5,7 +5,7 @@ produced them (`producer_events`), so a copy never reads a tensor before a pendi
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -30,20 +30,20 @@ def producer_events(tensors: Sequence[torch.Tensor] | None = None) -> dict[torch
     return {d: torch.cuda.current_stream(d).record_event() for d in devices}
 
 
-def stream_steps(devices: Sequence[torch.device | None], events: Mapping[torch.device, Any]) -> list[tuple[Any, ...]]:
+def stream_steps(devices: Sequence[torch.device | None], events: Mapping[torch.device, Any]) -> Iterator[tuple[Any, ...]]:
     """The order of operations that copies sources on `devices` (None for a CPU source) to host memory:
     for each CUDA device, a side stream that first waits for the producer (its event, or else the current
     stream of the copying thread), then the copies (CUDA ones on their device's side stream), then every
     side stream synchronized, so the buffer holds the data when staging returns. Kept apart from the CUDA
-    calls so that a CPU test can check the ordering."""
+    calls so that a CPU test can check the ordering. A generator: no list of a step per tensor to build."""
     cuda_devices = sorted({d for d in devices if d is not None}, key=str)
-    steps: list[tuple[Any, ...]] = []
     for d in cuda_devices:
-        steps.append(("stream", d))
-        steps.append(("wait_event", d, events[d]) if d in events else ("wait_stream", d))
-    steps += [("copy", i, d) for i, d in enumerate(devices)]
-    steps += [("synchronize", d) for d in cuda_devices]
-    return steps
+        yield "stream", d
+        yield ("wait_event", d, events[d]) if d in events else ("wait_stream", d)
+    for i, d in enumerate(devices):
+        yield "copy", i, d
+    for d in cuda_devices:
+        yield "synchronize", d
 
 
 PIECE = 4 << 20  # a large tensor is copied in pieces of this many bytes, each reported as it lands

@@ -71,7 +71,7 @@ class Plan:
 
 def structure_key(paths: list[str], tensors: list[torch.Tensor], world_size: int, part_size: int) -> tuple:
     """Names, dtypes, shapes, placements and layout as one hashable tuple (cheap to build and hash)."""
-    layout = tuple([layout_key(t) for t in tensors])
+    layout = tuple([x for t in tensors for x in layout_key(t)])  # flat: no object kept per tensor
     return (world_size, part_size, tuple(paths), tuple([t.dtype for t in tensors]), layout)
 
 
