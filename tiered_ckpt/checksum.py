@@ -74,26 +74,51 @@ def checksum(views: Views, algorithm: str = ALGORITHM) -> int:
 
 
 def part_digests(view: memoryview, algorithm: str, chunk_size: int) -> tuple[int, bytes]:
-    """The part's checksum and the digest of each of its `chunk_size` chunks (8 bytes each, little endian), in
-    one pass over memory: each chunk is hashed twice while it is in cache, once into the part's running digest
-    and once on its own."""
+    """The part's checksum and its chunks' digests (8 bytes each, little endian), one hash per byte: a part cut
+    into chunks (format 4) has for checksum the digest of its chunk digests (`of_chunk_digests`); with no
+    chunk_size, the digest of its bytes and no chunk digests."""
     available_or_raise(algorithm)
+    if not chunk_size:
+        return checksum([view], algorithm), b""
     view = memoryview(view).cast("B")
+    digests = array.array("Q", [chunk_digest(view[at:at + chunk_size], algorithm)
+                                for at in range(0, len(view), chunk_size)])
+    sums = _little_endian(digests)
+    return of_chunk_digests(sums, algorithm), sums
+
+
+def of_chunk_digests(chunk_sums: bytes, algorithm: str) -> int:
+    """The checksum of a part cut into chunks: the digest of its chunk digests, so that it costs no second pass
+    over the part's bytes (a reader that verified every chunk checks the part with 8 bytes a chunk)."""
+    return checksum([chunk_sums], algorithm)
+
+
+def part_checksum(views: Views, algorithm: str, chunk_size: int) -> int:
+    """The checksum a record holds for the part made of `views` joined: with chunk_size (format 4), the digest
+    of the digests of its chunk_size chunks; without (a part too small to cut, or an older checkpoint), the
+    digest of its bytes."""
+    if not chunk_size:
+        return checksum(views, algorithm)
+    available_or_raise(algorithm)
     digests = array.array("Q")
-    if algorithm == "xxh3":
-        assert _xxhash is not None
-        whole = _xxhash.xxh3_64()
-        for at in range(0, len(view), chunk_size):
-            chunk = view[at:at + chunk_size]
-            whole.update(chunk)
-            digests.append(_xxhash.xxh3_64_intdigest(chunk))
-        return whole.intdigest(), _little_endian(digests)
-    value = 0
-    for at in range(0, len(view), chunk_size):
-        chunk = view[at:at + chunk_size]
-        value = _crc32c.crc32c(chunk, value)
-        digests.append(_crc32c.crc32c(chunk))
-    return value, _little_endian(digests)
+    running, filled = Running(algorithm), 0
+    for view in views:
+        view = memoryview(view).cast("B")
+        at = 0
+        while at < len(view):
+            take = min(chunk_size - filled, len(view) - at)
+            if not filled and take == chunk_size:
+                digests.append(chunk_digest(view[at:at + take], algorithm))  # a whole chunk in one view
+            else:  # a chunk across views
+                running.update(view[at:at + take])
+                filled += take
+                if filled == chunk_size:
+                    digests.append(running.value())
+                    running, filled = Running(algorithm), 0
+            at += take
+    if filled:
+        digests.append(running.value())
+    return of_chunk_digests(_little_endian(digests), algorithm)
 
 
 class Running:

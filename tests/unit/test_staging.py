@@ -142,19 +142,29 @@ async def test_max_inflight_backpressure_holds_the_next_save_until_a_buffer_free
 async def test_part_checksums_are_the_same_whether_hashed_during_or_after_the_copy(make_config, monkeypatch,
                                                                                     while_staging):
     """Parts are hashed as soon as they are staged on machines with spare cores, after the copy elsewhere:
-    the recorded checksums are those of the staged bytes either way (many chunks, several parts)."""
+    the recorded checksums are those of the staged bytes either way (many chunks, several parts): each chunk's
+    digest, and for the part the digest of its chunk digests."""
     import tiered_ckpt.save.job as saving
-    from tiered_ckpt.checksum import checksum
+    import tiered_ckpt.save.records as records
+    from tiered_ckpt.checksum import chunk_digest, of_chunk_digests, part_checksum
 
     monkeypatch.setattr(saving, "HASH_WHILE_STAGING", while_staging)
+    monkeypatch.setattr(records, "CHUNK_SIZE", 1 << 14)  # 4 chunks a part
     state = {f"t{i}": torch.randn(3000 + 17 * i) for i in range(40)}  # ~500 KB: 8 parts of 64 KiB
     async with tc.Engine(make_config()) as engine:
         await (await engine.save(1, state)).wait()
         manifest = await engine.read_manifest(1)
         host = engine.io.driver("host")
-        expected = [checksum([memoryview(await host.read(PartKey("test", 1, 0, p, engine.incarnation).path))],
-                             manifest.checksum) for p in range(len(manifest.ranks[0].checksums))]
-        assert list(manifest.ranks[0].checksums) == expected and len(expected) >= 8
+        parts = [memoryview(await host.read(PartKey("test", 1, 0, p, engine.incarnation).path))
+                 for p in range(len(manifest.ranks[0].checksums))]
+        size = manifest.chunk_size
+        assert 0 < size < len(parts[0]) and len(parts) >= 8
+        expected = [part_checksum([part], manifest.checksum, size) for part in parts]
+        assert list(manifest.ranks[0].checksums) == expected
+        sums = [b"".join(chunk_digest(part[a:a + size], manifest.checksum).to_bytes(8, "little")
+                         for a in range(0, len(part), size)) for part in parts]
+        assert [manifest.chunk_sums_of(0, p) for p in range(len(parts))] == sums
+        assert expected == [of_chunk_digests(s, manifest.checksum) for s in sums]
         out = {k: torch.zeros_like(v) for k, v in state.items()}
         await engine.load(out, tiers=["disk"])
         assert all(torch.equal(out[k], v) for k, v in state.items())

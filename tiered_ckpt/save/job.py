@@ -56,7 +56,8 @@ class SaveJob:
         io, commit = services.io, services.commit
         self.records = Records(io, commit, step, plan, flat.skeleton, metadata, services.checksum)
         self.source = PartSource(io, services.pool, plan, buffer, commit.job, step, commit.incarnation,
-                                 services.checksum, tiers, self.records.checksums, self.records.hashing_done)
+                                 services.checksum, tiers, self.records.part_sums, self.records.chunk_size,
+                                 self.records.hashing_done)
         self.writes = {t: TierWrite(t, io, commit, services.retention, services.committed, self.source, self.records,
                                     handle) for t in tiers}
         self.task: asyncio.Task[None] | None = None

@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-from ..checksum import CHUNK_SIZE, Running, chunk_digest, part_digests
+from ..checksum import CHUNK_SIZE, Running, chunk_digest, of_chunk_digests, part_digests
 from ..layout import manifest_key, rank_meta_key
 from ..manifest import Manifest, RankMeta
 from ..state import encode_skeleton
@@ -33,7 +33,7 @@ class PartStream:
         self.step = chunk_size or plan.part_size
         self.results: list[tuple[int, bytes]] = []  # per finished part: (checksum, chunk digests)
         self._part = 0
-        self._whole = Running(algorithm)
+        self._whole = Running(algorithm)  # a part not cut into chunks
         self._chunks = bytearray()
 
     def feed(self, view: memoryview, a: int, b: int) -> None:
@@ -41,11 +41,14 @@ class PartStream:
         at the end of the buffer)."""
         for at in range(a, b, self.step):
             piece = view[at:min(at + self.step, b)]
-            self._whole.update(piece)
             if self.chunked:
                 self._chunks += chunk_digest(piece, self.algorithm).to_bytes(8, "little")
+            else:
+                self._whole.update(piece)
             if at + len(piece) == self.plan.part_range(self._part)[1]:  # the part's last byte
-                self.results.append((self._whole.value(), bytes(self._chunks)))
+                sums = bytes(self._chunks)
+                whole = of_chunk_digests(sums, self.algorithm) if self.chunked else self._whole.value()
+                self.results.append((whole, sums))
                 self._part += 1
                 self._whole, self._chunks = Running(self.algorithm), bytearray()
 
@@ -92,7 +95,7 @@ class Records:
             for p in range(self.plan.num_parts):
                 a, b = self.plan.part_range(p)
                 self._part_sums.append(self.io.submit_blocking(part_digests, view[a:b], self.algorithm,
-                                                              self.chunk_size or b - a or 1))
+                                                              self.chunk_size))
         self._checksums = asyncio.ensure_future(self._gather())
 
     async def _gather(self) -> list[tuple[int, bytes]]:
@@ -105,6 +108,11 @@ class Records:
         """Each part's checksum."""
         assert self._checksums is not None, "start_checksums() first"
         return [whole for whole, _ in await asyncio.shield(self._checksums)]
+
+    async def part_sums(self) -> list[tuple[int, bytes]]:
+        """Each part's (checksum, chunk digests)."""
+        assert self._checksums is not None, "start_checksums() first"
+        return list(await asyncio.shield(self._checksums))
 
     async def chunk_sums(self) -> bytes:
         """Every chunk's digest, part after part (empty when parts are not cut into chunks)."""

@@ -26,13 +26,14 @@ from .pool import StagingBuffer, StagingPool
 class PartSource:
     def __init__(self, io: TierIO, pool: StagingPool, plan: Plan, buffer: StagingBuffer, job: str, step: int,
                  incarnation: str, algorithm: str, tiers: list[str],
-                 checksums: Callable[[], Awaitable[list[int]]], hashing_done: Callable[[], Awaitable[None]]):
+                 part_sums: Callable[[], Awaitable[list[tuple[int, bytes]]]], chunk_size: int,
+                 hashing_done: Callable[[], Awaitable[None]]):
         self.io = io
         self.pool = pool
         self.plan = plan
         self.buffer: StagingBuffer | None = buffer
         self.job, self.step, self.incarnation, self.algorithm = job, step, incarnation, algorithm
-        self._checksums = checksums
+        self._part_sums, self._chunk_size = part_sums, chunk_size  # each part's (checksum, chunk digests)
         self._hashing_done = hashing_done
         n = plan.num_parts
         self._holders: list[list[str]] = [[] for _ in range(n)]  # per part: the tiers that hold it
@@ -96,12 +97,13 @@ class PartSource:
         """The staging buffer is gone: fetch part p from the fastest tier holding it, verified, with that
         tier's timeout and retries, into a bounce buffer. Its bytes are already counted in the writing tier's
         budget; taking the holder's budget as well could deadlock two tiers that read back from each other."""
-        expected, reasons = (await self._checksums())[p], []
+        (expected, chunk_sums), reasons = (await self._part_sums())[p], []
         for tier in self.io.order(self._holders[p]):
             buf = self.io.bounce.take(length)
             try:
-                await self.io.read_verified(PartRead(self.key(p), [tensor_bytes(buf)[:length]], length, expected,
-                                                     algorithm=self.algorithm), [tier], ReadLog(), budgeted=False)
+                part = PartRead(self.key(p), [tensor_bytes(buf)[:length]], length, expected, algorithm=self.algorithm,
+                                chunk_size=self._chunk_size if chunk_sums else 0, chunk_sums=chunk_sums)
+                await self.io.read_verified(part, [tier], ReadLog(), budgeted=False)
                 return buf
             except IntegrityError as e:
                 self.io.bounce.drop(buf)  # a timed-out read may still write it

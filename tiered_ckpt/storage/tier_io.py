@@ -20,7 +20,7 @@ from typing import Any, AsyncContextManager, Callable, Iterable, Iterator, Seque
 
 import torch
 
-from ..checksum import ALGORITHM, Running, checksum, chunk_digest, describe
+from ..checksum import ALGORITHM, chunk_digest, describe, of_chunk_digests, part_checksum
 from ..config import TierConfig
 from ..errors import IntegrityError, TierError
 from .pipeline import SaveTurns, TierPipeline
@@ -274,8 +274,8 @@ class TierIO:
         chunk's digest, then copy it to `part.views`: one pass over memory, and no byte of a chunk reaches its
         destination before the chunk passed. A chunk that fails stops the read (the chunks before it are
         written, verified; the part is then read whole from the next tier). The chunk digests are the sealed
-        record's, so they are enough for a load; `check_whole` also checks the part's own checksum, over the same
-        cache-hot chunks (verify does). (False, None) when the tier cannot read it that way now."""
+        record's, so they are enough for a load; `check_whole` also checks that the part's own checksum is the
+        digest of those chunk digests (verify does). (False, None) when the tier cannot read it that way now."""
         driver = self.file_tier(name)
         assert driver is not None
         size, sums = part.chunk_size, memoryview(part.chunk_sums).cast("B")
@@ -291,13 +291,10 @@ class TierIO:
                 outcome.append(f"chunk {index}: {describe(part.algorithm, actual)}, expected "
                                f"{describe(part.algorithm, expected)}")
                 return False
-            if whole is not None:
-                whole.update(chunk)
             scatter([chunk], part.views, at)
             written[0] = at + len(chunk)
             return True
 
-        whole = Running(part.algorithm) if part.check_whole else None
         pipeline, what = self._pipelines[name], f"read {part.key}"
         op = lambda: driver.read_chunks(part.key, size, part.length, consume)  # noqa: E731
         try:
@@ -315,9 +312,10 @@ class TierIO:
             return True, outcome[0]
         if len(sums) != 8 * (-(-part.length // size)):
             return True, f"{len(sums) // 8} chunk digests for {-(-part.length // size)} chunks"
-        if whole is not None and whole.value() != part.checksum:
-            return True, (f"{describe(part.algorithm, whole.value())}, expected "
-                          f"{describe(part.algorithm, part.checksum)} (the record's chunk digests disagree)")
+        whole = of_chunk_digests(part.chunk_sums, part.algorithm) if part.check_whole else part.checksum
+        if whole != part.checksum:  # the chunks are the record's: the part's checksum follows from their digests
+            return True, (f"{describe(part.algorithm, whole)}, expected {describe(part.algorithm, part.checksum)} "
+                          f"(the record's chunk digests disagree)")
         return True, None
 
     async def _try_bounced_read(self, name: str, part: PartRead, budgeted: bool) -> str | None:
@@ -368,7 +366,8 @@ class TierIO:
     async def _verify(self, views: list[memoryview], n: int, part: PartRead) -> str | None:
         if n != part.length:
             return f"length {n}, expected {part.length}"
-        actual = await self.run_blocking(checksum, views, part.algorithm)
+        chunk_size = part.chunk_size if part.chunk_sums else 0  # format 4: the digest of the chunks' digests
+        actual = await self.run_blocking(part_checksum, views, part.algorithm, chunk_size)
         if actual != part.checksum:
             return f"{describe(part.algorithm, actual)}, expected {describe(part.algorithm, part.checksum)}"
         return None

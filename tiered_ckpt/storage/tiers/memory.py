@@ -43,8 +43,7 @@ class MemoryTier(LocalTier):
     def _open_for_chunks(self, path: Path) -> int | None:
         """Held with a shared flock for the whole read, taken while the file is still the one under its key (see
         the arena takes files back under an exclusive one): a retired file is never rewritten as a staging buffer
-        under this reader. None while it
-        is being retired."""
+        under this reader. None while it is being retired."""
         fd = os.open(path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
