@@ -3,6 +3,11 @@
     python examples/train_gpt.py --steps 200 --save-every 20     # trains, saves every 20 steps
     python examples/train_gpt.py --steps 300 --save-every 20     # resumes from the newest checkpoint
 
+It prints a line per save (how long the training loop paused for it) and a line per tier that commits it (ms
+from save() until it was durable there, reported by `handle.on_tier_done` without blocking the loop). Ctrl-C
+stops it cleanly: the saves in flight finish, and it names the newest complete checkpoint, which the next run
+resumes from; a run that finds its last step already saved says there is nothing left to train.
+
 Saves are lazy (DataStates-style): `save(step, lazy=True)` returns at once, the copy to host memory
 overlaps the next forward/backward, and `handle.staged()` is awaited just before optimizer.step()
 mutates the weights.
@@ -18,6 +23,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -25,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tiered_ckpt as tc
+from tiered_ckpt.save.handle import TierDone
 
 
 class Block(nn.Module):
@@ -72,7 +79,83 @@ def batch(seed: int, step: int, size: int, ctx: int, vocab: int) -> tuple[torch.
     return seq[:, :-1], seq[:, 1:]
 
 
+class SaveReport:
+    """One line per save and one per tier that commits it. The save line is printed once `staged()` has returned
+    (only then is the loop's pause known), the commit lines from the Checkpointer's thread (`on_tier_done`): a
+    save's commit lines wait for its save line, and a lock keeps the two threads from cutting each other's lines."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled  # multi-rank: rank 0 reports, the others stay quiet
+        self._lock = threading.Lock()
+        self._held: dict[int, list[str]] = {}  # step → its commit lines, until its save line is out
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            with self._lock:
+                print(line, flush=True)
+
+    def watch(self, handle: tc.SyncSaveHandle) -> None:
+        if self.enabled:
+            with self._lock:
+                self._held[handle.step] = []
+            handle.on_tier_done(self._tier_done)
+
+    def saved(self, step: int, paused_s: float) -> None:
+        if self.enabled:
+            with self._lock:
+                print(f"save   step {step:5d}  training paused {paused_s * 1e3:.1f} ms (save() + staged())", flush=True)
+                for line in self._held.pop(step, []):
+                    print(line, flush=True)
+
+    def flush(self) -> None:
+        """Print the commit lines of saves whose save line never came (a stop before their staged())."""
+        with self._lock:
+            for step in sorted(self._held):
+                for line in self._held[step]:
+                    print(line, flush=True)
+            self._held.clear()
+
+    def _tier_done(self, done: TierDone) -> None:
+        if done.committed:
+            line = f"commit step {done.step:5d}  on {done.tier}: {(done.seconds or 0) * 1e3:.1f} ms after save()"
+        elif done.superseded_by is not None:
+            line = f"skip   step {done.step:5d}  on {done.tier}: step {done.superseded_by} took its turn"
+        else:
+            line = f"FAILED step {done.step:5d}  on {done.tier}: {done.error!r}"
+        with self._lock:
+            held = self._held.get(done.step)
+            if held is not None:
+                held.append(line)
+            else:
+                print(line, flush=True)
+
+
+def newest_complete(ckpt: tc.Checkpointer) -> int | None:
+    return max((c.step for c in ckpt.list() if c.is_complete), default=None)
+
+
+def stopped_message(ckpt: tc.Checkpointer, trained: int) -> str:
+    """After Ctrl-C, once the saves in flight are done: what the next run will resume from."""
+    newest = newest_complete(ckpt)
+    if newest is None:
+        return f"stopped after step {trained}: no checkpoint is complete yet, so a rerun starts fresh"
+    return f"stopped after step {trained}: the newest complete checkpoint is step {newest}; run again to resume"
+
+
+def nothing_left(step: int, steps: int) -> str:
+    return f"nothing left to train: step {step} is saved and --steps is {steps} (raise --steps to train on)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Ctrl-C anywhere ends without a traceback (exit status 130, as a shell reports an interrupt)."""
+    try:
+        return train(argv)
+    except KeyboardInterrupt:  # before training started, or a second Ctrl-C while saves were finishing
+        print("\ninterrupted: the next run resumes from the newest complete checkpoint", flush=True)
+        return 130
+
+
+def train(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="tiers/local.toml")
     p.add_argument("--job", default="gpt")
@@ -92,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     train = {"step": 0}  # the data position: step s trains on batch(seed, s)
     state = {"model": model, "optim": optim, "train": train, "rng": tc.PerRank(torch.get_rng_state())}
     nparams = sum(p.numel() for p in model.parameters())
+    report = SaveReport()
 
     with tc.Checkpointer.from_toml(args.config, job=args.job) as ckpt:
         try:
@@ -100,32 +184,54 @@ def main(argv: list[str] | None = None) -> int:
             print(f"resumed from step {info.step} (tier {info.tier}, {info.seconds * 1e3:.1f} ms)", flush=True)
         except tc.IncompleteCheckpoint:
             print(f"starting fresh: {nparams / 1e6:.2f}M parameters", flush=True)
+        if train["step"] >= args.steps:
+            print(nothing_left(train["step"], args.steps), flush=True)
+            return 0
         losses = open(args.losses, "a") if args.losses else None
         pending: tc.SyncSaveHandle | None = None
-        for step in range(train["step"] + 1, args.steps + 1):
-            t0 = time.perf_counter()
-            x, y = batch(args.seed, step, bsz, ctx, vocab)
-            loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
-            loss.backward()
+        save_s = 0.0  # how long the pending save's save() call took
+        trained = train["step"]
+        try:
+            for step in range(train["step"] + 1, args.steps + 1):
+                t0 = time.perf_counter()
+                x, y = batch(args.seed, step, bsz, ctx, vocab)
+                loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+                loss.backward()
+                if pending is not None:
+                    t = time.perf_counter()
+                    pending.staged()  # the lazy copy must finish before the weights change
+                    report.saved(pending.step, save_s + time.perf_counter() - t)
+                    pending = None
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+                trained = step
+                if losses:
+                    losses.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+                    losses.flush()
+                if step % args.save_every == 0:
+                    train["step"], state["rng"] = step, tc.PerRank(torch.get_rng_state())
+                    t = time.perf_counter()
+                    pending = ckpt.save(step, state, lazy=True)
+                    save_s = time.perf_counter() - t
+                    report.watch(pending)
+                if step % 10 == 0 or step == args.steps:
+                    ms = (time.perf_counter() - t0) * 1e3
+                    report.say(f"step {step:5d}  loss {loss.item():.4f}  ppl {math.exp(loss.item()):8.2f}  "
+                               f"{ms:6.1f} ms")
+                if args.stop_after == step:
+                    print(f"simulated crash after step {step}", flush=True)
+                    sys.stdout.flush()
+                    os._exit(1)
             if pending is not None:
-                pending.staged()  # the lazy copy must finish before the weights change
-                pending = None
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            if losses:
-                losses.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
-                losses.flush()
-            if step % args.save_every == 0:
-                train["step"], state["rng"] = step, tc.PerRank(torch.get_rng_state())
-                pending = ckpt.save(step, state, lazy=True)
-            if step % 10 == 0 or step == args.steps:
-                ms = (time.perf_counter() - t0) * 1e3
-                print(f"step {step:5d}  loss {loss.item():.4f}  ppl {math.exp(loss.item()):8.2f}  {ms:6.1f} ms",
-                      flush=True)
-            if args.stop_after == step:
-                print(f"simulated crash after step {step}", flush=True)
-                sys.stdout.flush()
-                os._exit(1)
+                t = time.perf_counter()
+                pending.staged()
+                report.saved(pending.step, save_s + time.perf_counter() - t)
+        except KeyboardInterrupt:
+            report.say(f"\nCtrl-C: stopping after step {trained}; waiting for the saves in flight")
+            ckpt.wait_all()
+            report.flush()
+            report.say(stopped_message(ckpt, trained))
+            return 130
         ckpt.wait_all()
     return 0
 

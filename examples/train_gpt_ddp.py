@@ -12,13 +12,20 @@ Exact resume (docs/state.md): own generator, saved position (the step), and each
 with `tc.PerRank`. A rank's RNG state exists only for ranks that existed at save time, so it is restored when
 the world size is the same and left as seeded otherwise. (The model has no dropout here, so that the losses
 agree across world sizes; with dropout, the same code resumes bit for bit at the same world size.)
+
+Rank 0 prints the lines of train_gpt.py: one per save, one per tier that commits it. Ctrl-C stops every rank
+after the same step (StopOnCtrlC), the saves in flight finish, and rank 0 names the newest complete checkpoint;
+torchrun then reports the signal with a traceback of its own (the launcher's; no worker raises). A run whose
+last step is saved has nothing left to train.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,9 +35,32 @@ from torch.nn.parallel import DistributedDataParallel
 import tiered_ckpt as tc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_gpt import GPT, batch  # noqa: E402
+from train_gpt import GPT, SaveReport, batch, nothing_left, stopped_message  # noqa: E402
 
 GLOBAL_BATCH = 12
+
+
+class StopOnCtrlC:
+    """Ctrl-C under torchrun: SIGINT only raises a flag, and the ranks agree on it in each step's all_reduce, so
+    all stop after the same step. A KeyboardInterrupt would strike each rank at a different point and leave the
+    others blocked in a collective; and a worker may get the signal twice (the terminal's, and torchrun's)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGINT, self._request)
+
+    def _request(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def flag(self) -> torch.Tensor:
+        return torch.tensor(1.0 if self.requested else 0.0)
+
+
+def mean_loss_and_stop(loss: torch.Tensor, stop: StopOnCtrlC, world: int) -> tuple[torch.Tensor, bool]:
+    """One all_reduce: the loss averaged over the ranks, and whether any rank was asked to stop."""
+    both = torch.stack([loss.detach(), stop.flag()])
+    dist.all_reduce(both)
+    return both[0] / world, bool(both[1] > 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = {"step": 0, "world": world}  # the data position, and the world size that saved it
     state = {"train": tc.TrainState(model, optim), "progress": progress, "rng": tc.PerRank(torch.get_rng_state())}
     per_rank = GLOBAL_BATCH // world
+    report = SaveReport(enabled=rank == 0)
 
     with tc.Checkpointer.from_toml(args.config, job=args.job) as ckpt:
         try:
@@ -72,36 +103,54 @@ def main(argv: list[str] | None = None) -> int:
         except tc.IncompleteCheckpoint:
             if rank == 0:
                 print(f"starting fresh at world size {world}", flush=True)
+        if progress["step"] >= args.steps:  # every rank loaded the same step: the loop below is empty on all
+            report.say(nothing_left(progress["step"], args.steps))
         losses = open(args.losses, "a") if args.losses and rank == 0 else None
-        pending = None
+        pending: tc.SyncSaveHandle | None = None
+        save_s = 0.0
+        stop, stopping = StopOnCtrlC(), False
         for step in range(progress["step"] + 1, args.steps + 1):
             x, y = batch(args.seed, step, GLOBAL_BATCH, ctx, vocab)
             x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
             loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
             loss.backward()
             if pending is not None:
+                t = time.perf_counter()
                 pending.staged()
+                report.saved(pending.step, save_s + time.perf_counter() - t)
                 pending = None
             optim.step()
             optim.zero_grad(set_to_none=True)
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss)
-            mean_loss /= world
+            mean_loss, stopping = mean_loss_and_stop(loss, stop, world)
             if losses:
                 losses.write(json.dumps({"step": step, "loss": mean_loss.item(), "world": world}) + "\n")
                 losses.flush()
             if step % args.save_every == 0:
                 progress["step"], state["rng"] = step, tc.PerRank(torch.get_rng_state())
+                t = time.perf_counter()
                 pending = ckpt.save(step, state, lazy=True)
-            if rank == 0 and (step % 10 == 0 or step == args.steps):
-                print(f"step {step:5d}  loss {mean_loss.item():.4f}", flush=True)
+                save_s = time.perf_counter() - t
+                report.watch(pending)
+            if step % 10 == 0 or step == args.steps:
+                report.say(f"step {step:5d}  loss {mean_loss.item():.4f}")
             if args.stop_after == step:
                 if rank == 0:
                     print(f"simulated crash after step {step}", flush=True)
                 os._exit(1)
+            if stopping:
+                break
+        if pending is not None:
+            t = time.perf_counter()
+            pending.staged()
+            report.saved(pending.step, save_s + time.perf_counter() - t)
+        if stopping:
+            report.say(f"Ctrl-C: every rank stopped after step {step}; waiting for the saves in flight")
         ckpt.wait_all()
+        report.flush()
+        if stopping:
+            report.say(stopped_message(ckpt, step))
     dist.destroy_process_group()
-    return 0
+    return 130 if stopping else 0  # 130: as a shell reports an interrupt
 
 
 if __name__ == "__main__":

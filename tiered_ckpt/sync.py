@@ -20,7 +20,7 @@ from .lifecycle.gc import GRACE, GcReport
 from .storage.index import CheckpointStatus
 from .load.reads import LoadInfo
 from .manifest import Manifest
-from .save.handle import SaveHandle
+from .save.handle import SaveHandle, TierDone
 from .save.copy import producer_events
 
 T = TypeVar("T")
@@ -44,6 +44,11 @@ class SyncSaveHandle:
 
     def done(self) -> bool:
         return self._handle.done()
+
+    def on_tier_done(self, callback: Callable[[TierDone], None]) -> None:
+        """SaveHandle.on_tier_done without blocking: `callback(TierDone)` once per tier as it finishes. It runs on
+        the Checkpointer's event-loop thread, so it must be quick, thread-safe, and call no Checkpointer method."""
+        self._ckpt._loop.call_soon_threadsafe(self._handle.on_tier_done, callback)
 
     @property
     def skipped(self) -> dict[str, int]:

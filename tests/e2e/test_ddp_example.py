@@ -1,13 +1,15 @@
-import pytest
-
 """examples/train_gpt_ddp.py under torchrun: crash at 2 ranks, resume at 3, then at 1; the losses follow the
-uninterrupted 2-rank run (equal up to floating-point reduction order, which changes with the world size)."""
+uninterrupted 2-rank run (equal up to floating-point reduction order, which changes with the world size). Ctrl-C
+stops every rank after the same step."""
 import json
 import math
+import re
 import subprocess
 import sys
 
-from .test_examples import REPO, losses, toml
+import pytest
+
+from .test_examples import REPO, STOPPED, interrupt_after_a_commit, losses, toml
 
 pytestmark = pytest.mark.timeout(600)  # real processes (gloo, torchrun): slower than unit tests
 
@@ -25,6 +27,9 @@ def test_ddp_example_resumes_at_other_world_sizes(tmp_path, shm_dir):
     cfg = toml(tmp_path / "a", shm_dir / "a")
     done = torchrun(2, "--config", str(cfg), "--steps", "16", "--losses", str(straight_log))
     assert done.returncode == 0, done.stderr[-3000:]
+    # rank 0 alone reports: one line per save, one per tier that commits it (or skips it for a newer save)
+    assert re.findall(r"^save   step +(\d+) ", done.stdout, re.M) == ["4", "8", "12", "16"], done.stdout
+    assert len(re.findall(r"^(?:commit|skip  ) step +\d+  on (?:host|disk):", done.stdout, re.M)) == 8, done.stdout
 
     cfg = toml(tmp_path / "b", shm_dir / "b")
     log = tmp_path / "resumed.jsonl"
@@ -45,3 +50,19 @@ def test_ddp_example_resumes_at_other_world_sizes(tmp_path, shm_dir):
     assert sorted(resumed) == list(range(resumed_from + 1, 17))
     for step, loss in resumed.items():
         assert math.isclose(loss, expected[step], rel_tol=1e-4), (step, loss, expected[step])
+
+
+def test_ctrl_c_stops_every_rank_after_the_same_step_then_a_rerun_has_nothing_left(tmp_path, shm_dir):
+    cfg = toml(tmp_path, shm_dir)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", EXAMPLE, "--tiny",
+            "--save-every", "4", "--config", str(cfg), "--steps", "100000"]
+    _, out = interrupt_after_a_commit(argv, tmp_path / "err")  # torchrun and both workers get SIGINT, as in a terminal
+    err = (tmp_path / "err").read_text()
+    # torchrun reports the signal with a traceback of its own; no worker raised (no frame of the example's)
+    assert not re.search(r'File ".*train_gpt(_ddp)?\.py"', err), err[-3000:]
+    assert out.count("Ctrl-C: every rank stopped after step") == 1, out  # rank 0 speaks for all
+    stopped, newest = map(int, STOPPED.search(out).groups())
+    assert newest % 4 == 0 and newest <= stopped
+    again = torchrun(2, "--config", str(cfg), "--steps", str(newest))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from step {newest} at world size 2" in again.stdout and "nothing left to train" in again.stdout

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import SaveError
 
@@ -15,6 +17,22 @@ def _quiet(fut: asyncio.Future) -> None:
 def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
     if not fut.done():
         fut.set_exception(error) if error is not None else fut.set_result(None)
+
+
+@dataclass(frozen=True)
+class TierDone:
+    """One tier's outcome of one save, as `SaveHandle.on_tier_done` reports it."""
+
+    step: int
+    tier: str
+    seconds: float | None  # from the save() call until the tier finished (None: no time was recorded)
+    error: BaseException | None = None  # the tier failed (a cancelled save: CancelledError)
+    superseded_by: int | None = None  # skipped, not an error: a newer save took this tier's turn
+
+    @property
+    def committed(self) -> bool:
+        """The checkpoint is complete on this tier: a load may take it from there."""
+        return self.error is None and self.superseded_by is None
 
 
 class SaveHandle:
@@ -50,6 +68,17 @@ class SaveHandle:
             await asyncio.wait(self._done.values())
         if self.errors:
             raise SaveError(self.step, self.errors)
+
+    def on_tier_done(self, callback: Callable[[TierDone], None]) -> None:
+        """Call `callback(TierDone)` once per targeted tier as it finishes (soon, for a tier already finished), on
+        the engine's event loop: a training loop learns of each commit without awaiting one. Keep the callback
+        quick; what it raises goes to the loop's exception handler, never into the save. Errors it sees still
+        count as unobserved until `wait()` raises them."""
+        for tier, fut in self._done.items():
+            fut.add_done_callback(lambda _, tier=tier: callback(self._tier_done(tier)))
+
+    def _tier_done(self, tier: str) -> TierDone:
+        return TierDone(self.step, tier, self.durable_at.get(tier), self.errors.get(tier), self.skipped.get(tier))
 
     def done(self) -> bool:
         return self._staged.done() and all(f.done() for f in self._done.values())
