@@ -1,16 +1,27 @@
-"""tiered_ckpt: near-free checkpointing of PyTorch training through tiers of storage."""
-from .config import Config, EngineConfig, TierConfig, load_config
-from .engine import Engine
-from .errors import (AuthenticationError, CheckpointExists, ConfigError, Fenced, IncompleteCheckpoint, IndexUnavailable,
-                     IntegrityError, RankFailed, SaveError, StateError, TieredCkptError, TierError, TierFull,
-                     TierNotFound, TierTimeout, TierUnavailable, WriterConflict)
-from .storage.index import CheckpointStatus
-from .load.reads import LoadInfo
-from .save.handle import SaveHandle
-from .state import PerRank
-from .sync import Checkpointer, SyncSaveHandle
-from .storage.tier_io import Fallback
-from .train_state import TrainState
+"""tiered_ckpt: near-free checkpointing of PyTorch training through tiers of storage.
+
+The public names are imported on first use (PEP 562), not with the package: `import tiered_ckpt.cli` must not
+import torch, so that `tiered-ckpt ls` answers at once. `tc.Engine` and `from tiered_ckpt import Engine`
+work as before; type checkers see the imports below.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import Config, EngineConfig, TierConfig, load_config
+    from .engine import Engine
+    from .errors import (AuthenticationError, CheckpointExists, ConfigError, Fenced, IncompleteCheckpoint,
+                         IndexUnavailable, IntegrityError, RankFailed, SaveError, StateError, TieredCkptError,
+                         TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable, WriterConflict)
+    from .load.reads import LoadInfo
+    from .save.handle import SaveHandle
+    from .state import PerRank
+    from .storage.index import CheckpointStatus
+    from .storage.tier_io import Fallback
+    from .sync import Checkpointer, SyncSaveHandle
+    from .train_state import TrainState
 
 __version__ = "0.1.0"
 __all__ = [
@@ -20,3 +31,25 @@ __all__ = [
     "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointExists", "SaveError", "RankFailed",
     "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError",
 ]
+_ERRORS = ("TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable",
+           "TierTimeout", "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointExists", "SaveError",
+           "RankFailed", "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError")
+_MODULE_OF = {  # public name → the module that defines it
+    "Engine": ".engine", "Checkpointer": ".sync", "SyncSaveHandle": ".sync", "TrainState": ".train_state",
+    "PerRank": ".state", "SaveHandle": ".save.handle", "LoadInfo": ".load.reads", "Fallback": ".storage.tier_io",
+    "CheckpointStatus": ".storage.index", "Config": ".config", "EngineConfig": ".config", "TierConfig": ".config",
+    "load_config": ".config", **dict.fromkeys(_ERRORS, ".errors"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -5,12 +5,12 @@ import dataclasses
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import numpy as np
-import torch
 
+if TYPE_CHECKING:
+    import torch
 from .checksum import seal, unseal
 from .errors import IntegrityError
 from .layout import part_count, part_range
@@ -232,6 +232,8 @@ class Manifest:
 
 def _ints(values: list[int]) -> list[Any]:
     """Non-negative ints as [width, little-endian bytes], in the narrowest unsigned width that holds them."""
+    import numpy as np  # here, not above: listing checkpoints (`tiered-ckpt ls`) needs neither numpy nor torch
+
     array = np.asarray(values, dtype="<u8")
     top = int(array.max()) if len(array) else 0
     width = next(w for w in (1, 2, 4, 8) if top < 1 << (8 * w))
@@ -239,6 +241,8 @@ def _ints(values: list[int]) -> list[Any]:
 
 
 def _from_ints(data: list[Any]) -> list[int]:
+    import numpy as np
+
     width, raw = data
     return np.frombuffer(raw, dtype=f"<u{int(width)}").tolist()
 
@@ -286,6 +290,8 @@ def _from_columns(cols: dict[str, Any]) -> tuple[TensorMeta, ...]:
 
 @functools.lru_cache(maxsize=None)
 def dtype_from_str(name: str) -> torch.dtype:
+    import torch
+
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise IntegrityError(f"unknown dtype {name!r} in the manifest (saved by a newer torch?)")

@@ -77,7 +77,9 @@ def test_ls_shows_size_and_local_time_with_its_zone(tmp_path, shm_dir, capsys, m
         time.tzset()
 
 
-def test_show_lists_plain_values_and_metadata_with_long_keys_aligned(tmp_path, shm_dir, capsys):
+def test_show_lists_plain_values_and_metadata_with_keys_aligned_up_to_a_cap(tmp_path, shm_dir, capsys):
+    """Keys are aligned to the longest, but never past cli.KEY_WIDTH: a Lightning checkpoint's long keys padded
+    every line to ~210 columns; now only the long key's own line overflows."""
     config = write_config(tmp_path, shm_dir)
     long_key = "a_very_long_name_of_a_setting_that_is_longer_than_any_tensor_path_in_this_state"
     state = {"model": {"weight": torch.ones(4, 4)}, "extra": {"lr": 3e-4, "schedule": [1e-3, 5e-4], long_key: "x",
@@ -91,9 +93,20 @@ def test_show_lists_plain_values_and_metadata_with_long_keys_aligned(tmp_path, s
     values = {line.split()[0]: line.split("=", 1)[1].strip() for line in lines if " = " in line}
     assert values["extra/lr"] == "0.0003" and values["extra/schedule"] == "[0.001, 0.0005]"
     assert values["extra/nested/0/epoch"] == "2" and values["name"] == "'best'"
-    assert {line.index(" = ") for line in lines if " = " in line} == {4 + len(f"extra/{long_key}")}  # aligned
+    assert len(f"extra/{long_key}") > cli.KEY_WIDTH >= len("extra/nested/0/epoch")
+    columns = {line.split()[0]: line.index(" = ") for line in lines if " = " in line}
+    assert columns.pop(f"extra/{long_key}") == 4 + len(f"extra/{long_key}")  # overflows its own line only
+    assert set(columns.values()) == {4 + cli.KEY_WIDTH}  # the others: aligned at the cap
     [tensor] = [line for line in lines if line.split()[:1] == ["model/weight"]]
-    assert tensor.index("float32") == 4 + len(f"extra/{long_key}") + 1  # the tensor columns line up too
+    assert tensor.index("float32") == 4 + cli.KEY_WIDTH + 1  # the tensor columns line up too
+
+
+def test_show_aligns_short_keys_to_the_longest_of_them(tmp_path, shm_dir, capsys):
+    config = write_config(tmp_path, shm_dir)
+    save(config, [5], state=lambda s: {"model": {"weight": torch.ones(4, 4)}, "lr": 0.1}, metadata={"name": "x"})
+    assert cli.main(["-c", str(config), "show", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert {line.index(" = ") for line in lines if " = " in line} == {4 + len("model/weight")}
 
 
 def test_config_check_prints_every_effective_key_with_human_sizes_and_no_password(tmp_path, capsys):
@@ -141,14 +154,14 @@ def test_delete_removes_a_checkpoint_and_names_an_unknown_one(tmp_path, shm_dir,
 
 
 def test_read_only_commands_create_no_folder(tmp_path, shm_dir, capsys):
-    """/dev/shm is emptied (a reboot, an operator): ls, show, verify and export must not bring the memory
-    tier's folder back, nor create an index that does not exist."""
+    """/dev/shm is emptied (a reboot, an operator): ls, show, verify, export and the dry runs of gc and delete
+    must not bring the memory tier's folder back, nor create an index that does not exist."""
     config = write_config(tmp_path, shm_dir)
     save(config, [1])
     shutil.rmtree(shm_dir / "host")
     out = tmp_path / "x.pt"
     for argv, status in ((["ls"], 0), (["show", "1"], 0), (["verify", "1"], 1), (["gc", "--dry-run"], 0),
-                         (["export", "--to", "torch", "-o", str(out)], 0)):
+                         (["delete", "1", "--dry-run"], 0), (["export", "--to", "torch", "-o", str(out)], 0)):
         assert cli.main(["-c", str(config), *argv]) == status, (argv, capsys.readouterr())
         assert not (shm_dir / "host").exists(), argv
     assert torch.equal(torch.load(out, weights_only=True)["w"], torch.full((50_000,), 1.0))

@@ -16,9 +16,6 @@ import asyncio
 import datetime
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from ..errors import RankFailed
 from ..layout import new_session
 
@@ -36,6 +33,8 @@ class Coordinator:
     @classmethod
     async def create(cls, timeout: float = 600.0) -> "Coordinator":
         """A coordinator for the current process group, or a single-rank one without one."""
+        import torch.distributed as dist  # here, not above: a single-rank Coordinator() needs no torch (the CLI)
+
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
         group = await asyncio.to_thread(
@@ -52,6 +51,8 @@ class Coordinator:
     async def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
+        import torch.distributed as dist
+
         out: list[Any] = [None] * self.world_size
         self.collectives += 1
         await asyncio.to_thread(dist.all_gather_object, out, obj, group=self.group)
@@ -60,6 +61,8 @@ class Coordinator:
     async def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not self.distributed:
             return obj
+        import torch.distributed as dist
+
         box = [obj]
         self.collectives += 1
         await asyncio.to_thread(dist.broadcast_object_list, box, src=src, group=self.group)
@@ -69,6 +72,9 @@ class Coordinator:
         """Collective: the element-wise maximum of every rank's `values` (small integers; an "any rank" of flags)."""
         if not self.distributed:
             return list(values)
+        import torch
+        import torch.distributed as dist
+
         box = torch.tensor(values, dtype=torch.int64)
         self.collectives += 1
         await asyncio.to_thread(dist.all_reduce, box, op=dist.ReduceOp.MAX, group=self.group)
@@ -92,12 +98,16 @@ class Coordinator:
         if len(members) == self.world_size:
             return self.group
         if members not in self._subgroups:
+            import torch.distributed as dist
+
             self.collectives += 1
             self._subgroups[members] = await asyncio.to_thread(
                 dist.new_group, list(members), backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         return self._subgroups[members]
 
     async def broadcast_tensor(self, tensor: Any, src: int, group: Any) -> None:
+        import torch.distributed as dist
+
         self.collectives += 1
         await asyncio.to_thread(dist.broadcast, tensor, src=src, group=group)
 
@@ -111,7 +121,11 @@ class Coordinator:
                 raise RankFailed(f"rank {rank} failed: {report}")
 
     async def destroy(self) -> None:
-        if self.group is not None and dist.is_initialized():
+        if self.group is None:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized():
             for group in (*self._subgroups.values(), self.group):
                 await asyncio.to_thread(dist.destroy_process_group, group)
             self._subgroups.clear()

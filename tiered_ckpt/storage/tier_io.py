@@ -16,17 +16,17 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncContextManager, Callable, Iterable, Iterator, Sequence, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, AsyncContextManager, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from ..checksum import ALGORITHM, chunk_digest, describe, of_chunk_digests, part_checksum
 from ..config import TierConfig
 from ..errors import IntegrityError, TierError
 from .pipeline import SaveTurns, TierPipeline
-from ..buffers import tensor_bytes
 from .tiers.base import FileTier, Tier, scatter, start_tier
 from .tiers.registry import driver_class
+
+if TYPE_CHECKING:  # torch is imported where buffers are made: listing and deleting need none (the CLI)
+    import torch
 
 T = TypeVar("T")
 
@@ -87,6 +87,8 @@ class BouncePool:
         fits = next((i for i, b in enumerate(self._free) if b.numel() >= nbytes), None)  # by position: `in`
         if fits is not None:  # and remove() would compare tensors elementwise
             return self._free.pop(fits)
+        import torch
+
         return torch.empty(max(nbytes, 1), dtype=torch.uint8)  # (not touched: no page is allocated here)
 
     def give(self, buf: torch.Tensor) -> None:
@@ -322,6 +324,8 @@ class TierIO:
         """Read `part` into a bounce buffer (a fresh one for every attempt, retries included), verify it, then
         copy it to `part.views`; None when that succeeded, else why not. A tier of files reads a part with chunk
         digests a chunk at a time instead (no bounce buffer, one pass)."""
+        from ..buffers import tensor_bytes
+
         files = self.file_tier(name)
         if files is not None and part.chunk_size and part.chunk_sums:
             done, reason = await self._try_chunked_read(name, part, budgeted)
