@@ -31,7 +31,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tiered_ckpt as tc
-from tiered_ckpt.save.handle import TierDone
 
 
 class Block(nn.Module):
@@ -115,7 +114,7 @@ class SaveReport:
                     print(line, flush=True)
             self._held.clear()
 
-    def _tier_done(self, done: TierDone) -> None:
+    def _tier_done(self, done: tc.TierDone) -> None:
         if done.committed:
             line = f"commit step {done.step:5d}  on {done.tier}: {(done.seconds or 0) * 1e3:.1f} ms after save()"
         elif done.superseded_by is not None:

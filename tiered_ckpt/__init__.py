@@ -16,7 +16,7 @@ if TYPE_CHECKING:
                          IndexUnavailable, IntegrityError, RankFailed, SaveError, StateError, TieredCkptError,
                          TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable, WriterConflict)
     from .load.reads import LoadInfo
-    from .save.handle import SaveHandle
+    from .save.handle import SaveHandle, TierDone
     from .state import PerRank
     from .storage.index import CheckpointStatus
     from .storage.tier_io import Fallback
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 __all__ = [
-    "Engine", "Checkpointer", "TrainState", "PerRank", "SaveHandle", "SyncSaveHandle", "LoadInfo", "Fallback", "CheckpointStatus",
+    "Engine", "Checkpointer", "TrainState", "PerRank", "SaveHandle", "SyncSaveHandle", "TierDone", "LoadInfo",
+    "Fallback", "CheckpointStatus",
     "Config", "EngineConfig", "TierConfig", "load_config",
     "TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable", "TierTimeout",
     "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointExists", "SaveError", "RankFailed",
@@ -36,7 +37,8 @@ _ERRORS = ("TieredCkptError", "ConfigError", "StateError", "TierError", "TierNot
            "RankFailed", "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError")
 _MODULE_OF = {  # public name → the module that defines it
     "Engine": ".engine", "Checkpointer": ".sync", "SyncSaveHandle": ".sync", "TrainState": ".train_state",
-    "PerRank": ".state", "SaveHandle": ".save.handle", "LoadInfo": ".load.reads", "Fallback": ".storage.tier_io",
+    "PerRank": ".state", "SaveHandle": ".save.handle", "TierDone": ".save.handle",
+    "LoadInfo": ".load.reads", "Fallback": ".storage.tier_io",
     "CheckpointStatus": ".storage.index", "Config": ".config", "EngineConfig": ".config", "TierConfig": ".config",
     "load_config": ".config", **dict.fromkeys(_ERRORS, ".errors"),
 }

@@ -95,11 +95,7 @@ class Checkpoints:
         return (await self.catalog.with_sizes([await self.catalog.pick(None, self.io.names, self.best_rule())]))[0]
 
     def best_rule(self) -> Best:
-        best = Best.of(self.config)
-        if best is None:
-            raise ConfigError("the best checkpoint is judged by a tier's best_metric: set keep_best and best_metric "
-                              "(and best_mode) on a tier", key="tiers.best_metric", file=self.config.source)
-        return best
+        return Best.required(self.config)
 
     async def read_manifest(self, step: int, tiers: list[str] | tuple[str, ...] | None = None) -> Manifest:
         return await self.catalog.read_manifest(step, self.io.names if tiers is None else self.io.order(tiers))

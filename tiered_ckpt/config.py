@@ -33,6 +33,9 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The `[engine]` table: the job, its index, part size and the engine's limits (docs/configuration.md
+    describes every key)."""
+
     job: str = "default"
     index: str = "file://./checkpoints/index"
     part_size: int = field(default=64 * 2**20, metadata=bounds(size=True, min=4096))
@@ -59,6 +62,9 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class TierConfig:
+    """One `[[tiers]]` entry: the driver (`kind`), its retention and its pipeline's limits; the driver's own
+    keys are in `options` (docs/configuration.md, docs/tiers.md)."""
+
     name: str
     kind: str
     keep_last: int | None = field(default=None, metadata=bounds(min=1, why="omit it to keep every checkpoint"))
@@ -80,11 +86,15 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """A whole configuration: the engine's keys and the tiers, fastest first; `source` names the file it came
+    from (errors quote it). Build one with `load_config(path)` (or `tiered_ckpt.config.parse_config(dict)`)."""
+
     engine: EngineConfig
     tiers: tuple[TierConfig, ...]
     source: str | None = None
 
     def replace_engine(self, **overrides: Any) -> "Config":
+        """A copy with some `[engine]` keys replaced, checked as a file's would be."""
         merged = {f.name: getattr(self.engine, f.name) for f in dataclasses.fields(EngineConfig)}
         unknown = set(overrides) - set(merged)
         if unknown:

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 from .checksum import resolve as resolve_checksum
 from .config import Config, check_config, load_config
 from .distributed.coordinator import Coordinator
-from .errors import ConfigError, TieredCkptError
+from .errors import TieredCkptError
 from .lifecycle.busy import BusySteps
 from .lifecycle.gc import GRACE, GcReport, GcScope, collect
 from .lifecycle.removal import Removal
@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
+    """One job's checkpointing, async: `save()` blocks only for the copy into staging buffers, the tiers
+    persist in the background, `load()` restores from the fastest tier that holds the newest complete
+    checkpoint. Open it once (`async with Engine(config)` or `await Engine(config).open()`); under
+    torch.distributed every rank makes the same calls."""
+
     def __init__(self, config: Config):
         check_config(config)  # a Config built in code gets the checks a TOML file gets
         self.config = config
@@ -68,6 +73,7 @@ class Engine:
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def open(self) -> "Engine":
+        """Start the tiers and the index and (with a process group) join the other ranks; returns self."""
         if self._state != "new":
             raise RuntimeError(f"engine is {self._state}; open it once")
         engine = self.config.engine
@@ -148,14 +154,17 @@ class Engine:
 
     @property
     def rank(self) -> int:
+        """This process's rank in the engine's world (0 without torch.distributed)."""
         return self.coordinator.rank
 
     @property
     def world_size(self) -> int:
+        """How many ranks save and load together (1 without torch.distributed)."""
         return self.coordinator.world_size
 
     @property
     def session(self) -> str:
+        """This opening's id, the same on every rank (it names the folder the saves write under)."""
         return self.coordinator.session
 
     @property
@@ -241,11 +250,7 @@ class Engine:
         return await self.catalog.pick(None, allowed, self._best_rule())
 
     def _best_rule(self) -> Best:
-        best = Best.of(self.config)
-        if best is None:
-            raise ConfigError("the best checkpoint is judged by a tier's best_metric: set keep_best and best_metric "
-                              "(and best_mode) on a tier", key="tiers.best_metric", file=self.config.source)
-        return best
+        return Best.required(self.config)
 
     # -- what exists -----------------------------------------------------------------------------
     async def statuses(self) -> list[CheckpointStatus]:

@@ -37,12 +37,15 @@ class SyncSaveHandle:
         self._future: concurrent.futures.Future[None] | None = None
 
     def staged(self, timeout: float | None = None) -> None:
+        """Block until the tensors are copied (a lazy save): the state may change after this."""
         self._ckpt._run(self._handle.staged(), timeout)
 
     def wait(self, tier: str | None = None, timeout: float | None = None) -> None:
+        """Block until every targeted tier (or `tier`) is done; raises the save's error."""
         self._ckpt._run(self._handle.wait(tier), timeout)
 
     def done(self) -> bool:
+        """Whether every targeted tier is done (without blocking)."""
         return self._handle.done()
 
     def on_tier_done(self, callback: Callable[[TierDone], None]) -> None:
@@ -57,6 +60,7 @@ class SyncSaveHandle:
 
     @property
     def future(self) -> concurrent.futures.Future[None]:
+        """A future that completes (or fails) when every targeted tier is done."""
         if self._future is None:
             self._future = asyncio.run_coroutine_threadsafe(self._handle.wait(), self._ckpt._loop)
         return self._future
@@ -66,6 +70,9 @@ class SyncSaveHandle:
 
 
 class Checkpointer:
+    """The Engine for an ordinary (blocking) training loop: the same methods, run on an event loop of its own
+    in a background thread. Use it as a context manager, or call close()."""
+
     def __init__(self, config: Config):
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tiered_ckpt-loop", daemon=True)
@@ -83,6 +90,7 @@ class Checkpointer:
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> "Checkpointer":
+        """Open the job a TOML file describes; `overrides` replace `[engine]` keys, e.g. job="gpt"."""
         return cls(load_config(path, **overrides))
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -114,6 +122,7 @@ class Checkpointer:
         return self._run(self.engine.best(tiers))
 
     def list(self) -> list[CheckpointStatus]:
+        """Every checkpoint of the job, oldest first (Engine.list)."""
         async def collect() -> list[CheckpointStatus]:
             return [c async for c in self.engine.list()]
         return self._run(collect())
@@ -136,6 +145,7 @@ class Checkpointer:
         return self._run(self.engine.gc(dry_run=dry_run, grace=grace, other_indexes=other_indexes))
 
     def wait_all(self) -> None:
+        """Block until every save in flight is done on every tier it targets."""
         self._run(self.engine.wait_all())
 
     def close(self, *, raise_errors: bool = True) -> None:

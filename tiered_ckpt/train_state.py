@@ -13,6 +13,9 @@ import torch
 
 
 class TrainState:
+    """A model and its optimizers saved through torch's `get_state_dict`/`set_state_dict`, so sharded models
+    (FSDP2, DTensor) save each rank's shards and load into any world size or layout."""
+
     strict_keys = ("model",)  # the model's entries must match exactly, as set_state_dict will demand
 
     def __init__(self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
@@ -22,12 +25,14 @@ class TrainState:
         self.options = options
 
     def state_dict(self) -> dict[str, Any]:
+        """{"model": ..., "optim": ...} as get_state_dict gives them (DTensors stay sharded)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=self.options)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put a loaded state back into the model and optimizers (set_state_dict)."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],

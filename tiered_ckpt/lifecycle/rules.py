@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..config import Config, TierConfig
+from ..errors import ConfigError
 
 Listed = tuple[int, Mapping[str, Any]]  # (step, the metadata given to save())
 
@@ -45,6 +46,16 @@ class Best:
             if tier.best_metric is not None:
                 return cls(tier.best_metric, tier.best_mode)
         return None
+
+    @classmethod
+    def required(cls, config: Config) -> "Best":
+        """The job's metric, for `load(best=True)` and `show best`: a ConfigError naming the keys when no tier
+        sets one."""
+        best = cls.of(config)
+        if best is None:
+            raise ConfigError("the best checkpoint is judged by a tier's best_metric: set keep_best and best_metric "
+                              "(and best_mode) on a tier", key="tiers.best_metric", file=config.source)
+        return best
 
 
 @dataclass(frozen=True)

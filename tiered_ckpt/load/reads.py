@@ -36,6 +36,7 @@ class LoadInfo:
 
     @property
     def bytes_by_tier(self) -> dict[str, int]:
+        """How many bytes each tier served."""
         return self.reads.bytes_by_tier
 
     @property

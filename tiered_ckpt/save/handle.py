@@ -81,13 +81,16 @@ class SaveHandle:
         return TierDone(self.step, tier, self.durable_at.get(tier), self.errors.get(tier), self.skipped.get(tier))
 
     def done(self) -> bool:
+        """Whether the copy and every targeted tier are done (success or not)."""
         return self._staged.done() and all(f.done() for f in self._done.values())
 
     def done_except(self, tier: str) -> bool:
+        """Whether everything but `tier` is done."""
         return self._staged.done() and all(f.done() for t, f in self._done.items() if t != tier)
 
     @property
     def errors(self) -> dict[str, BaseException]:
+        """The tiers that failed so far → their error (a cancelled tier gets a CancelledError)."""
         out: dict[str, BaseException] = {}
         for tier, f in self._done.items():
             if f.cancelled():
@@ -97,9 +100,11 @@ class SaveHandle:
         return out
 
     def set_staged(self, error: BaseException | None = None) -> None:
+        """(The engine's) the copy is done, or failed with `error`."""
         _resolve(self._staged, error)
 
     def set_done(self, tier: str, error: BaseException | None = None) -> None:
+        """(The engine's) `tier` is done, or failed with `error`."""
         _resolve(self._done[tier], error)
 
     def set_skipped(self, tier: str, newer: int) -> None:
@@ -108,6 +113,7 @@ class SaveHandle:
         _resolve(self._done[tier], None)
 
     def cancel(self) -> None:
+        """(The engine's, at close) give up every wait still pending."""
         for fut in (self._staged, *self._done.values()):
             fut.cancel()
 

@@ -30,6 +30,9 @@ from typing import Any, Mapping, Protocol, Sequence
 
 @dataclass(frozen=True)
 class CheckpointStatus:
+    """One checkpoint as the index (or, when the index forgot it, the tiers) knows it: where it was meant to
+    go, where it is complete, what failed or was skipped, its size and metadata."""
+
     step: int
     tiers: tuple[str, ...]  # tiers the save targeted, fastest first
     complete: frozenset[str] = frozenset()
@@ -43,6 +46,7 @@ class CheckpointStatus:
 
     @property
     def is_complete(self) -> bool:
+        """Whether some tier holds it complete (it can be loaded)."""
         return bool(self.complete)
 
     @property
@@ -52,6 +56,7 @@ class CheckpointStatus:
 
     @property
     def incomplete(self) -> tuple[str, ...]:
+        """Targeted tiers where it is not complete (yet, or any more), fastest first."""
         return tuple(t for t in self.tiers if t not in self.complete)
 
 
