@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's second command, and CI's (.ci/run): `scripts/test.sh [pytest args]` sets up what the tests need,
-# then runs pytest with those arguments (every test by default).
+# then runs pytest with those arguments (every test by default: the quick subset, then the tests marked slow).
 # Installs the package with its test extras (torch from the local wheel cache where the machine has one) and
 # redis-server if it is missing (the Redis tests start their own servers from it).
 #
@@ -40,4 +40,8 @@ if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>
     (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || echo "warning: could not install redis-server" >&2
 fi
 
+if [ "$#" -eq 0 ]; then  # every test: the quick subset first (a broken change fails in minutes), then the slow
+    "$PY" -m pytest -q -m "not slow"   # tests that start real processes (tests/conftest.py marks them)
+    exec "$PY" -m pytest -q -m slow
+fi
 exec "$PY" -m pytest -q "$@"

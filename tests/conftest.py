@@ -15,6 +15,25 @@ from tiered_ckpt.testing.servers import start_local_server
 from tiered_ckpt.config import parse_config
 
 
+# Tests that start real processes (torchrun worlds, the examples, Redis Cluster/Sentinel deployments, fresh
+# benchmark processes) are marked slow: `scripts/test.sh` runs the rest first, so a broken change fails in
+# about two minutes; `pytest -m "not slow"` is that quick subset alone.
+SLOW_FOLDERS = ("e2e", "multirank")
+SLOW_MODULES = ("test_local_stack.py", "test_lightning.py", "test_redis_cluster.py", "test_redis_sentinel.py",
+                "test_bench_peers.py", "test_crash.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: starts real processes (run after the quick subset; CI runs both)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.path))
+        if path.parent.name in SLOW_FOLDERS or path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def shm_dir():
     base = "/dev/shm" if Path("/dev/shm").is_dir() else None
