@@ -15,7 +15,7 @@ import json
 import math
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, NoReturn
 
 from .config import load_config
 from .distributed.coordinator import Coordinator
@@ -397,12 +397,12 @@ async def cmd_show(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
         print(f"  skipped on {tier}: step {newer} superseded it there")
     tensors = m.tensors if args.tensors else m.tensors[:20]
     shown_values = values if args.values else values[:50]
-    width = min(KEY_WIDTH, max([len(k) for k in m.metadata] + [len(p) for p, _ in shown_values]
+    width = min(KEY_WIDTH, max([len(str(k)) for k in m.metadata] + [len(p) for p, _ in shown_values]
                                + [len(t.path) for t in tensors] + [1]))
     if m.metadata:
         print("  metadata:")
-        for key, value in m.metadata.items():
-            print(f"    {key:<{width}} = {_short(value)}")
+        for key, value in m.metadata.items():  # any msgpack-able key: an int too
+            print(f"    {str(key):<{width}} = {_short(value)}")
     if values:
         print(f"  values{' (rank 0)' if m.world_size > 1 else ''}:")
         for path, value in shown_values:
@@ -592,7 +592,12 @@ async def cmd_delete(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
         print(f"would delete {_deletion(checkpoints, status)} (dry run: nothing deleted)")
         return EXIT_OK
     if ask:
-        if not await asyncio.to_thread(_confirm, f"delete {_deletion(checkpoints, status)}? [y/N] "):
+        try:
+            yes = await _confirm(f"delete {_deletion(checkpoints, status)}? [y/N] ")
+        except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task; an answer that is not yes
+            print(file=sys.stderr)
+            raise Refused("nothing deleted") from None
+        if not yes:
             raise Refused("nothing deleted")
         status = await _deletable(checkpoints, args.step, hold=True)  # again: it may have changed meanwhile
     await checkpoints.delete(args.step)
@@ -602,16 +607,24 @@ async def cmd_delete(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
 
 async def _deletable(checkpoints: Checkpoints, step: int, *, hold: bool) -> CheckpointStatus:
     """The checkpoint `delete STEP` may remove: it exists and no running save may still write it."""
+    # first without the lease: taking it writes the job's lease file, which a step or job that does not exist
+    # (a mistyped --job, the wrong folder) must not leave behind, as status 2 means nothing was done
+    if await checkpoints.status(step) is None:
+        await _no_checkpoint(checkpoints, step)
     exclusive = await checkpoints.attach(hold=hold)  # no new incarnation: a running trainer is not fenced out
-    status = await checkpoints.status(step)
+    status = await checkpoints.status(step)  # again, under the lease: it may have gone meanwhile
     if status is None:
-        buried = step in await checkpoints.index.buried(checkpoints.job)
-        hint = " (its removal was cut short: `tiered-ckpt gc` finishes it)" if buried else ""
-        raise LookupError(f"job {checkpoints.job!r} has no checkpoint {step}{hint}")
+        await _no_checkpoint(checkpoints, step)
     if in_flight(status, exclusive=exclusive, grace=GRACE):
         raise Refused(f"job {checkpoints.job!r} step {step} is being saved (it began {_when(status.created)} and is "
                       f"not complete on {', '.join(status.incomplete)}); delete it once the save is over")
     return status
+
+
+async def _no_checkpoint(checkpoints: Checkpoints, step: int) -> NoReturn:
+    buried = step in await checkpoints.index.buried(checkpoints.job)
+    hint = " (its removal was cut short: `tiered-ckpt gc` finishes it)" if buried else ""
+    raise LookupError(f"job {checkpoints.job!r} has no checkpoint {step}{hint}")
 
 
 def _deletion(checkpoints: Checkpoints, status: CheckpointStatus) -> str:
@@ -621,9 +634,19 @@ def _deletion(checkpoints: Checkpoints, status: CheckpointStatus) -> str:
             f"{size}) from {where} and the index")
 
 
-def _confirm(question: str) -> bool:
-    """Ask on stderr, read one line of stdin: yes only for y or yes."""
+async def _confirm(question: str) -> bool:
+    """Ask on stderr, read one line of the terminal on stdin: yes only for y or yes. The loop waits for the line
+    (a terminal's stdin turns readable once a line or an EOF is typed), not a thread: Ctrl-C cancels the wait at
+    once, where asyncio.run would wait for a thread blocked in readline() until Enter."""
     print(question, end="", file=sys.stderr, flush=True)
+    loop = asyncio.get_running_loop()
+    typed = loop.create_future()
+    fd = sys.stdin.fileno()
+    loop.add_reader(fd, lambda: typed.done() or typed.set_result(None))
+    try:
+        await typed
+    finally:
+        loop.remove_reader(fd)
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 

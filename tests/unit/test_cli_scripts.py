@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -238,6 +239,60 @@ def test_delete_asks_first_only_on_a_terminal(tmp_path, shm_dir, options, termin
     assert bool(left) is not deleted
     if not deleted:
         assert "tiered-ckpt: nothing deleted" in err
+
+
+def test_ctrl_c_at_the_question_deletes_nothing_and_ends_at_once(tmp_path, shm_dir):
+    """Ctrl-C while `delete` waits for its answer is a no (status 2, no traceback), at once: the question must not
+    sit in a thread that asyncio.run waits for until a line is typed."""
+    config = write_config(tmp_path, shm_dir)
+    save(config, [1, 2])
+    argv = [sys.executable, "-m", "tiered_ckpt.cli", "-c", str(config), "delete", "1"]
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(argv, cwd=REPO, stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        asked = b""
+        while b"[y/N]" not in asked:  # the question comes once the checkpoint is found; nothing is typed
+            chunk = os.read(proc.stderr.fileno(), 4096)
+            assert chunk, asked
+            asked += chunk
+        proc.send_signal(signal.SIGINT)  # as Ctrl-C on the terminal does
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            pytest.fail("delete still waits for an answer after Ctrl-C")
+    finally:
+        os.close(slave)
+        os.close(master)
+    err = asked.decode() + err.decode()
+    assert proc.returncode == 2 and "tiered-ckpt: nothing deleted" in err and "Traceback" not in err, err
+    assert any(step_dir(1) in str(p) for p in (tmp_path / "disk").rglob("*"))
+
+
+def test_delete_of_a_step_or_job_that_does_not_exist_leaves_nothing_behind(tmp_path, shm_dir, capsys):
+    """Status 2, nothing done: not even the writer lease's file of a job (or an index) that did not exist, as
+    `delete 3` in the wrong folder or with a mistyped --job would leave."""
+    config = write_config(tmp_path, shm_dir)
+    for argv in (["delete", "3"], ["--job", "typo", "delete", "3"], ["delete", "3", "--yes"]):
+        status, out, err = run_cli(capsys, "-c", str(config), *argv)
+        assert status == 2 and out == "" and "has no checkpoint 3" in err, (argv, err)
+        assert not (tmp_path / "index").exists(), (argv, sorted((tmp_path / "index").rglob("*")))
+    save(config, [1])
+    before = sorted((tmp_path / "index").rglob("*"))
+    status, _, err = run_cli(capsys, "-c", str(config), "--job", "typo", "delete", "1")
+    assert status == 2 and sorted((tmp_path / "index").rglob("*")) == before, err
+
+
+def test_show_prints_metadata_whose_keys_are_not_strings(tmp_path, shm_dir, capsys):
+    """save() takes any msgpack-able dict as metadata, int keys included: `show` prints it, no traceback."""
+    config = write_config(tmp_path, shm_dir)
+    save(config, [1], metadata={1: "one", "loss": 0.5})
+    status, out, err = run_cli(capsys, "-c", str(config), "show", "1")
+    assert status == 0, err
+    assert "    1    = 'one'\n" in out and "    loss = 0.5\n" in out, out
+    status, out, _ = run_cli(capsys, "-c", str(config), "show", "1", "--json")
+    assert status == 0 and strict_json(out)["metadata"] == {"1": "one", "loss": 0.5}
 
 
 def test_exit_statuses_follow_the_documented_rule(tmp_path, shm_dir, capsys):
