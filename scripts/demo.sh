@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 source scripts/python.sh  # sets PY (a venv where pip refuses to install outside one) and installs torch if missing
-if ! "$PY" -c "import tiered_ckpt, xxhash" 2>/dev/null; then
+# -P: the working directory (this clone) is not put first on sys.path, so only an installed package is found
+if ! "$PY" -P -c "import tiered_ckpt, xxhash" 2>/dev/null; then
     "$PY" -m pip install -q -e ".[xxhash]"
 fi
 if [ "$#" -eq 0 ]; then
