@@ -4,8 +4,8 @@
 # may install packages; else a new ./.venv, made when python3 refuses installs outside a venv (PEP 668,
 # "externally-managed-environment") or has no pip. The venv sees the system's packages (--system-site-packages),
 # so a torch the machine already has is used, not fetched again. With ./.venv, its tools come first on PATH (as
-# `source .venv/bin/activate` would: the tests find moto_server there). Then torch, if missing: the local
-# CPU wheel where the machine has one.
+# `source .venv/bin/activate` would: the tests find moto_server there). Then torch, if missing: torch==2.13.0
+# (a CPU wheel where the machine has one cached), else the newest torch>=2.4.
 
 pick_python() {
     if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
