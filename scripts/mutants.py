@@ -42,7 +42,7 @@ MUTANTS = {
                       ["tests/tiers/test_s3_tier.py", "-k", "ranged"]),
     "gpu-copy-without-wait": (
         "tiered_ckpt/save/copy.py",
-        '        steps.append(("wait_event", d, events[d]) if d in events else ("wait_stream", d))\n', "",
+        '        yield ("wait_event", d, events[d]) if d in events else ("wait_stream", d)\n', "",
         ["tests/unit/test_staging_streams.py"]),
     "collectives-out-of-step": (  # a rank that failed locally skips the load's read collectives
         "tiered_ckpt/load/loader.py", "                await read_parts(self.io,", "                if error is None: await read_parts(self.io,",
@@ -50,10 +50,15 @@ MUTANTS = {
     "rank-0-skeleton-everywhere": (
         "tiered_ckpt/load/loader.py", "source = rank if rank < manifest.world_size else 0", "source = 0",
         ["tests/multirank/test_rank_state.py", "-k", "same_world_size"]),
-    "no-dtype-cast": ("tiered_ckpt/load/reads.py", " and local.dtype == meta.torch_dtype", "",
+    "chunks-copied-unverified": (  # a chunk read copied to the state without its digest checked
+        "tiered_ckpt/storage/tier_io.py", "            if actual != expected:\n", "            if False:\n",
+        ["tests/integration/test_corruption.py", "-k", "chunk_is_verified"]),
+    "whole-part-unchecked": (  # verify trusts chunk digests that do not add up to the part's checksum
+        "tiered_ckpt/storage/tier_io.py", "        if whole != part.checksum:", "        if False:",
+        ["tests/integration/test_corruption.py", "-k", "follows_from_its_chunk_digests"]),
+    "no-dtype-cast": ("tiered_ckpt/load/reads.py", " and local.dtype == dtype\n", "\n",
                       ["tests/unit/test_state_rules.py", "-k", "cast"]),
-    "ties-written-twice": ("tiered_ckpt/state.py", "for other, other_name in seen.get(ptr, ()):",
-                           "for other, other_name in ():",
+    "ties-written-twice": ("tiered_ckpt/state.py", "earlier = seen.get(ptr)\n", "earlier = None\n",
                            ["tests/unit/test_state_rules.py", "-k", "tied"]),
     "module-keys-unchecked": ("tiered_ckpt/state.py", "    if unexpected:\n        raise StateError",
                               "    if False:\n        raise StateError",

@@ -213,3 +213,32 @@ async def test_a_chunk_is_verified_before_it_is_copied_and_a_corrupt_one_never_r
         with pytest.raises(tc.IntegrityError, match=r"chunk 1.*already overwritten with checkpoint data: \[.a.\];"):
             await engine.load(out)
         assert torch.count_nonzero(out["b"]) == 0
+
+
+async def test_verify_checks_that_a_parts_checksum_follows_from_its_chunk_digests(make_config, monkeypatch):
+    """A part's checksum is the digest of its chunk digests (format 4). A load checks the chunk digests only;
+    verify also checks that they add up to the part's checksum, so a record that disagrees with itself (a bug
+    at save time) is reported on every tier, though the bytes match their chunk digests and still load."""
+    import tiered_ckpt.checksum as checksum
+    import tiered_ckpt.save.records as records
+    from tiered_ckpt.load.verify import verify
+
+    real = checksum.of_chunk_digests
+    wrong = lambda sums, algorithm: real(sums, algorithm) ^ 1  # noqa: E731
+    monkeypatch.setattr(checksum, "of_chunk_digests", wrong)  # the save's part checksums, hashed after the copy
+    monkeypatch.setattr(records, "of_chunk_digests", wrong)  # ... or while staging
+    async with tc.Engine(make_config()) as engine:
+        state = await saved(engine)
+        monkeypatch.setattr(checksum, "of_chunk_digests", real)
+        monkeypatch.setattr(records, "of_chunk_digests", real)
+        manifest = await engine.read_manifest(1)
+        assert manifest.chunk_size and manifest.ranks[0].chunk_sums
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        await engine.load(out)
+        assert all(torch.equal(out[k], state[k]) for k in state)
+        status = [c async for c in engine.list()][0]
+        reports = await verify(engine.io, status, manifest)
+        assert [r.tier for r in reports] == ["host", "disk"]
+        for report in reports:
+            assert len(report.bad) == len(manifest.ranks[0].checksums)
+            assert all("chunk digests disagree" in bad for bad in report.bad)
