@@ -164,8 +164,9 @@ async def test_verify_holds_a_few_parts_in_memory_not_the_checkpoint(make_config
         finally:
             tracemalloc.stop()
         assert all(r.ok for r in reports) and sum(r.parts for r in reports) == 2 * 128
-        # a few parts, and one chunk buffer per I/O thread (4 per tier): the whole checkpoint is 8 MiB
-        assert peak < (VERIFY_PARTS + 4 + 2 * 4) * 64 * 1024, peak
+        # a few parts, one chunk buffer per I/O thread (4 per tier), and the small objects of 256 part reads and
+        # their reports (~0.25 MiB measured; 1 MiB allowed): the whole checkpoint is 8 MiB on each tier
+        assert peak < (VERIFY_PARTS + 2 * 4) * 64 * 1024 + 2**20, peak
 
 
 @pytest.mark.parametrize("field, value", [("part_size", 0), ("world_size", "2"), ("checksum", "md5"),
