@@ -13,8 +13,8 @@ def pipeline(**kw):
     return TierPipeline("t", **args)
 
 
-async def test_retryable_errors_are_retried_then_succeed():
-    p, calls = pipeline(), []
+def fails_twice(calls: list[int]):
+    """An operation that fails with a retryable error twice, then returns "ok"; each call appends to `calls`."""
 
     async def flaky():
         calls.append(1)
@@ -22,6 +22,12 @@ async def test_retryable_errors_are_retried_then_succeed():
             raise TierUnavailable("connection reset", tier="t")
         return "ok"
 
+    return flaky
+
+
+async def test_retryable_errors_are_retried_then_succeed():
+    p, calls = pipeline(), []
+    flaky = fails_twice(calls)
     assert await p.submit(10, flaky, "op") == "ok"
     assert len(calls) == 3 and p.retried == 2
 
@@ -30,13 +36,7 @@ async def test_retry_jitter_leaves_the_training_process_rng_alone():
     """A retry during a save must not draw from Python's global RNG: the training process's (the Trainer saves
     and restores it) would then differ between a run that retried and one that did not."""
     p, calls = pipeline(), []
-
-    async def flaky():
-        calls.append(1)
-        if len(calls) < 3:
-            raise TierUnavailable("connection reset", tier="t")
-        return "ok"
-
+    flaky = fails_twice(calls)
     before = random.getstate()
     assert await p.submit(10, flaky, "op") == "ok"
     assert p.retried == 2 and random.getstate() == before

@@ -136,14 +136,10 @@ class LocalCluster:
                     "--cluster-node-timeout", str(node_timeout_ms), *extra), bus=True).start())
             _cli(self.nodes[0].port, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                  "--cluster-replicas", "0", "--cluster-yes", timeout=60, password=password)
-            _wait_for("cluster_state:ok on every node", self._ok, 30)
+            self.wait_state("ok")
         except BaseException:
             self.stop()
             raise
-
-    def _ok(self) -> bool:
-        return all("cluster_state:ok" in _cli(n.port, "cluster", "info", password=self.password)
-                   for n in self.nodes if n.alive)
 
     @property
     def url(self) -> str:
