@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -30,8 +29,8 @@ from torch.distributed.fsdp import fully_shard
 import tiered_ckpt as tc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_gpt import GPT, SaveReport, batch, nothing_left, stopped_message  # noqa: E402
-from train_gpt_ddp import GLOBAL_BATCH, StopOnCtrlC, mean_loss_and_stop  # noqa: E402
+from train_gpt import GPT, SaveReport, batch, nothing_left  # noqa: E402
+from train_gpt_ddp import GLOBAL_BATCH, StopOnCtrlC, finish, mean_loss_and_stop  # noqa: E402
 
 
 def sharded_gpt(world: int, tiny: bool) -> GPT:
@@ -78,17 +77,15 @@ def main(argv: list[str] | None = None) -> int:
             report.say(nothing_left(progress["step"], args.steps))
         losses = open(args.losses, "a") if args.losses and rank == 0 else None
         pending: tc.SyncSaveHandle | None = None
-        save_s = 0.0
         stop, stopping = StopOnCtrlC(), False
+        step = progress["step"]  # the last step trained (none yet in this run: the one loaded)
         for step in range(progress["step"] + 1, args.steps + 1):
             x, y = batch(args.seed, step, GLOBAL_BATCH, ctx, vocab)
             x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
             loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
             loss.backward()
             if pending is not None:
-                t = time.perf_counter()
-                pending.staged()  # the lazy copy of the shards must finish before optim.step() changes them
-                report.saved(pending.step, save_s + time.perf_counter() - t)
+                report.staged(pending)  # the lazy copy of the shards must finish before optim.step() changes them
                 pending = None
             optim.step()
             optim.zero_grad(set_to_none=True)
@@ -98,24 +95,12 @@ def main(argv: list[str] | None = None) -> int:
                 losses.flush()
             if step % args.save_every == 0:
                 progress["step"] = step
-                t = time.perf_counter()
-                pending = ckpt.save(step, state, lazy=True)  # every rank: its shards, plan gathered once
-                save_s = time.perf_counter() - t
-                report.watch(pending)
+                pending = report.save(ckpt, step, state)  # every rank: its shards, plan gathered once
             if step % 10 == 0 or step == args.steps:
                 report.say(f"step {step:5d}  loss {mean_loss.item():.4f}")
             if stopping:
                 break
-        if pending is not None:
-            t = time.perf_counter()
-            pending.staged()
-            report.saved(pending.step, save_s + time.perf_counter() - t)
-        if stopping:
-            report.say(f"Ctrl-C: every rank stopped after step {step}; waiting for the saves in flight")
-        ckpt.wait_all()
-        report.flush()
-        if stopping:
-            report.say(stopped_message(ckpt, step))
+        finish(ckpt, report, pending, step, stopping)
     dist.destroy_process_group()
     return 130 if stopping else 0  # 130: as a shell reports an interrupt
 

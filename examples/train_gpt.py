@@ -87,19 +87,34 @@ class SaveReport:
         self.enabled = enabled  # multi-rank: rank 0 reports, the others stay quiet
         self._lock = threading.Lock()
         self._held: dict[int, list[str]] = {}  # step → its commit lines, until its save line is out
+        self._save_s = 0.0  # how long the pending save's save() call took
+
+    def save(self, ckpt: tc.Checkpointer, step: int, state: dict) -> tc.SyncSaveHandle:
+        """ckpt.save(step, state, lazy=True), timed and watched: it returns before the copy."""
+        t = time.perf_counter()
+        handle = ckpt.save(step, state, lazy=True)
+        self._save_s = time.perf_counter() - t
+        self._watch(handle)
+        return handle
+
+    def staged(self, handle: tc.SyncSaveHandle) -> None:
+        """handle.staged() (the lazy copy done), then the save line with the loop's whole pause."""
+        t = time.perf_counter()
+        handle.staged()
+        self._saved(handle.step, self._save_s + time.perf_counter() - t)
 
     def say(self, line: str) -> None:
         if self.enabled:
             with self._lock:
                 print(line, flush=True)
 
-    def watch(self, handle: tc.SyncSaveHandle) -> None:
+    def _watch(self, handle: tc.SyncSaveHandle) -> None:
         if self.enabled:
             with self._lock:
                 self._held[handle.step] = []
             handle.on_tier_done(self._tier_done)
 
-    def saved(self, step: int, paused_s: float) -> None:
+    def _saved(self, step: int, paused_s: float) -> None:
         if self.enabled:
             with self._lock:
                 print(f"save   step {step:5d}  training paused {paused_s * 1e3:.1f} ms (save() + staged())", flush=True)
@@ -188,7 +203,6 @@ def train(argv: list[str] | None) -> int:
             return 0
         losses = open(args.losses, "a") if args.losses else None
         pending: tc.SyncSaveHandle | None = None
-        save_s = 0.0  # how long the pending save's save() call took
         trained = train["step"]
         try:
             for step in range(train["step"] + 1, args.steps + 1):
@@ -197,9 +211,7 @@ def train(argv: list[str] | None) -> int:
                 loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
                 loss.backward()
                 if pending is not None:
-                    t = time.perf_counter()
-                    pending.staged()  # the lazy copy must finish before the weights change
-                    report.saved(pending.step, save_s + time.perf_counter() - t)
+                    report.staged(pending)  # the lazy copy must finish before the weights change
                     pending = None
                 optim.step()
                 optim.zero_grad(set_to_none=True)
@@ -209,10 +221,7 @@ def train(argv: list[str] | None) -> int:
                     losses.flush()
                 if step % args.save_every == 0:
                     train["step"], state["rng"] = step, tc.PerRank(torch.get_rng_state())
-                    t = time.perf_counter()
-                    pending = ckpt.save(step, state, lazy=True)
-                    save_s = time.perf_counter() - t
-                    report.watch(pending)
+                    pending = report.save(ckpt, step, state)
                 if step % 10 == 0 or step == args.steps:
                     ms = (time.perf_counter() - t0) * 1e3
                     report.say(f"step {step:5d}  loss {loss.item():.4f}  ppl {math.exp(loss.item()):8.2f}  "
@@ -222,9 +231,7 @@ def train(argv: list[str] | None) -> int:
                     sys.stdout.flush()
                     os._exit(1)
             if pending is not None:
-                t = time.perf_counter()
-                pending.staged()
-                report.saved(pending.step, save_s + time.perf_counter() - t)
+                report.staged(pending)
         except KeyboardInterrupt:
             report.say(f"\nCtrl-C: stopping after step {trained}; waiting for the saves in flight")
             ckpt.wait_all()

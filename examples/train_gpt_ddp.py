@@ -25,7 +25,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -61,6 +60,20 @@ def mean_loss_and_stop(loss: torch.Tensor, stop: StopOnCtrlC, world: int) -> tup
     both = torch.stack([loss.detach(), stop.flag()])
     dist.all_reduce(both)
     return both[0] / world, bool(both[1] > 0)
+
+
+def finish(ckpt: tc.Checkpointer, report: SaveReport, pending: tc.SyncSaveHandle | None, step: int,
+           stopping: bool) -> None:
+    """The end of a run, on every rank: the last lazy copy done, the saves in flight done on every tier, and
+    after Ctrl-C, the step a rerun resumes from."""
+    if pending is not None:
+        report.staged(pending)
+    if stopping:
+        report.say(f"Ctrl-C: every rank stopped after step {step}; waiting for the saves in flight")
+    ckpt.wait_all()
+    report.flush()
+    if stopping:
+        report.say(stopped_message(ckpt, step))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,17 +120,15 @@ def main(argv: list[str] | None = None) -> int:
             report.say(nothing_left(progress["step"], args.steps))
         losses = open(args.losses, "a") if args.losses and rank == 0 else None
         pending: tc.SyncSaveHandle | None = None
-        save_s = 0.0
         stop, stopping = StopOnCtrlC(), False
+        step = progress["step"]  # the last step trained (none yet in this run: the one loaded)
         for step in range(progress["step"] + 1, args.steps + 1):
             x, y = batch(args.seed, step, GLOBAL_BATCH, ctx, vocab)
             x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
             loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
             loss.backward()
             if pending is not None:
-                t = time.perf_counter()
-                pending.staged()
-                report.saved(pending.step, save_s + time.perf_counter() - t)
+                report.staged(pending)
                 pending = None
             optim.step()
             optim.zero_grad(set_to_none=True)
@@ -127,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 losses.flush()
             if step % args.save_every == 0:
                 progress["step"], state["rng"] = step, tc.PerRank(torch.get_rng_state())
-                t = time.perf_counter()
-                pending = ckpt.save(step, state, lazy=True)
-                save_s = time.perf_counter() - t
-                report.watch(pending)
+                pending = report.save(ckpt, step, state)
             if step % 10 == 0 or step == args.steps:
                 report.say(f"step {step:5d}  loss {mean_loss.item():.4f}")
             if args.stop_after == step:
@@ -139,16 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 os._exit(1)
             if stopping:
                 break
-        if pending is not None:
-            t = time.perf_counter()
-            pending.staged()
-            report.saved(pending.step, save_s + time.perf_counter() - t)
-        if stopping:
-            report.say(f"Ctrl-C: every rank stopped after step {step}; waiting for the saves in flight")
-        ckpt.wait_all()
-        report.flush()
-        if stopping:
-            report.say(stopped_message(ckpt, step))
+        finish(ckpt, report, pending, step, stopping)
     dist.destroy_process_group()
     return 130 if stopping else 0  # 130: as a shell reports an interrupt
 
