@@ -104,20 +104,18 @@ class Records:
             return self._stream.results
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in self._part_sums)))
 
+    async def part_sums(self) -> list[tuple[int, bytes]]:
+        """Each part's (checksum, chunk digests), once hashed (the list is shared: do not change it)."""
+        assert self._checksums is not None, "start_checksums() first"
+        return await asyncio.shield(self._checksums)
+
     async def checksums(self) -> list[int]:
         """Each part's checksum."""
-        assert self._checksums is not None, "start_checksums() first"
-        return [whole for whole, _ in await asyncio.shield(self._checksums)]
-
-    async def part_sums(self) -> list[tuple[int, bytes]]:
-        """Each part's (checksum, chunk digests)."""
-        assert self._checksums is not None, "start_checksums() first"
-        return list(await asyncio.shield(self._checksums))
+        return [whole for whole, _ in await self.part_sums()]
 
     async def chunk_sums(self) -> bytes:
         """Every chunk's digest, part after part (empty when parts are not cut into chunks)."""
-        assert self._checksums is not None, "start_checksums() first"
-        return b"".join(chunks for _, chunks in await asyncio.shield(self._checksums)) if self.chunk_size else b""
+        return b"".join(chunks for _, chunks in await self.part_sums()) if self.chunk_size else b""
 
     async def hashing_done(self) -> None:
         """Wait until no hashing thread reads the staging buffer any more (success or not)."""
