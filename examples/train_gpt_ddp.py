@@ -11,7 +11,10 @@ part is read once and broadcast to the ranks that need it.
 Exact resume (docs/state.md): own generator, saved position (the step), and each rank's global RNG state saved
 with `tc.PerRank`. A rank's RNG state exists only for ranks that existed at save time, so it is restored when
 the world size is the same and left as seeded otherwise. (The model has no dropout here, so that the losses
-agree across world sizes; with dropout, the same code resumes bit for bit at the same world size.)
+agree across world sizes; with dropout, the same code resumes bit for bit at the same world size.) Bit for bit
+needs DDP's gradient buckets to stay as first built, hence `find_unused_parameters=True` below: by default DDP
+rebuilds them after each process's first step, and a resumed run then differs from an uninterrupted one in
+the last bits from its first step on.
 
 Rank 0 prints the lines of train_gpt.py: one per save, one per tier that commits it. Ctrl-C stops every rank
 after the same step (StopOnCtrlC), the saves in flight finish, and rank 0 names the newest complete checkpoint;
@@ -95,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab, ctx = 256, 64
     dim, layers, heads = (32, 1, 2) if args.tiny else (256, 4, 4)
     torch.manual_seed(args.seed)
-    model = DistributedDataParallel(GPT(vocab, ctx, dim, layers, heads))
+    # find_unused_parameters=True: DDP then keeps its gradient buckets as built. Without it, DDP rebuilds them
+    # after the first step of every process, so a resumed run reduces its first steps in other buckets than the
+    # uninterrupted run did and the two differ in the last bits from the first step after the resume.
+    model = DistributedDataParallel(GPT(vocab, ctx, dim, layers, heads), find_unused_parameters=True)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     progress = {"step": 0, "world": world}  # the data position, and the world size that saved it
     state = {"train": tc.TrainState(model, optim), "progress": progress, "rng": tc.PerRank(torch.get_rng_state())}

@@ -18,7 +18,7 @@ from tiered_ckpt.config import parse_config
 # Tests that start real processes (torchrun worlds, the examples, Redis Cluster/Sentinel deployments, fresh
 # benchmark processes) are marked slow: `scripts/test.sh` runs the rest first, so a broken change fails in
 # about two minutes; `pytest -m "not slow"` is that quick subset alone.
-SLOW_FOLDERS = ("e2e", "multirank")
+SLOW_FOLDERS = ("e2e", "multirank", "multinode")
 SLOW_MODULES = ("test_local_stack.py", "test_lightning.py", "test_redis_cluster.py", "test_redis_sentinel.py",
                 "test_bench_peers.py", "test_crash.py")
 

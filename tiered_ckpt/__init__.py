@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import Config, EngineConfig, TierConfig, load_config
     from .engine import Engine
-    from .errors import (AuthenticationError, CheckpointExists, ConfigError, Fenced, IncompleteCheckpoint,
+    from .errors import (AuthenticationError, CheckpointExists, CheckpointLost, ConfigError, Fenced, IncompleteCheckpoint,
                          IndexUnavailable, IntegrityError, RankFailed, SaveError, StateError, TieredCkptError,
                          TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable, WriterConflict)
+    from .load.heal import HealReport
     from .load.reads import LoadInfo
     from .save.handle import SaveHandle, TierDone
     from .state import PerRank
@@ -26,19 +27,19 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = [
     "Engine", "Checkpointer", "TrainState", "PerRank", "SaveHandle", "SyncSaveHandle", "TierDone", "LoadInfo",
-    "Fallback", "CheckpointStatus",
+    "HealReport", "Fallback", "CheckpointStatus",
     "Config", "EngineConfig", "TierConfig", "load_config",
     "TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable", "TierTimeout",
-    "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointExists", "SaveError", "RankFailed",
-    "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError",
+    "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointLost", "CheckpointExists", "SaveError",
+    "RankFailed", "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError",
 ]
 _ERRORS = ("TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable",
-           "TierTimeout", "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointExists", "SaveError",
-           "RankFailed", "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError")
+           "TierTimeout", "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointLost", "CheckpointExists",
+           "SaveError", "RankFailed", "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError")
 _MODULE_OF = {  # public name → the module that defines it
     "Engine": ".engine", "Checkpointer": ".sync", "SyncSaveHandle": ".sync", "TrainState": ".train_state",
     "PerRank": ".state", "SaveHandle": ".save.handle", "TierDone": ".save.handle",
-    "LoadInfo": ".load.reads", "Fallback": ".storage.tier_io",
+    "LoadInfo": ".load.reads", "HealReport": ".load.heal", "Fallback": ".storage.tier_io",
     "CheckpointStatus": ".storage.index", "Config": ".config", "EngineConfig": ".config", "TierConfig": ".config",
     "load_config": ".config", **dict.fromkeys(_ERRORS, ".errors"),
 }

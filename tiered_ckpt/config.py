@@ -58,6 +58,8 @@ class EngineConfig:
     save_every_steps: int | None = field(default=None, metadata=bounds(min=1, why="omit it for no step rule"))
     save_every_seconds: float | None = field(default=None, metadata=bounds(above=0, why="omit it for no time rule"))
     save_on_sigterm: bool = False
+    # after a load, rewrite in the background the cache copies (memory tier, peer ring) that node loss took
+    heal: bool = True
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from .lifecycle.writer import Writer
 from .load.catalog import Catalog
 from .load.export import ExportInfo
 from .load.export import export as export_checkpoint
+from .load.heal import HealReport
 from .load.loader import Loader
 from .load.reads import LoadInfo
 from .manifest import Manifest
@@ -103,7 +104,8 @@ class Engine:
         services = SaveServices(self.io, commit, retention, removal, self.pool, self.committed, algorithm)
         saver = Saver(self.config, self.coordinator, self.planner, writer, self.busy, services,
                       is_open=lambda: self._state == "open")
-        loader = Loader(self.io, self.catalog, self.coordinator, self.busy, allow_pickle=engine.allow_pickle)
+        loader = Loader(self.io, self.catalog, self.coordinator, self.busy, allow_pickle=engine.allow_pickle,
+                        heal=engine.heal)
         self._parts = (writer, removal, saver, loader)
         self._state = "open"
         return self
@@ -128,6 +130,7 @@ class Engine:
         _, _, saver, _ = self._open_parts()
         self.policy.disarm()
         await saver.wait_all()
+        await self._parts[3].wait_healed()
         await self.io.close()
         await self.index.close()
         await self.coordinator.destroy()
@@ -239,6 +242,13 @@ class Engine:
         if best and step is not None:
             raise ValueError(f"load(best=True) picks the step itself: give step={step} or best=True, not both")
         return await loader.load(state, step=step, tiers=tiers, best=self._best_rule() if best else None)
+
+    async def wait_healed(self) -> list[HealReport]:
+        """Wait until the heals that loads started are done; return what each rewrote (one HealReport per load
+        since the last call). After a load, every rank puts back in the background the copies of its saved
+        rank that the memory tier and the peer ring lost (a replaced node), so a second failure still resumes
+        from them; `[engine] heal = false` turns it off. close() waits for them too."""
+        return await self._open_parts()[3].wait_healed()
 
     async def best(self, tiers: Sequence[str] | None = None) -> CheckpointStatus:
         """The checkpoint load(best=True) takes: the best by the tiers' `best_metric` (lowest with best_mode

@@ -105,6 +105,13 @@ class IncompleteCheckpoint(TieredCkptError, LookupError):
     """The requested checkpoint is not complete on any reachable tier (or does not exist)."""
 
 
+class CheckpointLost(TieredCkptError):
+    """The index lists complete checkpoints, but none can be loaded: their parts are gone from every tier (nodes
+    lost with their memory and disks, a bucket emptied), or their records are unreadable. The message names, per
+    checkpoint, the ranks whose parts no tier holds. Not an IncompleteCheckpoint: a program that starts fresh
+    when nothing was ever saved must not start fresh here, over lost work."""
+
+
 class CheckpointExists(TieredCkptError, FileExistsError):
     """A complete checkpoint with this step already exists; delete it before saving the step again."""
 

@@ -75,6 +75,7 @@ class RankMeta:
     checksums: tuple[int, ...] = ()
     skeleton: bytes = b""  # this rank's state structure and plain values (empty in format 1)
     chunk_sums: bytes = b""  # 8 bytes (little endian) per chunk of every part, in order (format 4; empty before)
+    host: str = ""  # the machine that wrote this rank's parts (empty before this release)
 
     def to_bytes(self) -> bytes:
         return seal(msgpack.packb({"version": FORMAT_VERSION, **dataclasses.asdict(self)}))
@@ -94,7 +95,7 @@ class RankMeta:
                 raise ValueError(f"unknown format version {version!r}")
             _check_sealed(data, version, source)
             return cls(int(raw["rank"]), int(raw["nbytes"]), tuple(map(int, raw["checksums"])),
-                       _blob(raw.get("skeleton", b"")), _blob(raw.get("chunk_sums", b"")))
+                       _blob(raw.get("skeleton", b"")), _blob(raw.get("chunk_sums", b"")), str(raw.get("host", "")))
         except IntegrityError:
             raise
         except _DECODE_ERRORS as e:
@@ -198,7 +199,7 @@ class Manifest:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         body["tensors"] = _columns(self.tensors)
         body["ranks"] = [{"rank": r.rank, "nbytes": r.nbytes, "checksums": list(r.checksums), "skeleton": r.skeleton,
-                          "chunk_sums": r.chunk_sums} for r in self.ranks]
+                          "chunk_sums": r.chunk_sums, "host": r.host} for r in self.ranks]
         body["version"] = FORMAT_VERSION
         return seal(msgpack.packb(body))
 
@@ -219,7 +220,7 @@ class Manifest:
                                                c["nbytes"]) for c in t["chunks"]))
                     for t in raw["tensors"])
             raw["ranks"] = tuple(RankMeta(r["rank"], r["nbytes"], tuple(r["checksums"]), _blob(r.get("skeleton", b"")),
-                                          _blob(r.get("chunk_sums", b""))) for r in raw["ranks"])
+                                          _blob(r.get("chunk_sums", b"")), str(r.get("host", ""))) for r in raw["ranks"])
             raw["skeleton"] = _blob(raw.get("skeleton", b""))
             if not isinstance(raw.get("metadata", {}), dict):
                 raise TypeError("metadata is not a map")

@@ -18,6 +18,7 @@ from .engine import Engine
 from .load.export import ExportInfo
 from .lifecycle.gc import GRACE, GcReport
 from .storage.index import CheckpointStatus
+from .load.heal import HealReport
 from .load.reads import LoadInfo
 from .manifest import Manifest
 from .save.handle import SaveHandle, TierDone
@@ -116,6 +117,10 @@ class Checkpointer:
              best: bool = False) -> LoadInfo:
         """Engine.load, blocking: the newest complete checkpoint, `step`, or with best=True the best one."""
         return self._run(self.engine.load(state, step=step, tiers=tiers, best=best))
+
+    def wait_healed(self) -> list[HealReport]:
+        """Engine.wait_healed, blocking: wait for the background heals loads started; their reports."""
+        return self._run(self.engine.wait_healed())
 
     def best(self, tiers: Sequence[str] | None = None) -> CheckpointStatus:
         """Engine.best, blocking: the checkpoint load(best=True) takes."""

@@ -131,7 +131,7 @@ async def test_no_intact_manifest_anywhere_is_an_error_naming_every_copy(engine,
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x10
         path.write_bytes(bytes(data))
-    with pytest.raises(tc.IncompleteCheckpoint, match=r"index manifest.*corrupt.*tier 'host'.*corrupt.*tier 'disk'"):
+    with pytest.raises(tc.CheckpointLost, match=r"index manifest.*corrupt.*tier 'host'.*corrupt.*tier 'disk'"):
         await engine.load({k: torch.zeros_like(v) for k, v in state.items()})
 
 

@@ -5,7 +5,7 @@
 fn must be importable (defined at module level). Each rank's return value comes back pickled; an
 exception on any rank fails the call with every rank's traceback; a hang is killed after `timeout`.
 `may_die` lists ranks that are expected to exit abnormally (killed-rank tests); `env(rank)` adds
-environment variables per rank (e.g. GROUP_RANK to place ranks on simulated nodes); `exitcodes`, a dict,
+environment variables per rank (e.g. TIERED_CKPT_HOST to place ranks on simulated nodes); `exitcodes`, a dict,
 receives each rank's exit code (negative: the signal that ended it).
 """
 from __future__ import annotations

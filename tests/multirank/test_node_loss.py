@@ -55,7 +55,7 @@ async def _load(rank: int, world: int, root: str, urls: list[str]) -> dict:
 
 def test_node_loss_restores_from_the_ring_peer(tmp_path, redis_server):
     urls = [redis_server().url, redis_server().url, redis_server().url]  # node 0, node 1, the index
-    node_of = lambda rank: {"GROUP_RANK": str(rank // 2)}  # noqa: E731
+    node_of = lambda rank: {"TIERED_CKPT_HOST": f"node{rank // 2}"}  # noqa: E731
     run_ranks(_save, 4, str(tmp_path), urls, env=node_of)
     for lost in ("shm", "disk"):
         shutil.rmtree(tmp_path / "node1" / lost)

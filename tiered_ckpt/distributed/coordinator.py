@@ -29,6 +29,7 @@ class Coordinator:
         self.timeout = 600.0  # seconds, for the subgroups too
         self.session = new_session()  # names this opening's key folder on the tiers
         self._subgroups: dict[tuple[int, ...], Any] = {}
+        self.hosts: list[str] = [""]  # every rank's machine, filled by node()
 
     @classmethod
     async def create(cls, timeout: float = 600.0) -> "Coordinator":
@@ -81,16 +82,23 @@ class Coordinator:
         return [int(v) for v in box.tolist()]
 
     async def node(self) -> tuple[int, int]:
-        """(this process's node, number of nodes): torchrun's GROUP_RANK when set, else hostnames in order."""
-        import os
-        import socket
+        """(this process's node, number of nodes), nodes being machines (`machine_name`) in name order; also
+        fills `hosts` (every rank's machine). Collective with several ranks. Not torchrun's GROUP_RANK: node ranks
+        follow the order in which agents joined, so after a restart they can name other machines."""
+        from ..storage.tiers.base import machine_name
 
-        if "GROUP_RANK" in os.environ:
-            mine = int(os.environ["GROUP_RANK"])
-            return mine, max(await self.all_gather_object(mine)) + 1
-        names = await self.all_gather_object(socket.gethostname())
-        order = sorted(set(names))
-        return order.index(names[self.rank]), len(order)
+        self.hosts = await self.all_gather_object(machine_name())
+        order = sorted(set(self.hosts))
+        return order.index(self.hosts[self.rank]), len(order)
+
+    @property
+    def host(self) -> str:
+        """This process's machine (valid after node())."""
+        return self.hosts[self.rank]
+
+    def lists_for_node(self) -> bool:
+        """Whether this rank lists its node's node-local tiers for the others: the lowest rank on its machine."""
+        return self.hosts.index(self.host) == self.rank
 
     async def subgroup(self, members: tuple[int, ...]) -> object:
         """A process group of exactly `members` (cached). Collective: every rank must ask for every

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from ..errors import TierError
 from ..layout import committed_key, index_dir, job_prefix, manifest_key, parse_key, rank_meta_key
@@ -44,15 +45,22 @@ class Copy:
 
     def whole(self, manifest: Manifest) -> bool:
         """The manifest and every rank's checksum record are on the tier (so every rank's parts are)."""
-        return manifest.incarnation == self.incarnation and all(
-            rank_meta_key(self.job, self.step, r.rank, self.incarnation) in self.keys for r in manifest.ranks)
+        return len(self.ranks_held(manifest)) == len(manifest.ranks)
 
 
-async def scan(io: TierIO, tier: str, job: str, identity: str) -> dict[int, list[Copy]]:
-    """step → the copies this index's incarnations wrote on `tier`, newest session first (one listing)."""
+    def ranks_held(self, manifest: Manifest) -> set[int]:
+        """The ranks whose checksum record (so whose parts) this copy holds."""
+        if manifest.incarnation != self.incarnation:
+            return set()
+        return {r.rank for r in manifest.ranks if rank_meta_key(self.job, self.step, r.rank, self.incarnation) in self.keys}
+
+
+async def scan(io: TierIO, tier: str, job: str, identity: str, keys: Iterable[str] | None = None) -> dict[int, list[Copy]]:
+    """step → the copies this index's incarnations wrote on `tier`, newest session first (one listing; or
+    `keys`, a listing made elsewhere: every node's listing of a node-local tier, put together)."""
     mine = index_dir(identity) + "/"
     found: dict[tuple[int, str], Copy] = {}
-    for key in await io.list(tier, job_prefix(job)):
+    for key in (await io.list(tier, job_prefix(job)) if keys is None else keys):
         parsed = parse_key(key)
         if parsed is None or parsed.job != job or not parsed.incarnation.startswith(mine):
             continue

@@ -1,17 +1,20 @@
-"""Read once per replica group, broadcast to the others.
+"""Read once per replica group, broadcast to the others; read each part where it is fastest to read.
 
-On load every rank knows which parts it needs (from the manifest and its own layout). One all_gather
-shares those sets; a part needed by several ranks is read by exactly one of them (the one with the fewest
-bytes assigned so far, so readers spread over the group) and broadcast to the others on a subgroup of
-exactly the ranks that need it. Every rank walks the same global list of broadcasts in the same order,
-so the collectives cannot cross. Parts only one rank needs are read by it directly. Bytes read from
-storage per load: 1x the parts needed, instead of 1x per replica (NeMo#6131).
+On load every rank knows which parts it needs (from the manifest and its own layout) and what its node's
+node-local tiers hold (`node_holdings`). One all_gather shares both. A part's best tier is the fastest tier
+any rank can read it from (a shared tier such as S3 or the peer ring: every rank; a node-local tier: the
+ranks on a node holding it). It is read by one rank that reaches it there: one that needs it when there is
+such a rank (the one with the fewest bytes assigned so far, so readers spread), else a rank on the node that
+holds it, and broadcast on a subgroup of the ranks that need it and its reader. Every rank walks the same
+global list of broadcasts in the same order, so the collectives cannot cross. Parts only one rank needs and
+can read at their best tier are read by it directly. Bytes read from storage per load: 1x the parts needed,
+instead of 1x per replica (NeMo#6131), and none from a slower tier while a node's memory holds them.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -24,54 +27,86 @@ from ..distributed.coordinator import Coordinator
 PartId = tuple[int, int]  # (saved rank, part index)
 
 
-def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]]) -> tuple[list[tuple[PartId, tuple[int, ...], int]],
-                                                                             dict[PartId, int]]:
-    """From every rank's (part, length) wants: [(part, ranks that need it, the rank that reads it)] for parts
-    several ranks need, in one global order, and every part's length. Deterministic: each rank computes it."""
+Holdings = dict[str, frozenset[int]]  # node-local tier -> saved ranks whose parts this rank's node holds there
+
+
+def tiers_for(order: Sequence[str], holdings: Holdings, saved_rank: int) -> list[str]:
+    """The tiers of `order` a rank can read `saved_rank`'s parts from: shared tiers, and node-local tiers where
+    its node holds them."""
+    return [t for t in order if t not in holdings or saved_rank in holdings[t]]
+
+
+def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]], holdings: Sequence[Holdings] = (),
+                    order: Sequence[str] = ()) -> tuple[list[tuple[PartId, tuple[int, ...], int]], dict[PartId, int]]:
+    """From every rank's (part, length) wants and holdings: [(part, ranks in its broadcast, the rank that reads
+    it)] for parts read by one rank and broadcast to others, in one global order, and every part's length.
+    Deterministic: each rank computes it."""
     needers: dict[PartId, list[int]] = {}
     lengths: dict[PartId, int] = {}
     for rank, parts in enumerate(wanted):
         for key, length in parts:
             needers.setdefault(tuple(key), []).append(rank)  # type: ignore[arg-type]
             lengths[tuple(key)] = length  # type: ignore[index]
-    load = [0] * len(wanted)
+    world = len(wanted)
+    load = [0] * world
     plan = []
     for key in sorted(needers):
         members = tuple(needers[key])
+        if holdings:
+            levels = [_level(order, holdings[r], key[0]) for r in range(world)]
+            best = min(levels)
+            near = [r for r in members if levels[r] == best] or [r for r in range(world) if levels[r] == best]
+        else:
+            near = list(members)
+        reader = min(near, key=lambda r: (load[r], r))
+        members = tuple(sorted({*members, reader}))
         if len(members) > 1:
-            reader = min(members, key=lambda r: (load[r], r))
             load[reader] += lengths[key]
             plan.append((key, members, reader))
     return plan, lengths
 
 
+def _level(order: Sequence[str], holdings: Holdings, saved_rank: int) -> int:
+    """How fast a rank reads `saved_rank`'s parts: the position in `order` of its fastest tier holding them."""
+    near = tiers_for(order, holdings, saved_rank)
+    return order.index(near[0]) if near else len(order)
+
+
 async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Sequence[str],
-                              parts: dict[PartId, PartRead], log: ReadLog, *, ready: bool = True) -> None:
-    """Collective: every rank calls it once per load, with the parts it needs (none if it is not `ready`).
-    Reads nothing on any rank when one rank was not ready. Every rank walks the whole broadcast
-    plan, failure or not, so no rank leaves a collective early; the first error is raised at the end."""
+                              parts: dict[PartId, PartRead], log: ReadLog, *, ready: bool = True,
+                              holdings: Holdings | None = None,
+                              describe: Callable[[PartId, list[memoryview]], PartRead] | None = None) -> None:
+    """Collective: every rank calls it once per load, with the parts it needs (none if it is not `ready`) and
+    its node's `holdings`. Reads nothing on any rank when one rank was not ready. Every rank walks the whole
+    broadcast plan, failure or not, so no rank leaves a collective early; the first error is raised at the end.
+    `describe(part, views)` gives the read of a part this rank reads for others without needing it."""
+    mine = holdings or {}
     wanted = sorted((k, p.length) for k, p in parts.items())
-    everyone = await coordinator.all_gather_object((ready, wanted))
-    if not all(ok for ok, _ in everyone):
+    everyone = await coordinator.all_gather_object((ready, wanted, mine))
+    if not all(ok for ok, _, _ in everyone):
         return  # a rank failed before reading: no one reads; the load's agreement reports it
-    plan, lengths = plan_broadcasts([w for _, w in everyone])
+    plan, lengths = plan_broadcasts([w for _, w, _ in everyone], [h for _, _, h in everyone], order)
     shared = {key for key, _, _ in plan}
     groups = {}
     for members in sorted({m for _, m, _ in plan}):
         groups[members] = await coordinator.subgroup(members)  # every rank creates every group, in order
 
-    def read(part: PartRead) -> asyncio.Task[str]:
-        return asyncio.create_task(io.read_verified(part, order, log))
+    def read(key: PartId, part: PartRead) -> asyncio.Task[str]:
+        near = tiers_for(order, mine, key[0])
+        return asyncio.create_task(io.read_verified(part, near or order, log))
 
     me = coordinator.rank
-    solo = [read(p) for k, p in parts.items() if k not in shared]
+    solo = [read(k, p) for k, p in parts.items() if k not in shared]
     buffers: dict[PartId, torch.Tensor] = {}
     prefetch: dict[PartId, asyncio.Task[str]] = {}
     for key, members, reader in plan:
         if reader == me:
             buffers[key] = torch.empty(lengths[key], dtype=torch.uint8)
-            p = parts[key]
-            prefetch[key] = read(dataclasses.replace(p, views=[tensor_bytes(buffers[key])], targets=(), bounce=True))
+            views = [tensor_bytes(buffers[key])]
+            p = parts[key] if key in parts else describe(key, views) if describe is not None else None
+            if p is None:
+                raise RuntimeError("read_with_broadcast: a part to read for others, and no describe()")
+            prefetch[key] = read(key, dataclasses.replace(p, views=views, targets=(), bounce=True))
     errors: list[BaseException] = []
     try:
         for key, members, reader in plan:
@@ -89,15 +124,17 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
             await coordinator.broadcast_tensor(status, reader, groups[members])
             if status[0] != 1:
                 if reader != me:
-                    errors.append(IntegrityError(f"part {parts[key].key}: rank {reader}, its reader, found no "
-                                                 f"intact copy"))
+                    errors.append(IntegrityError(f"part {key}: rank {reader}, its reader, found no intact copy"))
                 buffers.pop(key, None)
                 continue
             await coordinator.broadcast_tensor(buffers[key], reader, groups[members])
             if reader != me:
                 log.bytes_received += lengths[key]
-            await io.run_blocking(scatter, [tensor_bytes(buffers.pop(key))], parts[key].views)  # verified by its reader
-            log.overwritten.update(parts[key].targets)
+            if key in parts:  # verified by its reader
+                await io.run_blocking(scatter, [tensor_bytes(buffers.pop(key))], parts[key].views)
+                log.overwritten.update(parts[key].targets)
+            else:
+                buffers.pop(key)
         for outcome in await asyncio.gather(*solo, return_exceptions=True):
             if isinstance(outcome, BaseException):
                 errors.append(outcome)

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Awaitable, Callable, Sequence, TypeVar
 
-from ..errors import IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
+from ..errors import CheckpointLost, IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
 from ..storage.index import CheckpointStatus, Index
 from ..layout import index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
 from ..manifest import Manifest, RankMeta
@@ -103,17 +103,20 @@ class Catalog:
             out.append(status)
         return out
 
-    async def pick(self, step: int | None, allowed: Sequence[str], best: Best | None = None) -> CheckpointStatus:
+    async def pick(self, step: int | None, allowed: Sequence[str], best: Best | None = None,
+                   listings: dict[str, Sequence[str]] | None = None) -> CheckpointStatus:
         """The newest checkpoint (or `step`, or with `best` the best one) complete on one of `allowed`;
-        IncompleteCheckpoint says why not. The newest is the newest that can really be loaded: its manifest and
-        records are readable, a tier still holds its data, and a whole checkpoint of this index's lineage that
-        the index forgot counts too."""
+        IncompleteCheckpoint says why not, CheckpointLost when the index lists complete ones but none can be
+        loaded. The newest is the newest that can really be loaded: its manifest and records are readable,
+        every rank's parts are still held by some tier, and a whole checkpoint of this index's lineage that the
+        index forgot counts too. `listings` replaces a tier's own listing: for a node-local tier, what every
+        node holds (from one listing per node), since one node sees only its own copies."""
         self._checked = None
         statuses = await self.statuses()
         if best is not None:
-            return await self._pick_best(statuses, allowed, best)
+            return await self._pick_best(statuses, allowed, best, listings)
         if step is None:
-            return await self._pick_newest(statuses, allowed)
+            return await self._pick_newest(statuses, allowed, listings)
         usable = [s for s in statuses if s.complete & set(allowed) and (s.foreign is None or self.adopt)]
         if all(s.step != step for s in usable):
             found = await self._from_tiers(statuses, allowed, step)
@@ -128,12 +131,13 @@ class Catalog:
             f"failed on {found.failed or 'none'})")
         raise IncompleteCheckpoint(f"job {self.job!r} step {step} {detail} on tiers {list(allowed)}")
 
-    async def _pick_newest(self, statuses: list[CheckpointStatus], allowed: Sequence[str]) -> CheckpointStatus:
+    async def _pick_newest(self, statuses: list[CheckpointStatus], allowed: Sequence[str],
+                           listings: dict[str, Sequence[str]] | None) -> CheckpointStatus:
         """Newest first, the first candidate that checks out: one the index lists complete (its manifest and
         records readable, a tier it names still holding its folder), or one of this index's lineage that the
         index does not list (a record lost or unreadable, an index restarted empty or restored from an older
         snapshot) and that is whole on a tier. Each one passed over is named in a warning."""
-        copies, unlisted_tiers = await self._scan(allowed)
+        copies, unlisted_tiers = await self._scan(allowed, listings)
         buried = await self._buried()
         listed = {s.step for s in statuses if "index" not in s.failed}  # an unreadable record lists nothing
         candidates: list[tuple[int, CheckpointStatus | None]] = [
@@ -141,12 +145,14 @@ class Catalog:
         lost = {st for by_step in copies.values() for st in by_step} - listed - buried
         candidates += [(st, None) for st in lost]
         passed_over: list[str] = []
+        lost = 0  # listed complete by the index, yet not loadable
         for st, status in sorted(candidates, key=lambda c: (c[0], c[1] is not None), reverse=True):
             try:
                 found = (await self._still_held(status, allowed, copies, unlisted_tiers) if status is not None
                          else await self._whole_on_tiers(st, allowed, copies))
             except (IncompleteCheckpoint, IntegrityError) as e:
                 passed_over.append(f"step {st}: {e}")
+                lost += status is not None
                 continue
             if passed_over:
                 log.warning("job %r: loading step %d; newer checkpoint(s) cannot be loaded: %s", self.job, found.step,
@@ -160,11 +166,14 @@ class Catalog:
         if found is not None:
             return found
         detail = f"; passed over: {'; '.join(passed_over[:5])}" if passed_over else ""
+        if lost:
+            raise CheckpointLost(f"job {self.job!r}: the index lists {lost} complete checkpoint(s) on tiers "
+                                 f"{list(allowed)}, but none can be loaded{detail}")
         raise IncompleteCheckpoint(f"job {self.job!r} has no complete checkpoint on tiers {list(allowed)} "
                                    f"({len(statuses)} listed, none complete){detail}")
 
-    async def _pick_best(self, statuses: list[CheckpointStatus], allowed: Sequence[str],
-                         best: Best) -> CheckpointStatus:
+    async def _pick_best(self, statuses: list[CheckpointStatus], allowed: Sequence[str], best: Best,
+                         listings: dict[str, Sequence[str]] | None) -> CheckpointStatus:
         """The best checkpoint by `best`'s metric, of those the index lists complete on `allowed` (those the tiers'
         manifests list when the index is down), from their metadata: no manifest is read to rank them. Best first,
         the first that a tier still holds and whose manifest and records read back; each one passed over is named
@@ -175,7 +184,7 @@ class Catalog:
             raise IncompleteCheckpoint(f"job {self.job!r}: no complete checkpoint on tiers {list(allowed)} has a "
                                        f"number under {best.metric!r} in its metadata ({len(usable)} complete; "
                                        f"pass metadata={{{best.metric!r}: ...}} to save())")
-        copies, unlisted_tiers = await self._scan(allowed)
+        copies, unlisted_tiers = await self._scan(allowed, listings)
         passed_over: list[str] = []
         for st in ranked:
             try:
@@ -187,16 +196,19 @@ class Catalog:
                 log.warning("job %r: loading step %d, the best by %s that can be loaded; better one(s) cannot: %s",
                             self.job, st, best.metric, "; ".join(passed_over[:5]))
             return found
-        raise IncompleteCheckpoint(f"job {self.job!r}: no checkpoint with {best.metric!r} in its metadata can be "
-                                   f"loaded from tiers {list(allowed)}: {'; '.join(passed_over[:5])}")
+        raise CheckpointLost(f"job {self.job!r}: no checkpoint with {best.metric!r} in its metadata can be "
+                             f"loaded from tiers {list(allowed)}: {'; '.join(passed_over[:5])}")
 
-    async def _scan(self, allowed: Sequence[str]) -> tuple[dict[str, dict[int, list[Copy]]], set[str]]:
-        """This index's copies on every allowed tier (one listing each), and the tiers that could not be listed."""
+    async def _scan(self, allowed: Sequence[str], listings: dict[str, Sequence[str]] | None = None,
+                    ) -> tuple[dict[str, dict[int, list[Copy]]], set[str]]:
+        """This index's copies on every allowed tier (one listing each, or the one given in `listings`), and the
+        tiers that could not be listed."""
         copies: dict[str, dict[int, list[Copy]]] = {}
         failed: set[str] = set()
         for tier in self.io.order(allowed):
             try:
-                copies[tier] = await lineage.scan(self.io, tier, self.job, self.index.identity)
+                copies[tier] = await lineage.scan(self.io, tier, self.job, self.index.identity,
+                                                  (listings or {}).get(tier))
             except TierError as e:
                 log.warning("tier %s cannot be listed: %s", tier, e)
                 failed.add(tier)
@@ -211,13 +223,20 @@ class Catalog:
         if status.incarnation is not None or not manifest.incarnation.startswith(index_dir(self.index.identity) + "/"):
             self._checked = (status.step, manifest)
             return status  # found on the tiers already, or another index's or an earlier format's folder
-        holding = [t for t in order if t in unlisted or any(
-            c.incarnation == manifest.incarnation and c.whole(manifest) for c in copies.get(t, {}).get(status.step, []))]
-        if not holding:
-            raise IncompleteCheckpoint(f"the index lists it complete on {order}, but no tier holds its folder any "
-                                       f"more (an index restored from an older snapshot?)")
-        # Not narrowed to `holding`: a node-local tier lists this node's copy only, and another rank's node may
-        # hold its own; a part missing where the index says it is falls back per part, as always.
+        if not any(t in unlisted for t in order):
+            held: set[int] = set()
+            for t in order:
+                for c in copies.get(t, {}).get(status.step, []):
+                    held |= c.ranks_held(manifest)
+            gone = [r.rank for r in manifest.ranks if r.rank not in held]
+            if gone:
+                shown = f"{gone[:8]}{' and more' if len(gone) > 8 else ''}"
+                raise IncompleteCheckpoint(
+                    f"the index lists it complete on {order}, but none of them holds the parts of rank(s) {shown} "
+                    f"any more (every node's node-local copies looked at): lost with their nodes, or removed (an "
+                    f"index restored from an older snapshot?)")
+        # Whole across the tiers, each rank's parts somewhere: a part missing where the index says it is falls back
+        # per part to the next tier, as always.
         self._checked = (status.step, manifest)
         return status
 

@@ -16,7 +16,8 @@ import time
 from typing import Any, Sequence
 
 from ..distributed.coordinator import Coordinator
-from ..errors import IncompleteCheckpoint, RankFailed
+from ..errors import CheckpointLost, IncompleteCheckpoint, RankFailed, TierError
+from ..layout import job_prefix, parse_key
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.rules import Best
 from ..manifest import Manifest
@@ -24,19 +25,24 @@ from ..state import LoadTarget, SavedTensor, decode_skeleton, match
 from ..storage.index import CheckpointStatus
 from ..storage.tier_io import TierIO
 from .catalog import Catalog
-from .reads import LoadInfo, Reads, plan_reads, read_parts
+from .heal import HealReport, heal
+from .reads import LoadInfo, Reads, node_holdings, plan_reads, read_parts
 
 log = logging.getLogger(__name__)
 
 
 class Loader:
     def __init__(self, io: TierIO, catalog: Catalog, coordinator: Coordinator, busy: BusySteps, *,
-                 allow_pickle: bool):
+                 allow_pickle: bool, heal: bool = True):
         self.io = io
         self.catalog = catalog
         self.coordinator = coordinator
         self.busy = busy
         self.allow_pickle = allow_pickle
+        self._moved_said: set[int] = set()
+        self.heal = heal
+        self.heals: set[asyncio.Task[HealReport]] = set()  # heals still running
+        self.reports: list[HealReport] = []  # heals done, not yet handed out by wait_healed()
 
     async def load(self, state: Any, *, step: int | None, tiers: Sequence[str] | None,
                    best: Best | None = None) -> LoadInfo:
@@ -53,17 +59,21 @@ class Loader:
         error: BaseException | None = None
         manifest: Manifest | None = None
         reads: Reads | None = None
+        holdings: dict[str, frozenset[int]] = {}
         with self.busy.loading(status.step):
             try:  # local work: a failure here must not make this rank skip the collectives below
                 manifest = await self.catalog.read_manifest(status.step, order, status.incarnation)
                 # in threads: pairing 100k entries with the saved ones is seconds of Python
                 target = await asyncio.to_thread(self._match, state, manifest)
                 reads = await asyncio.to_thread(plan_reads, manifest, target.tensors)
+                holdings = await node_holdings(self.io, manifest, order)  # each part is read where it is fastest
+                if self.coordinator.distributed:
+                    self._warn_if_moved(manifest)
             except Exception as e:
                 error = e
             try:  # every rank enters the same collectives, whatever happened above
                 await read_parts(self.io, self.coordinator, manifest if error is None else None, order, reads,
-                                 info.reads)
+                                 info.reads, holdings)
             except Exception as e:
                 error = error or e
             finally:  # loads are rare: do not hold part-sized buffers between them (freed in a thread: munmap)
@@ -77,12 +87,47 @@ class Loader:
             await self.io.run_blocking(reads.release)
             await self.io.run_blocking(target.copy_ties)
         await asyncio.to_thread(target.apply)  # load_state_dict() of modules and optimizers: seconds for large ones
+        if self.heal and manifest is not None:
+            info.heal = asyncio.create_task(self._heal(manifest, order, holdings))
+            self.heals.add(info.heal)
+            info.heal.add_done_callback(self._healed)
         info.tier = max(info.bytes_by_tier, key=info.bytes_by_tier.__getitem__, default=order[0] if order else None)
         info.seconds = time.perf_counter() - started
         if info.fallbacks:
             log.warning("step %d: %d part read(s) fell back to a slower tier: %s", info.step, len(info.fallbacks),
                         "; ".join(f"{f.part} on {f.tier}: {f.reason}" for f in info.fallbacks[:5]))
         return info
+
+    def _healed(self, task: asyncio.Task[HealReport]) -> None:
+        self.heals.discard(task)
+        if not task.cancelled() and task.exception() is None:
+            self.reports.append(task.result())
+        elif not task.cancelled():
+            log.warning("healing after the load failed: %s", task.exception())
+
+    async def wait_healed(self) -> list[HealReport]:
+        """Wait for the heals running now; return the reports of every heal finished since the last call."""
+        if self.heals:
+            await asyncio.gather(*self.heals, return_exceptions=True)
+        reports, self.reports = self.reports, []
+        return reports
+
+    async def _heal(self, manifest: Manifest, order: list[str], holdings: dict[str, frozenset[int]]) -> HealReport:
+        """In the background: this rank's missing cache copies of the loaded checkpoint (load/heal.py)."""
+        with self.busy.loading(manifest.step):
+            return await heal(self.io, self.catalog.index, manifest, order, holdings, self.coordinator.rank)
+
+    def _warn_if_moved(self, manifest: Manifest) -> None:
+        """Say once (rank 0) when ranks now run on other machines than the ones that saved: placement on the
+        peer ring is recomputed from the machines at open, and reads follow where the parts are."""
+        saved = [r.host for r in manifest.ranks]
+        now = self.coordinator.hosts
+        moved = [r for r in range(min(len(saved), len(now))) if saved[r] and saved[r] != now[r]]
+        if moved and self.coordinator.rank == 0 and manifest.step not in self._moved_said:
+            self._moved_said.add(manifest.step)
+            log.warning("step %d was saved with rank(s) %s on other machines (%s); the peer ring follows the machines "
+                        "of this run, and each part is read on a node that holds it", manifest.step, moved[:8],
+                        ", ".join(f"rank {r}: {saved[r]} -> {now[r]}" for r in moved[:4]))
 
     def _match(self, state: Any, manifest: Manifest) -> LoadTarget:
         """Pair `state` with this rank's saved skeleton (rank 0's for a rank the saved world lacked); keys it
@@ -102,26 +147,53 @@ class Loader:
                      rank=rank, saved_world=manifest.world_size, skeleton_of=skeleton_of)
 
     async def _agree_on_step(self, step: int | None, allowed: list[str], best: Best | None) -> CheckpointStatus:
-        """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error)."""
+        """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error). Rank 0 judges
+        node-local tiers from every node's listing (one rank per machine lists them), never from its own alone."""
         if not self.coordinator.distributed:
             return await self.catalog.pick(step, allowed, best)
+        listings = await self._node_listings(allowed)
         choice: tuple[Any, ...]
         failure: BaseException | None = None
         if self.coordinator.rank == 0:
             try:
-                choice = ("ok", await self.catalog.pick(step, allowed, best))
+                choice = ("ok", await self.catalog.pick(step, allowed, best, listings))
             except IncompleteCheckpoint as e:
                 choice = ("missing", str(e))
+            except CheckpointLost as e:
+                choice = ("lost", str(e))
             except Exception as e:  # every rank must leave the broadcast below with the same answer
                 failure, choice = e, ("error", f"{type(e).__name__}: {e}")
         choice = await self.coordinator.broadcast_object(choice if self.coordinator.rank == 0 else None)
         if choice[0] == "missing":
             raise IncompleteCheckpoint(choice[1])
+        if choice[0] == "lost":
+            raise CheckpointLost(choice[1])
         if choice[0] == "error":
             if failure is not None:  # rank 0 raises its own error, with its traceback
                 raise failure
             raise RankFailed(f"rank 0 failed while picking the checkpoint to load: {choice[1]}")
         return choice[1]
+
+    async def _node_listings(self, allowed: list[str]) -> dict[str, list[str]]:
+        """Collective: every node's records (manifests, markers, checksum records: no parts) on the node-local
+        tiers among `allowed`, put together per tier. One rank per machine lists; a tier it cannot list adds
+        nothing from that node."""
+        mine: dict[str, list[str]] = {}
+        if self.coordinator.lists_for_node():
+            for name in self.io.order(allowed):
+                if self.io.file_tier(name) is None:
+                    continue
+                try:
+                    keys = await self.io.list(name, job_prefix(self.catalog.job))
+                except TierError as e:
+                    log.warning("tier %s cannot be listed on %s: %s", name, self.coordinator.host, e)
+                    continue
+                mine[name] = [k for k in keys if (p := parse_key(k)) is not None and p.kind != "part"]
+        merged: dict[str, set[str]] = {}
+        for listing in await self.coordinator.all_gather_object(mine):
+            for name, keys in listing.items():
+                merged.setdefault(name, set()).update(keys)
+        return {name: sorted(keys) for name, keys in merged.items()}
 
 
 def _partly_overwritten(error: BaseException, keys: set[str]) -> BaseException:

@@ -12,17 +12,21 @@ from __future__ import annotations
 import asyncio
 import bisect
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from .broadcast import read_with_broadcast
 from ..distributed.coordinator import Coordinator
 from ..distributed.dtensor import local_box, local_tensor
-from ..layout import PartKey
+from ..errors import TierError
+from ..layout import PartKey, checkpoint_prefix, parse_key
 from ..manifest import Manifest
 from ..buffers import tensor_bytes
 from ..storage.tier_io import Fallback, PartRead, ReadLog, TierIO
+
+if TYPE_CHECKING:
+    from .heal import HealReport
 
 
 @dataclass
@@ -33,6 +37,8 @@ class LoadInfo:
     tier: str | None  # the tier that served the most bytes
     reads: ReadLog = field(default_factory=ReadLog)
     seconds: float = 0.0
+    # the background heal this load started ([engine] heal): `await info.heal` gives its HealReport
+    heal: "asyncio.Task[HealReport] | None" = field(default=None, repr=False)
 
     @property
     def bytes_by_tier(self) -> dict[str, int]:
@@ -162,6 +168,15 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
     return (views, tuple(targets), tuple(starts)) if wanted else None
 
 
+def part_read(manifest: Manifest, rank: int, p: int, views: list[memoryview], targets: tuple[str, ...] = (),
+              starts: tuple[int, ...] = ()) -> PartRead:
+    """Part `p` of saved rank `rank`, read into `views`: its key, length and checksums, from the manifest."""
+    key = PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path
+    return PartRead(key, views, manifest.part_length(rank, p), manifest.ranks[rank].checksums[p], targets,
+                    bounce=True, algorithm=manifest.checksum, chunk_size=manifest.chunk_size,
+                    chunk_sums=manifest.chunk_sums_of(rank, p), target_starts=starts)
+
+
 def parts_to_read(manifest: Manifest, reads: Reads, only: set[tuple[int, int]] | None = None,
                   spans: dict[int, list[tuple[int, int]]] | None = None) -> dict[tuple[int, int], PartRead]:
     """Every part (saved rank, index) that holds a chunk this rank needs, with the buffers it fills; `only`
@@ -176,23 +191,44 @@ def parts_to_read(manifest: Manifest, reads: Reads, only: set[tuple[int, int]] |
         for p in candidates:
             found = part_views(manifest, rank, p, rank_spans_, reads)
             if found is not None:
-                key = PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path
-                parts[(rank, p)] = PartRead(key, found[0], manifest.part_length(rank, p), rank_meta.checksums[p],
-                                            found[1], bounce=True, algorithm=manifest.checksum,
-                                            chunk_size=manifest.chunk_size, chunk_sums=manifest.chunk_sums_of(rank, p),
-                                            target_starts=found[2])
+                parts[(rank, p)] = part_read(manifest, rank, p, found[0], found[1], found[2])
     return parts
 
 
+async def node_holdings(io: TierIO, manifest: Manifest, order: Sequence[str]) -> dict[str, frozenset[int]]:
+    """For each node-local tier in `order`: the saved ranks whose checksum record (so whose parts) this node's
+    copy of the checkpoint holds. One listing of the checkpoint's folder per tier; a tier that cannot be listed
+    holds nothing here."""
+    out: dict[str, frozenset[int]] = {}
+    prefix = checkpoint_prefix(manifest.job, manifest.step, manifest.incarnation)
+    for name in order:
+        if io.file_tier(name) is None:
+            continue
+        try:
+            keys = await io.list(name, prefix)
+        except TierError:
+            keys = []
+        out[name] = frozenset(p.rank for p in map(parse_key, keys)
+                              if p is not None and p.kind == "checksums" and p.incarnation == manifest.incarnation
+                              and p.rank is not None)
+    return out
+
+
 async def read_parts(io: TierIO, coordinator: Coordinator, manifest: Manifest | None, order: Sequence[str],
-                     reads: Reads | None, log: ReadLog) -> None:
+                     reads: Reads | None, log: ReadLog, holdings: dict[str, frozenset[int]] | None = None) -> None:
     """Read every part that holds a wanted chunk into its destinations, from the tiers in `order`. A rank
     that failed before (no manifest or reads) still takes part, so the ranks' collectives stay in step;
-    then no rank reads anything."""
+    then no rank reads anything. `holdings` (node_holdings) says what this node's node-local tiers hold: with
+    several ranks, each part is read on a node whose fastest tier holds it."""
     ready = manifest is not None and reads is not None
     parts = await asyncio.to_thread(parts_to_read, manifest, reads) if ready else {}  # type: ignore[arg-type]
     if coordinator.distributed:
-        await read_with_broadcast(coordinator, io, order, parts, log, ready=ready)
+        def describe(key: tuple[int, int], views: list[memoryview]) -> PartRead:
+            assert manifest is not None
+            return part_read(manifest, key[0], key[1], views)
+
+        await read_with_broadcast(coordinator, io, order, parts, log, ready=ready, holdings=holdings or {},
+                                  describe=describe)
     elif ready:
         outcomes = await asyncio.gather(*(io.read_verified(p, order, log) for p in parts.values()),
                                         return_exceptions=True)

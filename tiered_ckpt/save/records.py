@@ -13,6 +13,7 @@ from ..layout import manifest_key, rank_meta_key
 from ..manifest import Manifest, RankMeta
 from ..state import encode_skeleton
 from ..storage.tier_io import TierIO
+from ..storage.tiers.base import machine_name
 from .commit import Committer
 from .plan import Plan
 
@@ -166,6 +167,6 @@ class Records:
         sums, chunk_sums = await self.checksums(), await self.chunk_sums()
         skeleton = await asyncio.to_thread(encode_skeleton, self.skeleton)
         data = await asyncio.to_thread(lambda: RankMeta(self.plan.rank, self.plan.nbytes, tuple(sums), skeleton,
-                                                        chunk_sums).to_bytes())
+                                                        chunk_sums, machine_name()).to_bytes())
         await self.commit.put_rank_meta(self.step, data)
         return data

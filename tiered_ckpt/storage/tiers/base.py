@@ -10,6 +10,8 @@ loop, then `close()`.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from abc import ABC, abstractmethod
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -147,6 +149,13 @@ async def start_tier(tier: Tier, executor: Executor, *, rank: int = 0, world_siz
     tier.bind(rank=rank, world_size=world_size, node=node, num_nodes=num_nodes)
     await tier.open()
     return tier
+
+
+def machine_name() -> str:
+    """This machine's name, as placement needs it: `TIERED_CKPT_HOST` when set (several emulated nodes on one
+    host), else the host name. A node is a machine, not a rank number: torchrun's node rank follows the order
+    in which agents joined, so it can change when a job restarts; the machine's name does not."""
+    return os.environ.get("TIERED_CKPT_HOST") or socket.gethostname()
 
 
 def scatter(pieces: Iterable[bytes | memoryview], out: Sequence[memoryview], start: int = 0) -> None:

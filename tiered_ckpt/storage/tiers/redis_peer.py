@@ -1,9 +1,13 @@
 """Redis as a peer cache: the memory of another node.
 
-Ranks are grouped into nodes; node n writes to the Redis of node n+1 (`urls`, one per node, in node
-order), so a node that loses its memory and disk restores from its successor. Reads try the successor
-first, then the other servers in ring order (after a reshard, a part may have been written by another
-node).
+`urls` names one server per node, in ring order. A node writes to the next server in the ring after its own,
+never to its own machine's, so a node that loses its memory and disk restores from its successor. A node is a
+machine: its own server is the url whose host is this machine's name (`machine_name`: the host name, or
+TIERED_CKPT_HOST); when no url names this machine (IP addresses, a service name), the node's position among
+the job's machines in name order stands for it (`node` overrides both). A server that cannot be reached is
+passed over for `down_seconds` (said once per server): the copy goes to the next server in the ring and
+training goes on; only when every other server fails does a write fail. Reads look the value up on every
+live server at once (after a node loss or a reshard, the copy sits wherever its writer's ring put it).
 
 A value is stored as chunks well below Redis's 512 MiB bulk limit (`chunk_size`, checked client-side,
 so an oversized write is a clear error rather than a bare "Broken pipe"), written concurrently over a
@@ -20,7 +24,10 @@ TierUnavailable naming what happened.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 import uuid
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -28,8 +35,9 @@ import redis.asyncio as aioredis
 
 from ...errors import ConfigError, TierError, TierFull, TierNotFound, TierUnavailable
 from ..redis_connect import ERRORS, RedisDeployment, classify, parse_url, redact
-from .base import Tier, scatter
+from .base import Tier, machine_name, scatter
 
+log = logging.getLogger(__name__)
 MAX_BULK = 512 * 2**20
 SEP = "#"  # never in engine keys ([A-Za-z0-9._/-]): marks chunk keys
 
@@ -37,12 +45,13 @@ SEP = "#"  # never in engine keys ([A-Za-z0-9._/-]): marks chunk keys
 @dataclass(frozen=True)
 class RedisOptions:
     urls: tuple[str, ...]
-    node: int | None = field(default=None, metadata={"min": 0})  # default: torchrun's GROUP_RANK, else by hostname
+    node: int | None = field(default=None, metadata={"min": 0})  # default: the url naming this machine, else by name
     prefix: str = "tiered_ckpt:"
     chunk_size: int = field(default=64 * 2**20, metadata={"size": True, "min": 1, "max": MAX_BULK - 2**20,
                                                           "why": "Redis caps a value at 512 MiB"})
     connections: int = field(default=8, metadata={"min": 1})
     socket_timeout: float = field(default=120.0, metadata={"above": 0})
+    down_seconds: float = field(default=30.0, metadata={"min": 0})  # an unreachable server is passed over this long
 
 
 class RedisPeerTier(Tier):
@@ -61,6 +70,8 @@ class RedisPeerTier(Tier):
     def __init__(self, name: str, options: RedisOptions):
         super().__init__(name, options)
         self.node = options.node if options.node is not None else 0
+        self.own: int | None = options.node  # the server on this machine (None: none of the urls)
+        self._down: dict[int, float] = {}  # server -> until when it is passed over
         self._clients: list[Any] = []
         # one server: its URL as redis-py takes it (a password holding '@', ':' or '/' percent-encoded)
         self._plain = {i: parse_url(url, key=f"tiers.{name}.urls").plain for i, url in enumerate(options.urls)}
@@ -69,8 +80,15 @@ class RedisPeerTier(Tier):
                              for i, url in enumerate(options.urls) if url.startswith(("redis+", "rediss+"))}
 
     def bind(self, *, node: int, **_: Any) -> None:
-        if self.options.node is None:
-            self.node = node
+        if self.options.node is not None:
+            return
+        self.node = node
+        mine = _names(machine_name())
+        named = [i for i in self._plain if (urlsplit(self._plain[i]).hostname or "").lower() in mine]
+        self.own = named[0] if named else None
+        if self.own is None and len(self.options.urls) > 1:
+            log.info("tier %s: no url names this machine (%s); its ring position is its node number %d among the "
+                     "job's machines in name order", self.name, machine_name(), node)
 
     async def open(self) -> None:
         # A blocking pool: past `connections`, a command waits for a free connection instead of failing.
@@ -99,8 +117,30 @@ class RedisPeerTier(Tier):
         return await (client.mget_nonatomic(names) if self._kind(server) == "cluster" else client.mget(names))
 
     def _ring(self) -> list[int]:
+        """The servers this node writes to, in order of preference: the ring from its own server's successor on,
+        its own server left out (a copy on the writer's machine dies with it), unless there is only one."""
         n = len(self._clients)
-        return [(self.node + 1 + i) % n for i in range(n)]
+        if n == 1:
+            return [0]
+        start = self.own if self.own is not None else self.node % n
+        return [(start + 1 + i) % n for i in range(n - 1)]
+
+    def _live(self, servers: Sequence[int]) -> list[int]:
+        """`servers` less those passed over just now (all of them when none is left: one may be back)."""
+        now = time.monotonic()
+        live = [s for s in servers if self._down.get(s, 0.0) <= now]
+        return live or list(servers)
+
+    def _passed_over(self, server: int, e: BaseException) -> bool:
+        """Whether `e` makes `server` one to pass over (unreachable); if so, say so once per outage."""
+        if classify(e, self._kind(server)).kind != "transient" or len(self._clients) == 1:
+            return False
+        if self._down.get(server, 0.0) <= time.monotonic():
+            log.warning("tier %s: redis %s is unreachable (%s); passing it over for %.0f s, its copies go to the "
+                        "next server in the ring", self.name, redact(self.options.urls[server]),
+                        classify(e, self._kind(server)).text, self.options.down_seconds)
+        self._down[server] = time.monotonic() + self.options.down_seconds
+        return True
 
     def _fail(self, server: int, e: BaseException, what: str) -> TierError:
         url = redact(self.options.urls[server])
@@ -114,31 +154,57 @@ class RedisPeerTier(Tier):
         return TierError(f"redis {url} {what}: {problem.text}", tier=self.name)
 
     async def write(self, key: str, data: memoryview) -> None:
-        server = self._ring()[0]
-        client, full = self._clients[server], self.options.prefix + key
         view = memoryview(data).cast("B")
+        servers = self._live(self._ring())
+        for i, server in enumerate(servers):
+            try:
+                await self._write_to(server, key, view)
+                return
+            except ERRORS as e:
+                if i + 1 < len(servers) and self._passed_over(server, e):
+                    continue
+                raise self._fail(server, e, f"writing {key}") from e
+
+    async def _write_to(self, server: int, key: str, view: memoryview) -> None:
+        client, full = self._clients[server], self.options.prefix + key
         version = uuid.uuid4().hex[:8]
         size = self.options.chunk_size
         chunks = [view[i : i + size] for i in range(0, len(view), size)] or [view]
-        try:
-            old = await client.get(full)
-            await asyncio.gather(*(client.set(f"{full}{SEP}{version}{SEP}{i}", c) for i, c in enumerate(chunks)))
-            await client.set(full, f"{version}:{len(chunks)}:{len(view)}")
-            if old:
-                old_version, count, _ = old.decode().split(":")
-                await client.unlink(*(f"{full}{SEP}{old_version}{SEP}{i}" for i in range(int(count))))
-        except ERRORS as e:
-            raise self._fail(server, e, f"writing {key}") from e
+        old = await client.get(full)
+        await asyncio.gather(*(client.set(f"{full}{SEP}{version}{SEP}{i}", c) for i, c in enumerate(chunks)))
+        await client.set(full, f"{version}:{len(chunks)}:{len(view)}")
+        if old:
+            old_version, count, _ = old.decode().split(":")
+            await client.unlink(*(f"{full}{SEP}{old_version}{SEP}{i}" for i in range(int(count))))
+
+    def _read_order(self) -> list[int]:
+        """Every server, this node's write targets first (where its own copies are), its own server last."""
+        ring = self._ring()
+        return ring + [s for s in range(len(self._clients)) if s not in ring]
+
+    async def _headers(self, names: list[str]) -> dict[int, list[Any]]:
+        """Each live server's headers of `names` (one MGET each, all at once); unreachable servers are left out
+        (passed over), other errors raised."""
+        servers = self._live(self._read_order())
+        found = await asyncio.gather(*(self._mget(s, names) for s in servers), return_exceptions=True)
+        out: dict[int, list[Any]] = {}
+        for server, result in zip(servers, found):
+            if isinstance(result, BaseException):
+                if isinstance(result, ERRORS) and self._passed_over(server, result):
+                    continue
+                if isinstance(result, ERRORS):
+                    raise self._fail(server, result, f"reading {names[0] if len(names) == 1 else 'headers'}") \
+                        from result
+                raise result
+            out[server] = result
+        if not out and servers:
+            raise TierUnavailable(f"no server of {[redact(u) for u in self.options.urls]} can be reached",
+                                  tier=self.name)
+        return out
 
     async def _locate(self, key: str) -> tuple[int, str, int, int]:
-        full = self.options.prefix + key
-        for server in self._ring():
-            try:
-                header = await self._clients[server].get(full)
-            except ERRORS as e:
-                if classify(e, self._kind(server)).kind == "transient" and len(self._clients) > 1:
-                    continue  # a node down: its successor may still hold the value
-                raise self._fail(server, e, f"reading {key}") from e
+        """The server holding `key` (looked up on every live server at once) and its header."""
+        for server, (header,) in (await self._headers([self.options.prefix + key])).items():
             if header is not None:
                 version, count, length = header.decode().split(":")
                 return server, version, int(count), int(length)
@@ -168,30 +234,37 @@ class RedisPeerTier(Tier):
         return b"".join((await self._chunks(key))[1])
 
     async def missing(self, keys: Sequence[str]) -> list[str]:
-        server = self._ring()[0]  # where this node wrote them
-        client, prefix = self._clients[server], self.options.prefix
+        """Keys whose value is whole on no live server (the ring may have placed a copy on any of them)."""
+        prefix, gone = self.options.prefix, list(keys)
+        if not keys:
+            return []
         try:
-            headers = await self._mget(server, [prefix + k for k in keys]) if keys else []
-            chunk_names, owners = [], []
-            for key, header in zip(keys, headers, strict=True):
-                if header is not None:
-                    version, count, _ = header.decode().split(":")
-                    for i in range(int(count)):
-                        chunk_names.append(f"{prefix}{key}{SEP}{version}{SEP}{i}")
-                        owners.append(key)
-            pipe = client.pipeline(transaction=False)
-            for name in chunk_names:
-                pipe.exists(name)
-            present = await pipe.execute() if chunk_names else []
+            headers = await self._headers([prefix + k for k in keys])
+            for server, found in headers.items():
+                if not gone:
+                    break
+                chunk_names, owners = [], []
+                for key, header in zip(keys, found, strict=True):
+                    if header is not None and key in gone:
+                        version, count, _ = header.decode().split(":")
+                        for i in range(int(count)):
+                            chunk_names.append(f"{prefix}{key}{SEP}{version}{SEP}{i}")
+                            owners.append(key)
+                pipe = self._clients[server].pipeline(transaction=False)
+                for name in chunk_names:
+                    pipe.exists(name)
+                present = await pipe.execute() if chunk_names else []
+                whole = {k for k, header in zip(keys, found, strict=True) if header is not None}
+                whole -= {owner for owner, ok in zip(owners, present, strict=True) if not ok}
+                gone = [k for k in gone if k not in whole]
         except ERRORS as e:
-            raise self._fail(server, e, "checking parts before the commit") from e
-        gone = {k for k, h in zip(keys, headers, strict=True) if h is None}
-        gone |= {owner for owner, ok in zip(owners, present, strict=True) if not ok}
+            raise TierUnavailable(f"checking parts: {e}", tier=self.name) from e
         return sorted(gone)
 
     async def delete(self, prefix: str) -> None:
         pattern = f"{self.options.prefix}{prefix}*"
-        for server, client in enumerate(self._clients):
+        for server in self._live(range(len(self._clients))):
+            client = self._clients[server]
             try:
                 batch = []
                 async for k in client.scan_iter(match=pattern, count=1000):
@@ -202,16 +275,27 @@ class RedisPeerTier(Tier):
                 if batch:
                     await client.unlink(*batch)
             except ERRORS as e:
+                if self._passed_over(server, e):
+                    continue  # a server that is gone took its keys with it
                 raise self._fail(server, e, f"deleting {prefix}*") from e
 
     async def list(self, prefix: str) -> list[str]:
         keys: set[str] = set()
-        for server, client in enumerate(self._clients):
+        for server in self._live(range(len(self._clients))):
+            client = self._clients[server]
             try:
                 async for k in client.scan_iter(match=f"{self.options.prefix}{prefix}*", count=1000):
                     name = k.decode()[len(self.options.prefix):]
                     if SEP not in name:
                         keys.add(name)
             except ERRORS as e:
+                if self._passed_over(server, e):
+                    continue  # what it held cannot be read anyway
                 raise self._fail(server, e, f"listing {prefix}*") from e
         return sorted(keys)
+
+
+def _names(machine: str) -> set[str]:
+    """The names a url may give this machine: its name and the name's first label, any case."""
+    name = machine.lower()
+    return {name, name.split(".")[0]}

@@ -1,0 +1,78 @@
+"""One rank of a multi-node test job: Cluster.run_job (nodes.py) starts it inside a node, with torchrun's
+environment (RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR, ...) and
+
+    SPEC    JSON: {"config": TOML path, "action": "save" | "load", "steps": [int, ...] (save),
+                   "tiers": [tier names] (load, optional)}
+    RESULT  where to write this rank's JSON result
+
+The state is deterministic from the step, so a load can check every value: a replicated model (the same
+on every rank) and one tensor sharded over all ranks (a DTensor, Shard(0)), so each rank has parts of its
+own. With part_size 16KiB each rank writes several parts. A load that raises is recorded in the result
+(`error`), and the rank exits 0, so the test can assert on the error.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import tiered_ckpt as tc
+
+MODEL = 40_000        # "weight": 160 KB, "bias": 40 KB, replicated
+SHARD_ROWS, COLS = 64, 256  # the sharded tensor: 64 KiB per rank
+
+
+def state(step: int | None, mesh: DeviceMesh) -> dict[str, Any]:
+    """What save(step) holds; step=None: zeros of the same shapes (the target of a load)."""
+    world = mesh.size()
+    full = torch.arange(world * SHARD_ROWS * COLS, dtype=torch.float32).reshape(world * SHARD_ROWS, COLS)
+    model = {"weight": torch.arange(MODEL, dtype=torch.float32), "bias": torch.ones(MODEL // 4)}
+    if step is None:
+        full, model = torch.zeros_like(full), {k: torch.zeros_like(v) for k, v in model.items()}
+    else:
+        full, model = full + 1000 * step, {k: v * (step + 1) for k, v in model.items()}
+    return {"model": model, "sharded": {"table": distribute_tensor(full, mesh, [Shard(0)])}, "step": step}
+
+
+def matches(loaded: dict[str, Any], expected: dict[str, Any]) -> bool:
+    """Every tensor equal to the save's (the DTensor assembled whole: a collective, so every rank calls it)."""
+    same = [torch.equal(loaded["model"][k], v) for k, v in expected["model"].items()]
+    same.append(torch.equal(loaded["sharded"]["table"].full_tensor(), expected["sharded"]["table"].full_tensor()))
+    return all(same) and loaded["step"] == expected["step"]
+
+
+async def main(spec: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
+    result: dict[str, Any] = {"action": spec["action"], "hostname": socket.gethostname()}
+    async with tc.Engine.from_toml(spec["config"]) as engine:
+        if spec["action"] == "save":
+            for step in spec["steps"]:
+                await (await engine.save(step, state(step, mesh))).wait()
+            result["steps"] = spec["steps"]
+            return result
+        target = state(None, mesh)
+        try:
+            info = await engine.load(target, tiers=spec.get("tiers"))
+        except Exception as e:  # recorded: the test asserts on it
+            return {**result, "error": f"{type(e).__name__}: {e}", "exact": False}
+    return {**result, "step": info.step, "tier": info.tier, "bytes_by_tier": dict(info.bytes_by_tier),
+            "fallbacks": [f.tier for f in info.fallbacks], "bytes_received": info.bytes_received,
+            "exact": matches(target, state(info.step, mesh)), "error": None}
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # env://: torchrun's variables
+    result = asyncio.run(main(json.loads(os.environ["SPEC"]), init_device_mesh("cpu", (dist.get_world_size(),))))
+    out = Path(os.environ["RESULT"])
+    out.with_suffix(".tmp").write_text(json.dumps(result))
+    out.with_suffix(".tmp").replace(out)
+    dist.destroy_process_group()
