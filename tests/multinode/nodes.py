@@ -226,12 +226,15 @@ class Cluster:
     def run_job(self, worker_argv: Sequence[str], nodes_order: Sequence[int] | None = None, procs_per_node: int = 1,
                 env_extra: dict[str, str] | None = None, timeout: float = 180.0, may_fail: bool = False,
                 name: str | None = None) -> list[dict]:
-        """Run a torch.distributed job as torchrun's static rendezvous would place it, but starting the
+        """start_job, then Job.wait."""
+        return self.start_job(worker_argv, nodes_order, procs_per_node, env_extra, name).wait(timeout, may_fail)
+
+    def start_job(self, worker_argv: Sequence[str], nodes_order: Sequence[int] | None = None, procs_per_node: int = 1,
+                  env_extra: dict[str, str] | None = None, name: str | None = None) -> Job:
+        """Start a torch.distributed job as torchrun's static rendezvous would place it, but starting the
         workers directly (torchrun's agents cost too much on 2 cores): procs_per_node ranks on each node of
         nodes_order, whose position is the node's GROUP_RANK ([0, 2, 1]: node2 is group 1). Each worker
-        writes its JSON result to $RESULT. Returns one dict per rank, in rank order: the result plus rank,
-        node and exitcode; raises with the log tails of failed ranks unless may_fail, and of every rank on
-        timeout (after killing them all)."""
+        writes its JSON result to $RESULT."""
         order = list(range(len(self.nodes)) if nodes_order is None else nodes_order)
         self.jobs += 1
         run = name or f"job{self.jobs}"
@@ -251,25 +254,37 @@ class Cluster:
                 node = self.nodes[index]
                 ranks.append((node, node.spawn(worker_argv, env, log=f"{run}/rank{rank}")))
         logs = [self.root / "logs" / run / f"rank{rank}.log" for rank in range(world)]
+        return Job(run, ranks, logs, results)
+
+
+class Job:
+    """A started job: its ranks (node, nsenter's Popen), their logs and result files."""
+
+    def __init__(self, name: str, ranks: list[tuple[Node, subprocess.Popen]], logs: list[Path], results: Path):
+        self.name, self.ranks, self.logs, self.results = name, ranks, logs, results
+
+    def wait(self, timeout: float = 180.0, may_fail: bool = False) -> list[dict]:
+        """One dict per rank, in rank order: the result plus rank, node and exitcode; raises with the log tails
+        of failed ranks unless may_fail, and of every rank on timeout (after killing them all)."""
         deadline = time.monotonic() + timeout
         try:
-            codes = [proc.wait(timeout=max(deadline - time.monotonic(), 0.1)) for _, proc in ranks]
+            codes = [proc.wait(timeout=max(deadline - time.monotonic(), 0.1)) for _, proc in self.ranks]
         except subprocess.TimeoutExpired:
-            for _, proc in ranks:
+            for _, proc in self.ranks:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
                 proc.wait()
-            raise TimeoutError(f"{run}: not done after {timeout} s; killed every rank\n"
-                               + "\n".join(tail(log) for log in logs)) from None
+            raise TimeoutError(f"{self.name}: not done after {timeout} s; killed every rank\n"
+                               + "\n".join(tail(log) for log in self.logs)) from None
         out = []
-        for rank, ((node, _), code) in enumerate(zip(ranks, codes)):
-            path = results / f"rank{rank}.json"
+        for rank, ((node, _), code) in enumerate(zip(self.ranks, codes)):
+            path = self.results / f"rank{rank}.json"
             out.append({**(json.loads(path.read_text()) if path.exists() else {}),
                         "rank": rank, "node": node.name, "exitcode": code})
         failed = [rank for rank, code in enumerate(codes) if code != 0]
         if failed and not may_fail:
-            raise RuntimeError(f"{run}: ranks {failed} failed (exit codes {[codes[r] for r in failed]})\n"
-                               + "\n".join(tail(logs[r]) for r in failed))
+            raise RuntimeError(f"{self.name}: ranks {failed} failed (exit codes {[codes[r] for r in failed]})\n"
+                               + "\n".join(tail(self.logs[r]) for r in failed))
         return out

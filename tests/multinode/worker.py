@@ -1,9 +1,15 @@
 """One rank of a multi-node test job: Cluster.run_job (nodes.py) starts it inside a node, with torchrun's
 environment (RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR, ...) and
 
-    SPEC    JSON: {"config": TOML path, "action": "save" | "load", "steps": [int, ...] (save),
-                   "tiers": [tier names] (load, optional)}
+    SPEC    JSON: {"config": TOML path, "action": "save" | "load" | "train" | "load_save",
+                   "steps": [int, ...] (save, load_save: saved one after the other, each waited for),
+                   "tiers": [tier names] (load, optional), "first": int and "progress": path (train: save
+                   first, first+1, ... until killed, each waited for, the last complete step written to
+                   progress + ".<rank>")}
     RESULT  where to write this rank's JSON result
+
+A load also reports what its background heal rewrote (`healed`: parts per tier, after engine.wait_healed())
+and every saved rank's size (`rank_nbytes`), so a test can tell which tier served which rank's parts.
 
 The state is deterministic from the step, so a load can check every value: a replicated model (the same
 on every rank) and one tensor sharded over all ranks (a DTensor, Shard(0)), so each rank has parts of its
@@ -17,6 +23,7 @@ import datetime
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +35,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import tiered_ckpt as tc
 
 MODEL = 40_000        # "weight": 160 KB, "bias": 40 KB, replicated
-SHARD_ROWS, COLS = 64, 256  # the sharded tensor: 64 KiB per rank
+ROWS, COLS = 192, 256  # the sharded tensor, 192 KiB whatever the world (1, 2, 3, 4 or 6 ranks): 64 KiB a rank at 3
 
 
 def state(step: int | None, mesh: DeviceMesh) -> dict[str, Any]:
     """What save(step) holds; step=None: zeros of the same shapes (the target of a load)."""
-    world = mesh.size()
-    full = torch.arange(world * SHARD_ROWS * COLS, dtype=torch.float32).reshape(world * SHARD_ROWS, COLS)
+    full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
     model = {"weight": torch.arange(MODEL, dtype=torch.float32), "bias": torch.ones(MODEL // 4)}
     if step is None:
         full, model = torch.zeros_like(full), {k: torch.zeros_like(v) for k, v in model.items()}
@@ -58,14 +64,34 @@ async def main(spec: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
                 await (await engine.save(step, state(step, mesh))).wait()
             result["steps"] = spec["steps"]
             return result
+        if spec["action"] == "train":
+            step = spec["first"]
+            try:
+                while True:
+                    await (await engine.save(step, state(step, mesh))).wait()
+                    Path(f"{spec['progress']}.{dist.get_rank()}").write_text(str(step))
+                    step += 1
+            except Exception as e:  # a node died: the save in flight fails; say when
+                return {**result, "error": f"{type(e).__name__}: {e}", "ended": time.time()}
         target = state(None, mesh)
         try:
             info = await engine.load(target, tiers=spec.get("tiers"))
         except Exception as e:  # recorded: the test asserts on it
             return {**result, "error": f"{type(e).__name__}: {e}", "exact": False}
+        healed: dict[str, int] = {}
+        for report in await engine.wait_healed():
+            for tier, parts in report.parts.items():
+                healed[tier] = healed.get(tier, 0) + parts
+        manifest = await engine.read_manifest(info.step)
+        exact = matches(target, state(info.step, mesh))
+        saved = []
+        for step in spec.get("steps", []):  # load_save: training goes on after the resume
+            await (await engine.save(step, state(step, mesh))).wait()
+            saved.append(step)
     return {**result, "step": info.step, "tier": info.tier, "bytes_by_tier": dict(info.bytes_by_tier),
             "fallbacks": [f.tier for f in info.fallbacks], "bytes_received": info.bytes_received,
-            "exact": matches(target, state(info.step, mesh)), "error": None}
+            "exact": exact, "error": None, "healed": healed, "saved": saved,
+            "rank_nbytes": [r.nbytes for r in manifest.ranks]}
 
 
 if __name__ == "__main__":
@@ -75,4 +101,6 @@ if __name__ == "__main__":
     out = Path(os.environ["RESULT"])
     out.with_suffix(".tmp").write_text(json.dumps(result))
     out.with_suffix(".tmp").replace(out)
+    if result.get("error") and result["action"] == "train":
+        os._exit(3)  # a peer is dead: tearing down the process group would wait for it
     dist.destroy_process_group()

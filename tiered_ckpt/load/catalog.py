@@ -33,6 +33,8 @@ class Catalog:
         self.adopt = adopt  # manifests committed to another index may be loaded
         self._sizes: dict[tuple[int, float], tuple[int | None, dict]] = {}  # (step, created) → from its manifest
         self._checked: tuple[int, Manifest] | None = None  # the manifest pick() read and checked, for the load
+        # what pick() found of the checkpoint it picked: per tier listed, the saved ranks whose parts it holds
+        self.held: tuple[int, dict[str, frozenset[int]]] | None = None
 
     async def statuses(self) -> list[CheckpointStatus]:
         """Every checkpoint of the job, oldest first: from the index, or from the tiers' manifests."""
@@ -112,6 +114,7 @@ class Catalog:
         index forgot counts too. `listings` replaces a tier's own listing: for a node-local tier, what every
         node holds (from one listing per node), since one node sees only its own copies."""
         self._checked = None
+        self.held = None
         statuses = await self.statuses()
         if best is not None:
             return await self._pick_best(statuses, allowed, best, listings)
@@ -216,18 +219,20 @@ class Catalog:
 
     async def _still_held(self, status: CheckpointStatus, allowed: Sequence[str],
                           copies: dict[str, dict[int, list[Copy]]], unlisted: set[str]) -> CheckpointStatus:
-        """`status` as the index lists it, if some tier still holds its folder; IncompleteCheckpoint when none
-        does (an index restored from an older snapshot lists checkpoints retention removed since)."""
+        """`status` as the index lists it, if every saved rank's parts are still held by one of its tiers (the
+        records say so: node-local tiers judged from every node's listing); IncompleteCheckpoint naming the ranks
+        whose parts none holds (nodes lost; an index restored from an older snapshot lists checkpoints retention
+        removed since). Remembers in `held` what each tier holds, for the reads."""
         order = self.io.order(status.complete & set(allowed))
         manifest = await self.read_manifest(status.step, order, status.incarnation)
         if status.incarnation is not None or not manifest.incarnation.startswith(index_dir(self.index.identity) + "/"):
             self._checked = (status.step, manifest)
             return status  # found on the tiers already, or another index's or an earlier format's folder
+        by_tier = {t: frozenset().union(*(c.ranks_held(manifest) for c in copies.get(t, {}).get(status.step, [])))
+                   for t in order if t not in unlisted}
+        self.held = (status.step, by_tier)
         if not any(t in unlisted for t in order):
-            held: set[int] = set()
-            for t in order:
-                for c in copies.get(t, {}).get(status.step, []):
-                    held |= c.ranks_held(manifest)
+            held: set[int] = set().union(*by_tier.values())
             gone = [r.rank for r in manifest.ranks if r.rank not in held]
             if gone:
                 shown = f"{gone[:8]}{' and more' if len(gone) > 8 else ''}"

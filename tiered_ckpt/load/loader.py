@@ -53,7 +53,7 @@ class Loader:
         unknown = [t for t in allowed if t not in self.io]
         if unknown:
             raise ValueError(f"unknown tier(s) {unknown}; configured: {self.io.names}")
-        status = await self._agree_on_step(step, allowed, best)
+        status, held = await self._agree_on_step(step, allowed, best)
         info = LoadInfo(status.step, None)
         order = [n for n in self.io.order(status.complete) if n in allowed]
         error: BaseException | None = None
@@ -66,7 +66,9 @@ class Loader:
                 # in threads: pairing 100k entries with the saved ones is seconds of Python
                 target = await asyncio.to_thread(self._match, state, manifest)
                 reads = await asyncio.to_thread(plan_reads, manifest, target.tensors)
-                holdings = await node_holdings(self.io, manifest, order)  # each part is read where it is fastest
+                # each part is read where it is fastest: what this node holds, and what the shared tiers hold
+                holdings = {**{t: r for t, r in held.items() if self.io.file_tier(t) is None},
+                            **await node_holdings(self.io, manifest, order)}
                 if self.coordinator.distributed:
                     self._warn_if_moved(manifest)
             except Exception as e:
@@ -146,17 +148,21 @@ class Loader:
         return match(state, skeleton_of(source), tensors=saved, others=others, allow_pickle=self.allow_pickle,
                      rank=rank, saved_world=manifest.world_size, skeleton_of=skeleton_of)
 
-    async def _agree_on_step(self, step: int | None, allowed: list[str], best: Best | None) -> CheckpointStatus:
-        """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error). Rank 0 judges
-        node-local tiers from every node's listing (one rank per machine lists them), never from its own alone."""
+    async def _agree_on_step(self, step: int | None, allowed: list[str], best: Best | None,
+                             ) -> tuple[CheckpointStatus, dict[str, frozenset[int]]]:
+        """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error); with it, what
+        rank 0 found each tier to hold of it (saved ranks per tier). Rank 0 judges node-local tiers from every
+        node's listing (one rank per machine lists them), never from its own alone."""
         if not self.coordinator.distributed:
-            return await self.catalog.pick(step, allowed, best)
+            status = await self.catalog.pick(step, allowed, best)
+            return status, self._held(status)
         listings = await self._node_listings(allowed)
         choice: tuple[Any, ...]
         failure: BaseException | None = None
         if self.coordinator.rank == 0:
             try:
-                choice = ("ok", await self.catalog.pick(step, allowed, best, listings))
+                status = await self.catalog.pick(step, allowed, best, listings)
+                choice = ("ok", status, self._held(status))
             except IncompleteCheckpoint as e:
                 choice = ("missing", str(e))
             except CheckpointLost as e:
@@ -172,7 +178,11 @@ class Loader:
             if failure is not None:  # rank 0 raises its own error, with its traceback
                 raise failure
             raise RankFailed(f"rank 0 failed while picking the checkpoint to load: {choice[1]}")
-        return choice[1]
+        return choice[1], choice[2]
+
+    def _held(self, status: CheckpointStatus) -> dict[str, frozenset[int]]:
+        held = self.catalog.held
+        return held[1] if held is not None and held[0] == status.step else {}
 
     async def _node_listings(self, allowed: list[str]) -> dict[str, list[str]]:
         """Collective: every node's records (manifests, markers, checksum records: no parts) on the node-local
