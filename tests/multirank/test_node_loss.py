@@ -65,4 +65,4 @@ def test_node_loss_restores_from_the_ring_peer(tmp_path, redis_server):
         assert results[rank]["tier"] == "host" and results[rank]["fallback_tiers"] == []
     for rank in (2, 3):  # node 1 lost memory and disk: its parts come from node 0's Redis
         assert results[rank]["tier"] == "peer" and set(results[rank]["by_tier"]) == {"peer"}
-        assert results[rank]["fallback_tiers"] == ["host"]
+        assert results[rank]["fallback_tiers"] == []  # its node's memory holds none of them: not even tried
