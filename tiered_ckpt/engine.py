@@ -130,7 +130,7 @@ class Engine:
         _, _, saver, _ = self._open_parts()
         self.policy.disarm()
         await saver.wait_all()
-        await self._parts[3].wait_healed()
+        await self._parts[3].wait_healed(timeout=self.config.engine.commit_timeout)  # then cancelled
         await self.io.close()
         await self.index.close()
         await self.coordinator.destroy()
@@ -247,7 +247,7 @@ class Engine:
         """Wait until the heals that loads started are done; return what each rewrote (one HealReport per load
         since the last call). After a load, every rank puts back in the background the copies of its saved
         rank that the memory tier and the peer ring lost (a replaced node), so a second failure still resumes
-        from them; `[engine] heal = false` turns it off. close() waits for them too."""
+        from them; `[engine] heal = false` turns it off. close() waits for them too, up to `commit_timeout`."""
         return await self._open_parts()[3].wait_healed()
 
     async def best(self, tiers: Sequence[str] | None = None) -> CheckpointStatus:

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
+import os
 from typing import Any
 
 from ..errors import RankFailed
 from ..layout import new_session
+
+log = logging.getLogger(__name__)
 
 
 class Coordinator:
@@ -89,6 +93,13 @@ class Coordinator:
 
         self.hosts = await self.all_gather_object(machine_name())
         order = sorted(set(self.hosts))
+        per_machine = os.environ.get("LOCAL_WORLD_SIZE", "")
+        crowded = [h for h in order if per_machine.isdigit() and self.hosts.count(h) > int(per_machine)]
+        if crowded and self.rank == 0:  # e.g. containers on several machines that share one host name
+            log.warning("%d ranks run on machine %r, but torchrun starts %s per node: if they are on several "
+                        "machines with one host name, set TIERED_CKPT_HOST to a name of each machine's own (the "
+                        "peer ring and node-local tiers go by it)", self.hosts.count(crowded[0]), crowded[0],
+                        per_machine)
         return order.index(self.hosts[self.rank]), len(order)
 
     @property

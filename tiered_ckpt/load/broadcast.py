@@ -50,12 +50,15 @@ def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]], holdings: Se
     world = len(wanted)
     load = [0] * world
     plan = []
+    nearest: dict[int, set[int]] = {}  # saved rank -> the ranks that read its parts from the fastest tier
     for key in sorted(needers):
         members = tuple(needers[key])
         if holdings:
-            levels = [_level(order, holdings[r], key[0]) for r in range(world)]
-            best = min(levels)
-            near = [r for r in members if levels[r] == best] or [r for r in range(world) if levels[r] == best]
+            if key[0] not in nearest:  # once per saved rank, not per part: a load at scale has many parts
+                levels = [_level(order, holdings[r], key[0]) for r in range(world)]
+                nearest[key[0]] = {r for r in range(world) if levels[r] == min(levels)}
+            best = nearest[key[0]]
+            near = [r for r in members if r in best] or sorted(best)
         else:
             near = list(members)
         reader = min(near, key=lambda r: (load[r], r))
@@ -98,17 +101,21 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
     me = coordinator.rank
     solo = [read(k, p) for k, p in parts.items() if k not in shared]
     buffers: dict[PartId, torch.Tensor] = {}
-    prefetch: dict[PartId, asyncio.Task[str]] = {}
-    for key, members, reader in plan:
-        if reader == me:
-            buffers[key] = torch.empty(lengths[key], dtype=torch.uint8)
-            views = [tensor_bytes(buffers[key])]
-            p = parts[key] if key in parts else describe(key, views) if describe is not None else None
-            if p is None:
-                raise RuntimeError("read_with_broadcast: a part to read for others, and no describe()")
-            prefetch[key] = read(key, dataclasses.replace(p, views=views, targets=(), bounce=True))
+    prefetch: dict[PartId, asyncio.Future[str]] = {}
     errors: list[BaseException] = []
     try:
+        for key, members, reader in plan:
+            if reader == me:  # a failure here is reported below as this part's failed read, in step
+                try:
+                    buffers[key] = torch.empty(lengths[key], dtype=torch.uint8)
+                    views = [tensor_bytes(buffers[key])]
+                    p = parts[key] if key in parts else describe(key, views) if describe is not None else None
+                    if p is None:
+                        raise RuntimeError("read_with_broadcast: a part to read for others, and no describe()")
+                    prefetch[key] = read(key, dataclasses.replace(p, views=views, targets=(), bounce=True))
+                except Exception as e:
+                    prefetch[key] = asyncio.get_running_loop().create_future()
+                    prefetch[key].set_exception(e)
         for key, members, reader in plan:
             if me not in members:
                 continue

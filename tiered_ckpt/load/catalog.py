@@ -106,13 +106,14 @@ class Catalog:
         return out
 
     async def pick(self, step: int | None, allowed: Sequence[str], best: Best | None = None,
-                   listings: dict[str, Sequence[str]] | None = None) -> CheckpointStatus:
+                   listings: dict[str, Sequence[str] | None] | None = None) -> CheckpointStatus:
         """The newest checkpoint (or `step`, or with `best` the best one) complete on one of `allowed`;
         IncompleteCheckpoint says why not, CheckpointLost when the index lists complete ones but none can be
         loaded. The newest is the newest that can really be loaded: its manifest and records are readable,
         every rank's parts are still held by some tier, and a whole checkpoint of this index's lineage that the
         index forgot counts too. `listings` replaces a tier's own listing: for a node-local tier, what every
-        node holds (from one listing per node), since one node sees only its own copies."""
+        node holds (from one listing per node), since one node sees only its own copies; None for a tier some
+        node could not list (then taken to hold the checkpoint, and parts fall back per part)."""
         self._checked = None
         self.held = None
         statuses = await self.statuses()
@@ -135,7 +136,7 @@ class Catalog:
         raise IncompleteCheckpoint(f"job {self.job!r} step {step} {detail} on tiers {list(allowed)}")
 
     async def _pick_newest(self, statuses: list[CheckpointStatus], allowed: Sequence[str],
-                           listings: dict[str, Sequence[str]] | None) -> CheckpointStatus:
+                           listings: dict[str, Sequence[str] | None] | None) -> CheckpointStatus:
         """Newest first, the first candidate that checks out: one the index lists complete (its manifest and
         records readable, a tier it names still holding its folder), or one of this index's lineage that the
         index does not list (a record lost or unreadable, an index restarted empty or restored from an older
@@ -176,7 +177,7 @@ class Catalog:
                                    f"({len(statuses)} listed, none complete){detail}")
 
     async def _pick_best(self, statuses: list[CheckpointStatus], allowed: Sequence[str], best: Best,
-                         listings: dict[str, Sequence[str]] | None) -> CheckpointStatus:
+                         listings: dict[str, Sequence[str] | None] | None) -> CheckpointStatus:
         """The best checkpoint by `best`'s metric, of those the index lists complete on `allowed` (those the tiers'
         manifests list when the index is down), from their metadata: no manifest is read to rank them. Best first,
         the first that a tier still holds and whose manifest and records read back; each one passed over is named
@@ -202,13 +203,16 @@ class Catalog:
         raise CheckpointLost(f"job {self.job!r}: no checkpoint with {best.metric!r} in its metadata can be "
                              f"loaded from tiers {list(allowed)}: {'; '.join(passed_over[:5])}")
 
-    async def _scan(self, allowed: Sequence[str], listings: dict[str, Sequence[str]] | None = None,
+    async def _scan(self, allowed: Sequence[str], listings: dict[str, Sequence[str] | None] | None = None,
                     ) -> tuple[dict[str, dict[int, list[Copy]]], set[str]]:
         """This index's copies on every allowed tier (one listing each, or the one given in `listings`), and the
         tiers that could not be listed."""
         copies: dict[str, dict[int, list[Copy]]] = {}
         failed: set[str] = set()
         for tier in self.io.order(allowed):
+            if listings is not None and tier in listings and listings[tier] is None:
+                failed.add(tier)  # a node could not list it: what that node holds is unknown
+                continue
             try:
                 copies[tier] = await lineage.scan(self.io, tier, self.job, self.index.identity,
                                                   (listings or {}).get(tier))
@@ -230,7 +234,6 @@ class Catalog:
             return status  # found on the tiers already, or another index's or an earlier format's folder
         by_tier = {t: frozenset().union(*(c.ranks_held(manifest) for c in copies.get(t, {}).get(status.step, [])))
                    for t in order if t not in unlisted}
-        self.held = (status.step, by_tier)
         if not any(t in unlisted for t in order):
             held: set[int] = set().union(*by_tier.values())
             gone = [r.rank for r in manifest.ranks if r.rank not in held]
@@ -243,6 +246,7 @@ class Catalog:
         # Whole across the tiers, each rank's parts somewhere: a part missing where the index says it is falls back
         # per part to the next tier, as always.
         self._checked = (status.step, manifest)
+        self.held = (status.step, by_tier)
         return status
 
     async def _whole_on_tiers(self, step: int, allowed: Sequence[str],

@@ -8,7 +8,8 @@ this node's copy; redis: the copy anywhere on the ring) and rewrites what is mis
 hold it, verified part by part: parts first, then the checksum record, then the manifest and the committed
 marker, so a heal cut short never leaves a copy that looks whole. It runs in the background (the engine starts
 it after load() returns), writes only keys of the loaded checkpoint's own folder (never a newer
-checkpoint's), and keeps the step busy meanwhile so that retention does not remove it under the heal.
+checkpoint's), keeps the step busy in its process meanwhile, and writes a copy's records only while the index
+still lists the checkpoint complete on that tier (another process's retention may have removed it).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
-from ..errors import TieredCkptError
+from ..errors import TieredCkptError, TierNotFound
 from ..layout import committed_key, manifest_key, rank_meta_key
 from ..manifest import Manifest
 from ..storage.index import Index
@@ -44,9 +45,12 @@ class HealReport:
 
 
 async def heal(io: TierIO, index: Index, manifest: Manifest, order: Sequence[str], holdings: Holdings,
-               rank: int) -> HealReport:
+               rank: int, held: Holdings | None = None) -> HealReport:
     """Rewrite saved rank `rank`'s missing copies on the cache tiers in `order` (see the module's docstring).
-    `holdings`: what this node's node-local tiers hold of the checkpoint (load.reads.node_holdings)."""
+    `holdings`: what this rank can read the checkpoint from (this node's node-local tiers, and what the shared
+    tiers hold: the load's view); `held`: what each tier holds anywhere, every node's copies of a node-local tier
+    together (the pick's view). A copy is missing when no node holds it: a rank that now runs on another machine
+    than the one that saved reads across nodes rather than keeping a second copy in memory."""
     report = HealReport(manifest.step)
     if rank >= manifest.world_size:  # a rank the saved world lacked wrote nothing to heal
         return report
@@ -56,8 +60,10 @@ async def heal(io: TierIO, index: Index, manifest: Manifest, order: Sequence[str
         if io.configs[tier].kind not in CACHE_KINDS:
             continue
         try:
-            if tier in holdings:
-                lacking = rank not in holdings[tier]
+            if held and tier in held:
+                lacking = rank not in held[tier]
+            elif io.file_tier(tier) is not None:
+                lacking = rank not in holdings.get(tier, frozenset())
             else:
                 lacking = bool(await io.missing(tier, [record]))
             if not lacking:
@@ -83,6 +89,9 @@ async def _copy_rank(io: TierIO, index: Index, manifest: Manifest, rank: int, ti
         await io.write(tier, part.key, memoryview(buf), f"heal part {p} of rank {rank}, step {step}")
         report.parts[tier] = report.parts.get(tier, 0) + 1
         report.bytes[tier] = report.bytes.get(tier, 0) + len(buf)
+    if not await _still_complete(index, manifest, tier):  # retention (another process's) removed it meanwhile
+        raise TierNotFound(f"step {step} is no longer complete on the tier in the index: its healed parts are left "
+                           f"for gc", tier=tier)
     await io.write(tier, rank_meta_key(job, step, rank, inc),
                    memoryview(await _record(io, sources, rank_meta_key(job, step, rank, inc),
                                             lambda: index.get_rank_meta(job, step, rank))))
@@ -91,6 +100,14 @@ async def _copy_rank(io: TierIO, index: Index, manifest: Manifest, rank: int, ti
                        memoryview(await _record(io, sources, manifest_key(job, step, inc),
                                                 lambda: index.get_manifest(job, step))))
         await io.write(tier, committed_key(job, step, inc), memoryview(b""))
+
+
+async def _still_complete(index: Index, manifest: Manifest, tier: str) -> bool:
+    """Whether the index still lists the checkpoint complete on `tier` (a copy is finished only then)."""
+    for status in await index.list(manifest.job):
+        if status.step == manifest.step:
+            return tier in status.complete
+    return False
 
 
 async def _record(io: TierIO, sources: Sequence[str], key: str, from_index: Callable[[], Awaitable[bytes]]) -> bytes:

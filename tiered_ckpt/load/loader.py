@@ -41,7 +41,7 @@ class Loader:
         self.allow_pickle = allow_pickle
         self._moved_said: set[int] = set()
         self.heal = heal
-        self.heals: set[asyncio.Task[HealReport]] = set()  # heals still running
+        self.heals: dict[asyncio.Task[HealReport], int] = {}  # heals still running, and their steps
         self.reports: list[HealReport] = []  # heals done, not yet handed out by wait_healed()
 
     async def load(self, state: Any, *, step: int | None, tiers: Sequence[str] | None,
@@ -90,9 +90,11 @@ class Loader:
             await self.io.run_blocking(target.copy_ties)
         await asyncio.to_thread(target.apply)  # load_state_dict() of modules and optimizers: seconds for large ones
         if self.heal and manifest is not None:
-            info.heal = asyncio.create_task(self._heal(manifest, order, holdings))
-            self.heals.add(info.heal)
-            info.heal.add_done_callback(self._healed)
+            running = next((t for t, s in self.heals.items() if s == manifest.step), None)  # one heal a step
+            info.heal = running or asyncio.create_task(self._heal(manifest, order, holdings, held))
+            if running is None:
+                self.heals[info.heal] = manifest.step
+                info.heal.add_done_callback(self._healed)
         info.tier = max(info.bytes_by_tier, key=info.bytes_by_tier.__getitem__, default=order[0] if order else None)
         info.seconds = time.perf_counter() - started
         if info.fallbacks:
@@ -101,23 +103,30 @@ class Loader:
         return info
 
     def _healed(self, task: asyncio.Task[HealReport]) -> None:
-        self.heals.discard(task)
+        self.heals.pop(task, None)
         if not task.cancelled() and task.exception() is None:
             self.reports.append(task.result())
         elif not task.cancelled():
             log.warning("healing after the load failed: %s", task.exception())
 
-    async def wait_healed(self) -> list[HealReport]:
-        """Wait for the heals running now; return the reports of every heal finished since the last call."""
+    async def wait_healed(self, timeout: float | None = None) -> list[HealReport]:
+        """Wait for the heals running now (past `timeout` seconds, cancel them: a heal cut short leaves no copy
+        that looks whole); return the reports of every heal finished since the last call."""
         if self.heals:
-            await asyncio.gather(*self.heals, return_exceptions=True)
+            _, late = await asyncio.wait(list(self.heals), timeout=timeout)
+            for task in late:
+                log.warning("healing step %d did not finish in %.0f s: cancelled", self.heals[task], timeout)
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
         reports, self.reports = self.reports, []
         return reports
 
-    async def _heal(self, manifest: Manifest, order: list[str], holdings: dict[str, frozenset[int]]) -> HealReport:
+    async def _heal(self, manifest: Manifest, order: list[str], holdings: dict[str, frozenset[int]],
+                    held: dict[str, frozenset[int]]) -> HealReport:
         """In the background: this rank's missing cache copies of the loaded checkpoint (load/heal.py)."""
         with self.busy.loading(manifest.step):
-            return await heal(self.io, self.catalog.index, manifest, order, holdings, self.coordinator.rank)
+            return await heal(self.io, self.catalog.index, manifest, order, holdings, self.coordinator.rank, held)
 
     def _warn_if_moved(self, manifest: Manifest) -> None:
         """Say once (rank 0) when ranks now run on other machines than the ones that saved: placement on the
@@ -184,11 +193,11 @@ class Loader:
         held = self.catalog.held
         return held[1] if held is not None and held[0] == status.step else {}
 
-    async def _node_listings(self, allowed: list[str]) -> dict[str, list[str]]:
+    async def _node_listings(self, allowed: list[str]) -> dict[str, list[str] | None]:
         """Collective: every node's records (manifests, markers, checksum records: no parts) on the node-local
-        tiers among `allowed`, put together per tier. One rank per machine lists; a tier it cannot list adds
-        nothing from that node."""
-        mine: dict[str, list[str]] = {}
+        tiers among `allowed`, put together per tier; None for a tier some node could not list (what it holds is
+        unknown, so the pick does not count its ranks as lost). One rank per machine lists."""
+        mine: dict[str, list[str] | None] = {}
         if self.coordinator.lists_for_node():
             for name in self.io.order(allowed):
                 if self.io.file_tier(name) is None:
@@ -197,13 +206,17 @@ class Loader:
                     keys = await self.io.list(name, job_prefix(self.catalog.job))
                 except TierError as e:
                     log.warning("tier %s cannot be listed on %s: %s", name, self.coordinator.host, e)
+                    mine[name] = None
                     continue
                 mine[name] = [k for k in keys if (p := parse_key(k)) is not None and p.kind != "part"]
-        merged: dict[str, set[str]] = {}
+        merged: dict[str, set[str] | None] = {}
         for listing in await self.coordinator.all_gather_object(mine):
             for name, keys in listing.items():
-                merged.setdefault(name, set()).update(keys)
-        return {name: sorted(keys) for name, keys in merged.items()}
+                if keys is None or merged.get(name, set()) is None:
+                    merged[name] = None
+                else:
+                    merged.setdefault(name, set()).update(keys)  # type: ignore[union-attr]
+        return {name: None if keys is None else sorted(keys) for name, keys in merged.items()}
 
 
 def _partly_overwritten(error: BaseException, keys: set[str]) -> BaseException:

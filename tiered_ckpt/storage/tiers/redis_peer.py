@@ -83,12 +83,13 @@ class RedisPeerTier(Tier):
         if self.options.node is not None:
             return
         self.node = node
-        mine = _names(machine_name())
-        named = [i for i in self._plain if (urlsplit(self._plain[i]).hostname or "").lower() in mine]
+        mine = _first_label(machine_name())
+        named = [i for i in self._plain if _first_label(urlsplit(self._plain[i]).hostname or "") == mine]
         self.own = named[0] if named else None
         if self.own is None and len(self.options.urls) > 1:
-            log.info("tier %s: no url names this machine (%s); its ring position is its node number %d among the "
-                     "job's machines in name order", self.name, machine_name(), node)
+            log.warning("tier %s: no url names this machine (%s), so its ring position is its node number %d among "
+                        "the job's machines in name order, which a replaced machine with another name shifts; name "
+                        "each url by its machine's host name", self.name, machine_name(), node)
 
     async def open(self) -> None:
         # A blocking pool: past `connections`, a command waits for a free connection instead of failing.
@@ -238,27 +239,28 @@ class RedisPeerTier(Tier):
         prefix, gone = self.options.prefix, list(keys)
         if not keys:
             return []
-        try:
-            headers = await self._headers([prefix + k for k in keys])
-            for server, found in headers.items():
-                if not gone:
-                    break
-                chunk_names, owners = [], []
-                for key, header in zip(keys, found, strict=True):
-                    if header is not None and key in gone:
-                        version, count, _ = header.decode().split(":")
-                        for i in range(int(count)):
-                            chunk_names.append(f"{prefix}{key}{SEP}{version}{SEP}{i}")
-                            owners.append(key)
+        for server, found in (await self._headers([prefix + k for k in keys])).items():
+            if not gone:
+                break
+            chunk_names, owners = [], []
+            for key, header in zip(keys, found, strict=True):
+                if header is not None and key in gone:
+                    version, count, _ = header.decode().split(":")
+                    for i in range(int(count)):
+                        chunk_names.append(f"{prefix}{key}{SEP}{version}{SEP}{i}")
+                        owners.append(key)
+            try:
                 pipe = self._clients[server].pipeline(transaction=False)
                 for name in chunk_names:
                     pipe.exists(name)
                 present = await pipe.execute() if chunk_names else []
-                whole = {k for k, header in zip(keys, found, strict=True) if header is not None}
-                whole -= {owner for owner, ok in zip(owners, present, strict=True) if not ok}
-                gone = [k for k in gone if k not in whole]
-        except ERRORS as e:
-            raise TierUnavailable(f"checking parts: {e}", tier=self.name) from e
+            except ERRORS as e:
+                if self._passed_over(server, e):
+                    continue  # gone meanwhile: what it holds counts as missing
+                raise self._fail(server, e, "checking parts") from e
+            whole = {k for k, header in zip(keys, found, strict=True) if header is not None}
+            whole -= {owner for owner, ok in zip(owners, present, strict=True) if not ok}
+            gone = [k for k in gone if k not in whole]
         return sorted(gone)
 
     async def delete(self, prefix: str) -> None:
@@ -295,7 +297,8 @@ class RedisPeerTier(Tier):
         return sorted(keys)
 
 
-def _names(machine: str) -> set[str]:
-    """The names a url may give this machine: its name and the name's first label, any case."""
-    name = machine.lower()
-    return {name, name.split(".")[0]}
+def _first_label(host: str) -> str:
+    """A host name as a machine is compared by: its first label, any case (`gpu1` and `gpu1.example.com` are one
+    machine; an IP address is compared whole)."""
+    host = host.lower()
+    return host if host.replace(".", "").isdigit() or ":" in host else host.split(".")[0]
