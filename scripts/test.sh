@@ -14,8 +14,12 @@ if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>
     (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || echo "warning: could not install redis-server" >&2
 fi
 
-if [ "$#" -eq 0 ]; then  # every test: the quick subset first (a broken change fails in minutes), then the slow
-    "$PY" -m pytest -q -m "not slow"   # tests that start real processes (tests/conftest.py marks them)
-    exec "$PY" -m pytest -q -m slow
+if [ "$#" -eq 0 ]; then  # every test: the quick subset first (a broken change shows in minutes), then the slow
+    # tests that start real processes (tests/conftest.py marks them); both phases always run and both are reported
+    quick=0; "$PY" -m pytest -q -m "not slow" || quick=$?
+    slow=0; "$PY" -m pytest -q -m slow || slow=$?
+    echo "scripts/test.sh: quick subset exit $quick, slow tests exit $slow"
+    [ "$quick" -eq 0 ] && [ "$slow" -eq 0 ]
+    exit
 fi
 exec "$PY" -m pytest -q "$@"
