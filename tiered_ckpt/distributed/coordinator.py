@@ -33,7 +33,7 @@ class Coordinator:
         self.timeout = 600.0  # seconds, for the subgroups too
         self.session = new_session()  # names this opening's key folder on the tiers
         self._subgroups: dict[tuple[int, ...], Any] = {}
-        self.hosts: list[str] = [""]  # every rank's machine, filled by node()
+        self.hosts: list[str] = [""] * world_size  # every rank's machine, filled by node()
 
     @classmethod
     async def create(cls, timeout: float = 600.0) -> "Coordinator":
