@@ -130,6 +130,19 @@ class Coordinator:
         self.collectives += 1
         await asyncio.to_thread(dist.broadcast, tensor, src=src, group=group)
 
+    async def send_tensor(self, tensor: Any, dst: int) -> None:
+        """Point to point on the engine's group (dst: a global rank); the receiver calls recv_tensor."""
+        import torch.distributed as dist
+
+        self.collectives += 1
+        await asyncio.to_thread(dist.send, tensor, dst, self.group)
+
+    async def recv_tensor(self, tensor: Any, src: int) -> None:
+        import torch.distributed as dist
+
+        self.collectives += 1
+        await asyncio.to_thread(dist.recv, tensor, src, self.group)
+
     async def agree(self, error: BaseException | None) -> None:
         """Collective: raise on every rank if any rank passes an error, naming the first failing rank."""
         reports = await self.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")

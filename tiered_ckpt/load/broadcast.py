@@ -5,10 +5,13 @@ node-local tiers hold (`node_holdings`). One all_gather shares both. A part's be
 any rank can read it from (a shared tier such as S3 or the peer ring: every rank; a node-local tier: the
 ranks on a node holding it). It is read by one rank that reaches it there: one that needs it when there is
 such a rank (the one with the fewest bytes assigned so far, so readers spread), else a rank on the node that
-holds it, and broadcast on a subgroup of the ranks that need it and its reader. Every rank walks the same
-global list of broadcasts in the same order, so the collectives cannot cross. Parts only one rank needs and
-can read at their best tier are read by it directly. Bytes read from storage per load: 1x the parts needed,
-instead of 1x per replica (NeMo#6131), and none from a slower tier while a node's memory holds them.
+holds it. It reaches the others whole, broadcast on a subgroup of the ranks that need it and its reader, when
+every one of them wants the whole part (replicas); otherwise the reader sends each rank only the byte spans
+it wants (a rank whose part holds a replicated 0-d optimizer step beside another rank's shard receives 8
+bytes, not the part). Every rank walks the same global list of transfers in the same order, so the
+collectives cannot cross. Parts only one rank needs and can read at their best tier are read by it directly.
+Bytes read from storage per load: 1x the parts needed, instead of 1x per replica (NeMo#6131), none from a
+slower tier while a node's memory holds them; bytes a rank receives: what it wants.
 """
 from __future__ import annotations
 
@@ -37,9 +40,12 @@ def tiers_for(order: Sequence[str], holdings: Holdings, saved_rank: int) -> list
 
 
 def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]], holdings: Sequence[Holdings] = (),
-                    order: Sequence[str] = ()) -> tuple[list[tuple[PartId, tuple[int, ...], int]], dict[PartId, int]]:
+                    order: Sequence[str] = (), partly: Sequence[dict[PartId, int]] = (),
+                    ) -> tuple[list[tuple[PartId, tuple[int, ...], int]], dict[PartId, int]]:
     """From every rank's (part, length) wants and holdings: [(part, ranks in its broadcast, the rank that reads
-    it)] for parts read by one rank and broadcast to others, in one global order, and every part's length.
+    it)] for parts read by one rank and sent to others, in one global order, and every part's length. Of the
+    ranks that reach a part on its fastest tier, the reader is one that wants most of it (`partly`: the bytes a
+    rank wants of a part it wants only some of), then the one with the fewest bytes assigned so far.
     Deterministic: each rank computes it."""
     needers: dict[PartId, list[int]] = {}
     lengths: dict[PartId, int] = {}
@@ -61,12 +67,46 @@ def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]], holdings: Se
             near = [r for r in members if r in best] or sorted(best)
         else:
             near = list(members)
-        reader = min(near, key=lambda r: (load[r], r))
+        reader = min(near, key=lambda r: (-(partly[r].get(key, lengths[key]) if partly else 0), load[r], r))
         members = tuple(sorted({*members, reader}))
         if len(members) > 1:
             load[reader] += lengths[key]
             plan.append((key, members, reader))
     return plan, lengths
+
+
+async def _send_spans(coordinator: Coordinator, key: PartId, members: tuple[int, ...], reader: int,
+                      status: torch.Tensor, buffers: dict[PartId, torch.Tensor], parts: dict[PartId, PartRead],
+                      everyone: list, lengths: dict[PartId, int], io: TierIO, log: ReadLog) -> BaseException | None:
+    """One part, point to point: its reader sends each other member whether it read the part intact, then the
+    byte spans that member wants (all of it where it wants the whole part), in member order; a member receives
+    them and scatters them into its buffers. Returns the error of a member whose reader found no intact copy
+    (the reader recorded its own), so the caller goes on walking the plan."""
+    me = coordinator.rank
+    if reader == me:
+        ok = status[0] == 1
+        for m in members:
+            if m == reader:
+                continue
+            await coordinator.send_tensor(status, m)
+            if ok:
+                wanted = everyone[m][3].get(key, ((0, lengths[key]),))
+                await coordinator.send_tensor(torch.cat([buffers[key][a:a + n] for a, n in wanted]), m)
+        buffer = buffers.pop(key, None)
+        if ok and key in parts and buffer is not None:  # the reader's own share
+            await io.run_blocking(scatter, [tensor_bytes(buffer)], parts[key].views)
+            log.overwritten.update(parts[key].targets)
+        return None
+    await coordinator.recv_tensor(status, reader)
+    if status[0] != 1:
+        return IntegrityError(f"part {key}: rank {reader}, its reader, found no intact copy")
+    part = parts[key]
+    payload = torch.empty(sum(n for _, n in part.spans) if part.spans else lengths[key], dtype=torch.uint8)
+    await coordinator.recv_tensor(payload, reader)
+    log.bytes_received += payload.numel()
+    await io.run_blocking(scatter, [tensor_bytes(payload)], part.wanted_views() if part.spans else part.views)
+    log.overwritten.update(part.targets)
+    return None
 
 
 def _level(order: Sequence[str], holdings: Holdings, saved_rank: int) -> int:
@@ -85,13 +125,18 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
     `describe(part, views)` gives the read of a part this rank reads for others without needing it."""
     mine = holdings or {}
     wanted = sorted((k, p.length) for k, p in parts.items())
-    everyone = await coordinator.all_gather_object((ready, wanted, mine))
-    if not all(ok for ok, _, _ in everyone):
+    spans = {k: p.spans for k, p in parts.items() if p.spans and sum(n for _, n in p.spans) < p.length}  # parts I
+    # want only some bytes of: the spans I want
+    everyone = await coordinator.all_gather_object((ready, wanted, mine, spans))
+    if not all(ok for ok, _, _, _ in everyone):
         return  # a rank failed before reading: no one reads; the load's agreement reports it
-    plan, lengths = plan_broadcasts([w for _, w, _ in everyone], [h for _, _, h in everyone], order)
+    plan, lengths = plan_broadcasts([w for _, w, _, _ in everyone], [h for _, _, h, _ in everyone], order,
+                                    [{k: sum(n for _, n in v) for k, v in sp.items()} for _, _, _, sp in everyone])
     shared = {key for key, _, _ in plan}
+    partial = {key for key, members, reader in plan  # some rank wants less than the whole part: sent its spans
+               if any(key in everyone[m][3] for m in members if m != reader)}
     groups = {}
-    for members in sorted({m for _, m, _ in plan}):
+    for members in sorted({m for key, m, _ in plan if key not in partial}):
         groups[members] = await coordinator.subgroup(members)  # every rank creates every group, in order
 
     def read(key: PartId, part: PartRead) -> asyncio.Task[str]:
@@ -126,7 +171,13 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
                     status[0] = 1
                 except Exception as e:
                     errors.append(e)
-            else:
+            if key in partial:
+                failed = await _send_spans(coordinator, key, members, reader, status, buffers, parts, everyone,
+                                           lengths, io, log)
+                if failed is not None:
+                    errors.append(failed)
+                continue
+            if reader != me:
                 buffers[key] = torch.empty(lengths[key], dtype=torch.uint8)
             await coordinator.broadcast_tensor(status, reader, groups[members])
             if status[0] != 1:

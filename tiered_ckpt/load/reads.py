@@ -135,16 +135,18 @@ def rank_spans(manifest: Manifest, rank: int) -> list[tuple[int, int]]:
 
 
 def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, int]],
-               reads: Reads) -> tuple[list[memoryview], tuple[str, ...], tuple[int, ...]] | None:
+               reads: Reads) -> tuple[list[memoryview], tuple[str, ...], tuple[int, ...], tuple[tuple[int, int], ...]] | None:
     """The buffers that one part's bytes scatter into, in order, the keys of the targets whose own memory some
-    of them are, and where in the part each of those begins; None if no wanted chunk is in the part."""
+    of them are, where in the part each of those begins, and the (offset, length) in the part of every buffer
+    this rank wants (the others are fillers); None if no wanted chunk is in the part."""
     start = part * manifest.part_size
     end = start + manifest.part_length(rank, part)
     first = max(bisect.bisect_right(spans, (start,)) - 1, 0)
     views: list[memoryview] = []
     targets: list[str] = []
     starts: list[int] = []
-    pos, wanted = start, False
+    wanted: list[tuple[int, int]] = []
+    pos = start
     for offset, nbytes in spans[first:]:
         if offset >= end:
             break
@@ -158,23 +160,23 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
             views.append(memoryview(bytearray(hi - lo)))  # a chunk this rank does not need
         else:
             views.append(dest[lo - offset : hi - offset])
-            wanted = True
+            wanted.append((lo - start, hi - lo))
             if (rank, offset) in reads.direct:
                 targets.append(reads.direct[(rank, offset)])
                 starts.append(lo - start)
         pos = hi
     if end > pos:
         views.append(memoryview(bytearray(end - pos)))
-    return (views, tuple(targets), tuple(starts)) if wanted else None
+    return (views, tuple(targets), tuple(starts), tuple(wanted)) if wanted else None
 
 
 def part_read(manifest: Manifest, rank: int, p: int, views: list[memoryview], targets: tuple[str, ...] = (),
-              starts: tuple[int, ...] = ()) -> PartRead:
+              starts: tuple[int, ...] = (), spans: tuple[tuple[int, int], ...] = ()) -> PartRead:
     """Part `p` of saved rank `rank`, read into `views`: its key, length and checksums, from the manifest."""
     key = PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path
     return PartRead(key, views, manifest.part_length(rank, p), manifest.ranks[rank].checksums[p], targets,
                     bounce=True, algorithm=manifest.checksum, chunk_size=manifest.chunk_size,
-                    chunk_sums=manifest.chunk_sums_of(rank, p), target_starts=starts)
+                    chunk_sums=manifest.chunk_sums_of(rank, p), target_starts=starts, spans=spans)
 
 
 def parts_to_read(manifest: Manifest, reads: Reads, only: set[tuple[int, int]] | None = None,
@@ -191,7 +193,7 @@ def parts_to_read(manifest: Manifest, reads: Reads, only: set[tuple[int, int]] |
         for p in candidates:
             found = part_views(manifest, rank, p, rank_spans_, reads)
             if found is not None:
-                parts[(rank, p)] = part_read(manifest, rank, p, found[0], found[1], found[2])
+                parts[(rank, p)] = part_read(manifest, rank, p, *found)
     return parts
 
 

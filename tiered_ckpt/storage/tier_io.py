@@ -58,6 +58,16 @@ class PartRead:
     target_starts: tuple[int, ...] = ()  # where in the part each of `targets` begins
     check_whole: bool = False  # read in chunks: also check the part's own checksum (verify does; a load need not)
     touched: tuple[str, ...] = ()  # targets that verified chunks reached, of a part whose read then failed
+    spans: tuple[tuple[int, int], ...] = ()  # (offset, length) in the part of the views the caller wants (a load)
+
+    def wanted_views(self) -> list[memoryview]:
+        """The views that `spans` names, in order (the others fill the bytes the caller does not want)."""
+        wanted, at, out = set(self.spans), 0, []
+        for view in self.views:
+            if (at, len(view)) in wanted:
+                out.append(view)
+            at += len(view)
+        return out
 
 
 @dataclass
