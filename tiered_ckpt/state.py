@@ -349,6 +349,20 @@ class LoadTarget:
     ties: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     assign: list[Callable[[], None]] = field(default_factory=list)
     finish: list[Callable[[], None]] = field(default_factory=list)
+    # entries of the checkpoint that a module of the given state lacks, as (module path, entry): not loaded; an
+    # error unless another rank's module takes them (pipeline stages: each holds some layers) - Loader decides
+    unexpected: list[tuple[str, str]] = field(default_factory=list)
+    asked: set[str] = field(default_factory=set)  # the entries this rank's modules take, as "path.entry"
+
+    def unexpected_error(self, taken: set[str] = frozenset()) -> "StateError | None":  # type: ignore[assignment]
+        """The error for the unexpected entries no module takes (`taken`: what other ranks' modules take)."""
+        left = [(m, e) for m, e in self.unexpected if f"{m}.{e}" not in taken]
+        if not left:
+            return None
+        module = left[0][0]
+        entries = sorted({e for m, e in left if m == module})
+        return StateError(f"{module!r}: the checkpoint has entries the given module lacks, which its "
+                          f"load_state_dict would refuse: {entries[:10]}")
 
     def add(self, index: int, where: str, tensor: torch.Tensor) -> None:
         if index not in self.tensors:
@@ -455,10 +469,13 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
         assert callable(derive_value)
         target.assign.append(lambda: setattr(value, "value", derive_value(saved_values)))
 
-    def walk(value: Any, saved_value: Any, path: tuple[Any, ...], extra: str, per_rank: bool) -> Any:
+    def walk(value: Any, saved_value: Any, path: tuple[Any, ...], extra: str, per_rank: bool,
+             modes: Mapping[Any, str] = {}) -> Any:  # noqa: B006 (read only)
         """`extra`: what to do with saved keys the caller's dict lacks: "skip" (plain dicts: partial loads),
         "fill" (a stateful object's state: create them, e.g. a fresh optimizer's), "error" (a module's state:
-        load_state_dict would refuse them, so refuse before any byte is written)."""
+        load_state_dict would refuse them: recorded in `target.unexpected`, an error unless another rank's
+        module takes them). `modes`: another `extra` for some keys of this dict (a stateful object's
+        strict_keys and own_keys)."""
         where = path_str(path)
         if isinstance(value, PerRank):
             if not isinstance(saved_value, PerRankMark):
@@ -497,13 +514,18 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
             return value
         if _is_stateful(value) and not isinstance(value, (dict, list, tuple)):
             current = value.state_dict()
-            for key in getattr(value, "strict_keys", ()):  # e.g. TrainState's model: a module's state
-                if isinstance(current, dict) and isinstance(saved_value, dict) and key in current and key in saved_value:
-                    _refuse_unexpected(path + (key,), current[key], saved_value[key])
+            # strict_keys: a module's state (TrainState's model); own_keys: state that names every entry the
+            # object takes (TrainState's optimizer, initialised by get_state_dict): other entries are not read
+            modes = {**dict.fromkeys(getattr(value, "own_keys", ()), "skip"),
+                     **dict.fromkeys(getattr(value, "strict_keys", ()), "error")}
             filled = walk(current, saved_value, path, "error" if isinstance(value, torch.nn.Module) else "fill",
-                          per_rank)
+                          per_rank, modes)
             if not (isinstance(value, torch.nn.Module) and _all_in_place(current, saved_value)):
                 target.finish.append(lambda v=value, sd=filled: v.load_state_dict(sd))
+            return value
+        if path and path[-1] == "param_groups" and _is_param_groups(value) and _is_param_groups(saved_value):
+            new = regroup(value, saved_value, path)
+            target.assign.append(lambda: _replace_contents(value, new))
             return value
         if not _has_tensor(value) and not _holds_tensors(saved_value):
             new = materialize(saved_value, path, per_rank)  # a value: replaced whole
@@ -523,12 +545,14 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
                     if elsewhere is _MISSING:
                         raise StateError(_missing_key_message(path, k, value, saved_value))
                     matched[0] += 1
-                    set_later(value, k, value[k], walk(value[k], elsewhere, path + (k,), extra, per_rank))
-            if extra == "error":
-                _refuse_unexpected(path, value, saved_value)
+                    set_later(value, k, value[k], walk(value[k], elsewhere, path + (k,), modes.get(k, extra),
+                                                       per_rank))
+            if extra == "error":  # a module's state: what it lacks is recorded, and what it takes
+                target.unexpected.extend((where, str(k)) for k in saved_value if k not in value)
+                target.asked.update(f"{where}.{k}" for k in value)
             for k, v in saved_value.items():
                 if k in value:
-                    set_later(value, k, value[k], walk(value[k], v, path + (k,), extra, per_rank))
+                    set_later(value, k, value[k], walk(value[k], v, path + (k,), modes.get(k, extra), per_rank))
                 elif extra == "fill":
                     set_later(value, k, None, materialize(v, path + (k,), per_rank))
             return value
@@ -545,10 +569,27 @@ def match(state: Any, saved: Any, *, tensors: Mapping[str, SavedTensor], allow_p
             return type(value)(items) if type(value) is tuple else type(value)(*items)
         return materialize(saved_value, path, per_rank)
 
+    def regroup(given: list[dict[str, Any]], saved_groups: list[dict[str, Any]], path: tuple[Any, ...]) -> list[Any]:
+        """An optimizer's param_groups (each naming its parameters): each given group keeps its parameters and
+        takes its hyper-parameters from the saved group that holds its first parameter, in this rank's saved
+        skeleton or another's (a pipeline stage may hold parameters another stage saved)."""
+        candidates = [saved_groups] + [g for g in (_lookup(s, path) for s in other_skeletons()) if _is_param_groups(g)]
+        out = []
+        for group in given:
+            params = group.get("params") or []
+            found = next((g for groups in candidates for g in groups if params and params[0] in g["params"]), None)
+            if found is None:
+                if not params:
+                    out.append(group)
+                    continue
+                raise StateError(f"{path_str(path)!r}: no saved param group holds parameter {params[0]!r}")
+            out.append({**{k: v for k, v in found.items() if k != "params"}, "params": params})
+        return out
+
     try:
         walk(state, saved, (), "skip", False)
     finally:
-        del walk, materialize  # see the note on reference cycles at the top
+        del walk, materialize, regroup  # see the note on reference cycles at the top
     if not matched[0] and target.empty and isinstance(saved, dict) and saved:
         raise StateError(f"the given state has no key in common with the checkpoint, whose top-level keys are "
                          f"{sorted(map(str, saved))}")
@@ -578,12 +619,12 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     return check is not None and check(local) == 1
 
 
-def _refuse_unexpected(path: tuple[Any, ...], given: Any, saved: Any) -> None:
-    """A module's load_state_dict refuses entries it lacks: refuse them before any byte is written."""
-    unexpected = sorted(map(str, set(saved) - set(given))) if isinstance(given, dict) and isinstance(saved, dict) else []
-    if unexpected:
-        raise StateError(f"{path_str(path)!r}: the checkpoint has entries the given module lacks, which its "
-                         f"load_state_dict would refuse: {unexpected[:10]}")
+def _is_param_groups(value: Any) -> bool:
+    """An optimizer state dict's param_groups as torch's get_state_dict gives them: dicts naming their
+    parameters by their fully qualified names."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) and all(isinstance(p, str) for p in g["params"])
+        for g in value)
 
 
 def _replace_contents(container: Any, new: Any) -> None:

@@ -17,6 +17,10 @@ class TrainState:
     (FSDP2, DTensor) save each rank's shards and load into any world size or layout."""
 
     strict_keys = ("model",)  # the model's entries must match exactly, as set_state_dict will demand
+    # the optimizers' state as get_state_dict gives it names every parameter this rank's optimizers hold (a
+    # fresh optimizer's state is initialised): saved entries of other parameters (another pipeline stage's)
+    # are not read; each param group takes its hyper-parameters from the saved group holding its parameters
+    own_keys = ("optim",)
 
     def __init__(self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
                  options: Any = None):

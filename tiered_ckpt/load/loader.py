@@ -60,6 +60,7 @@ class Loader:
         manifest: Manifest | None = None
         reads: Reads | None = None
         holdings: dict[str, frozenset[int]] = {}
+        target: LoadTarget | None = None
         with self.busy.loading(status.step):
             try:  # local work: a failure here must not make this rank skip the collectives below
                 manifest = await self.catalog.read_manifest(status.step, order, status.incarnation)
@@ -72,8 +73,12 @@ class Loader:
                 if self.coordinator.distributed:
                     self._warn_if_moved(manifest)
             except Exception as e:
-                error = e
+                error = error or e
             try:  # every rank enters the same collectives, whatever happened above
+                error = error or await self._unexpected(target if error is None else None)
+            except Exception as e:
+                error = error or e
+            try:
                 await read_parts(self.io, self.coordinator, manifest if error is None else None, order, reads,
                                  info.reads, holdings)
             except Exception as e:
@@ -84,7 +89,7 @@ class Loader:
                 await self.coordinator.agree(error)  # every rank succeeds, or every rank raises
             except Exception as e:
                 raise _partly_overwritten(e, info.reads.overwritten) if info.reads.overwritten else e
-            assert reads is not None
+            assert reads is not None and target is not None
             await self.io.run_blocking(reads.finish)  # scratch → targets, only once every rank read everything
             await self.io.run_blocking(reads.release)
             await self.io.run_blocking(target.copy_ties)
@@ -127,6 +132,20 @@ class Loader:
         """In the background: this rank's missing cache copies of the loaded checkpoint (load/heal.py)."""
         with self.busy.loading(manifest.step):
             return await heal(self.io, self.catalog.index, manifest, order, holdings, self.coordinator.rank, held)
+
+    async def _unexpected(self, target: LoadTarget | None) -> BaseException | None:
+        """Entries of the checkpoint that a module of this rank's state lacks are an error unless another rank's
+        module takes them (pipeline stages split or merged: each stage holds some of the layers the saved stage
+        held). Collective with several ranks: one small all_gather, and a second only when some rank has such
+        entries. `target` None: this rank failed before; it still takes part."""
+        if not self.coordinator.distributed:
+            return target.unexpected_error() if target is not None else None
+        mine = [f"{m}.{e}" for m, e in target.unexpected] if target is not None else []
+        union = set().union(*map(set, await self.coordinator.all_gather_object(mine)))
+        if not union:
+            return None
+        covered = await self.coordinator.all_gather_object(sorted(union & target.asked) if target is not None else [])
+        return target.unexpected_error(set().union(*map(set, covered))) if target is not None else None
 
     def _warn_if_moved(self, manifest: Manifest) -> None:
         """Say once (rank 0) when ranks now run on other machines than the ones that saved: placement on the
