@@ -77,18 +77,40 @@ def test_same_layout_reads_go_straight_into_contiguous_targets():
     assert reads.copies == []
 
 
-def test_resharded_reads_copy_only_the_overlap_through_scratch(monkeypatch):
-    """Saved as two row shards of 5; loaded by a rank holding rows 3..8 (a different sharding). The box
-    a DTensor would report is given directly (tests/multirank runs real DTensors)."""
+def test_resharded_rows_are_read_straight_into_the_target(monkeypatch):
+    """Saved as two row shards of 5; loaded by a rank holding rows 3..8 (a different sharding): the rows it
+    holds of each saved shard are one contiguous stretch of that shard, read straight into the target (no
+    scratch, no copy, and no byte of the other rows). The box a DTensor would report is given directly
+    (tests/multirank runs real DTensors)."""
     ps = plans([[descriptor("w", (10, 2), (0, 0), (5, 2))], [descriptor("w", (10, 2), (5, 0), (5, 2))]])
     manifest = manifest_for(ps[0])
     full = torch.arange(20, dtype=torch.float32).view(10, 2)
     target = torch.zeros(5, 2)
     monkeypatch.setattr(loading, "local_box", lambda t: ((10, 2), (3, 0), (5, 2)))
     reads = plan_reads(manifest, {0: ("w", target)})
-    assert len(reads.dests) == 2 and len(reads.copies) == 2  # both saved chunks overlap rows 3..8
-    for chunk in manifest.tensors[0].chunks:  # fill the scratch buffers as the tiers would
+    assert not reads.dests and not reads.copies and len(reads.subs) == 2
+    for chunk in manifest.tensors[0].chunks:  # fill the pieces as the tiers would: the bytes at their starts
+        rows = tensor_bytes(full[chunk.offsets[0] : chunk.offsets[0] + chunk.sizes[0]].contiguous())
+        for start, view, _ in reads.subs[(chunk.rank, chunk.byte_offset)]:
+            view[:] = rows[start : start + len(view)]
+    assert sum(len(v) for pieces in reads.subs.values() for _, v, _ in pieces) == target.numel() * 4
+    assert torch.equal(target, full[3:8])
+
+
+def test_resharded_columns_copy_only_the_overlap_through_scratch(monkeypatch):
+    """Saved as two row shards; loaded by a rank holding column 0 of every row: not a contiguous stretch of a
+    saved shard, so each shard is read into scratch and its overlap copied."""
+    ps = plans([[descriptor("w", (10, 2), (0, 0), (5, 2))], [descriptor("w", (10, 2), (5, 0), (5, 2))]])
+    manifest = manifest_for(ps[0])
+    full = torch.arange(20, dtype=torch.float32).view(10, 2)
+    target = torch.zeros(10, 1)
+    monkeypatch.setattr(loading, "local_box", lambda t: ((10, 2), (0, 0), (10, 1)))
+    reads = plan_reads(manifest, {0: ("w", target)})
+    assert len(reads.dests) == 2 and len(reads.copies) == 2 and not reads.subs
+    for chunk in manifest.tensors[0].chunks:
         rows = full[chunk.offsets[0] : chunk.offsets[0] + chunk.sizes[0]].contiguous()
         reads.dests[(chunk.rank, chunk.byte_offset)][:] = tensor_bytes(rows)
     reads.finish()
-    assert torch.equal(target, full[3:8])
+    assert torch.equal(target, full[:, :1])
+
+

@@ -75,7 +75,8 @@ class Loader:
             except Exception as e:
                 error = error or e
             try:  # every rank enters the same collectives, whatever happened above
-                error = error or await self._unexpected(target if error is None else None)
+                refused = await self._unexpected(target if error is None else None)
+                error = error or refused
             except Exception as e:
                 error = error or e
             try:

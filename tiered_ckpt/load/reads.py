@@ -60,11 +60,14 @@ class LoadInfo:
 class Reads:
     """What one load reads: `dests` maps a saved chunk (rank, byte offset) to the bytes it fills, either
     the target's own memory (same box, contiguous CPU target: no extra copy) or a scratch buffer;
-    `copies` then moves the overlapping boxes from scratch into the targets (resharding, non-contiguous
-    or non-CPU targets)."""
+    `subs` maps a chunk of which this rank wants only byte ranges to them, each [(start in the chunk, the
+    target memory it fills, the target's key)] (a resharded piece of a contiguous CPU target that is one
+    contiguous stretch of the chunk: FSDP's dim-0 shards split or merged); `copies` then moves the overlapping
+    boxes from scratch into the targets (other resharding, non-contiguous or non-CPU targets)."""
 
     dests: dict[tuple[int, int], memoryview] = field(default_factory=dict)
     direct: dict[tuple[int, int], str] = field(default_factory=dict)  # dests that are a target's memory: its key
+    subs: dict[tuple[int, int], list[tuple[int, memoryview, str]]] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list)  # scratch buffers the views point into
 
@@ -76,6 +79,7 @@ class Reads:
     def release(self) -> None:
         """Drop the scratch buffers (call it in a thread: freeing large buffers takes milliseconds)."""
         self.dests.clear()
+        self.subs.clear()
         self.copies.clear()
         self.keep.clear()
 
@@ -83,7 +87,9 @@ class Reads:
 def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]]) -> Reads:
     """Where each saved chunk that overlaps a target goes. A chunk that lies wholly inside a contiguous CPU
     target of its dtype, on a contiguous stretch of it (the same box, a Shard(0) piece of a full tensor, any
-    piece of a 1-d one), is read straight into that memory; any other into scratch, then copied."""
+    piece of a 1-d one), is read straight into that memory; so is the part of a chunk that such a target
+    holds when it is one contiguous stretch of both (a saved dim-0 shard split over several ranks); any other
+    into scratch, then copied."""
     reads = Reads()
     scratch: dict[tuple[int, int], torch.Tensor] = {}
     for index, (where, target) in targets.items():
@@ -110,6 +116,10 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
                 reads.dests[key] = tensor_bytes(dst)
                 reads.direct[key] = where
                 continue
+            start = _contiguous_start(chunk.offsets, chunk.sizes, lo, hi)
+            if direct and start is not None and dst.is_contiguous() and dst.numel():
+                reads.subs.setdefault(key, []).append((start * dst.element_size(), tensor_bytes(dst), where))
+                continue
             if key not in scratch:
                 scratch[key] = torch.empty(chunk.nbytes, dtype=torch.uint8)
                 reads.dests[key] = tensor_bytes(scratch[key])
@@ -117,7 +127,28 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
             src = scratch[key].view(dtype).view(chunk.sizes)
             src = src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, chunk.offsets))]
             reads.copies.append((src, dst))
+    for key in [k for k in reads.subs if k in reads.dests]:  # the chunk is read whole anyway: copy the pieces
+        whole = torch.frombuffer(reads.dests[key], dtype=torch.uint8) if key not in scratch else scratch[key]
+        for start, view, _ in reads.subs.pop(key):
+            piece = torch.frombuffer(view, dtype=torch.uint8)
+            reads.copies.append((whole[start:start + len(view)], piece))
+    for pieces in reads.subs.values():
+        pieces.sort(key=lambda s: s[0])
     return reads
+
+
+def _contiguous_start(offsets: Sequence[int], sizes: Sequence[int], lo: Sequence[int], hi: Sequence[int]) -> int | None:
+    """Where (in elements) the box lo..hi starts inside the chunk at `offsets` of `sizes`, if the box is one
+    contiguous stretch of the chunk's row-major memory; else None."""
+    dims = len(sizes)
+    partial = [d for d in range(dims) if not (lo[d] == offsets[d] and hi[d] == offsets[d] + sizes[d])]
+    if partial and any(hi[d] - lo[d] != 1 for d in range(partial[-1])):  # before the last partial dim: extent 1
+        return None
+    start, stride = 0, 1
+    for d in reversed(range(dims)):
+        start += (lo[d] - offsets[d]) * stride
+        stride *= sizes[d]
+    return start
 
 
 def _intersect(a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int],
@@ -156,7 +187,23 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
             views.append(memoryview(bytearray(offset - pos)))  # alignment padding
         lo, hi = max(offset, start), min(offset + nbytes, end)
         dest = reads.dests.get((rank, offset))
-        if dest is None:
+        pieces = reads.subs.get((rank, offset)) if dest is None else None
+        if pieces:  # only some stretches of the chunk: fillers around them
+            at = lo
+            for piece_start, piece, where in pieces:
+                a, b = max(offset + piece_start, lo), min(offset + piece_start + len(piece), hi)
+                if b <= a:
+                    continue
+                if a > at:
+                    views.append(memoryview(bytearray(a - at)))
+                views.append(piece[a - offset - piece_start : b - offset - piece_start])
+                wanted.append((a - start, b - a))
+                targets.append(where)
+                starts.append(a - start)
+                at = b
+            if hi > at:
+                views.append(memoryview(bytearray(hi - at)))
+        elif dest is None:
             views.append(memoryview(bytearray(hi - lo)))  # a chunk this rank does not need
         else:
             views.append(dest[lo - offset : hi - offset])

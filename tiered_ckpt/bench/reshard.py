@@ -1,0 +1,187 @@
+"""`tiered-ckpt bench --reshard`: multi-rank loads that change the layout, tiered_ckpt beside DCP in one run.
+
+A stack of MLP blocks with AdamW (`tc.TrainState`; DCP through get_state_dict/set_state_dict), sharded with
+FSDP2 (`fsdp`) or FSDP2 x tensor parallel (`fsdp_tp`: a (world/2, 2) mesh, the blocks' up projections
+column-wise and down projections row-wise). Each scenario saves at one layout (both libraries, to the same
+disk) and loads, in fresh processes, at another: seconds (the slowest rank), bytes read from storage (all
+ranks; tiered_ckpt: LoadInfo, DCP: the kernel's read count) and bytes each rank received from others, and
+whether the two loads agree bit for bit.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCENARIOS = (("fsdp", 2, "fsdp", 4), ("fsdp_tp", 4, "fsdp", 4))  # FSDP2 2 -> 4; FSDP2 x TP 2x2 -> FSDP2 4
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def build(layout: str, world: int, width: int, blocks: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model sharded as `layout` says over `world` ranks (collective: every rank calls it), and AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(Block(width) for _ in range(blocks)))
+    if layout == "fsdp_tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        dp = mesh["dp"]
+        for block in model:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    else:
+        dp = init_device_mesh("cpu", (world,))
+    for block in model:
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, width: int) -> None:
+    model(torch.ones(2, width)).pow(2).mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def held_bytes(model: torch.nn.Module, optim: torch.optim.Optimizer) -> int:
+    """What this rank's tensors hold: its shards of the parameters and the optimizer states, and the 0-d steps."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optim)
+    values = [*model_sd.values(), *(v for state in optim_sd["state"].values() for v in state.values())]
+    local = [v.to_local() if type(v).__name__ == "DTensor" else v for v in values if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def digest(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[bytes]:
+    """Every local shard's bytes, in a fixed order: two loads that agree give equal digests."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optim)
+    flat = sorted({**{f"m.{k}": v for k, v in model_sd.items()},
+                   **{f"o.{k}.{n}": v for k, s in optim_sd["state"].items() for n, v in s.items()}}.items())
+    return [(v.to_local() if type(v).__name__ == "DTensor" else v).reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            for _, v in flat]
+
+
+def _config(work: Path) -> Any:
+    from ..config import parse_config
+
+    return parse_config({"engine": {"job": "reshard", "index": f"file://{work}/index", "part_size": "4MiB"},
+                         "tiers": [{"name": "disk", "kind": "local", "path": str(work / "tiered")}]})
+
+
+def _read_chars() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def _rank(rank: int, world: int, work: str, action: str, layout: str, width: int, blocks: int) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from ..engine import Engine
+    from ..train_state import TrainState
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{work}/store-{action}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    model, optim = build(layout, world, width, blocks)
+    out: dict[str, Any] = {}
+
+    async def tiered() -> None:
+        async with Engine(_config(Path(work))) as engine:
+            if action == "save":
+                await (await engine.save(1, {"train": TrainState(model, optim)})).wait()
+                return
+            dist.barrier()
+            started = time.perf_counter()
+            info = await engine.load({"train": TrainState(model, optim)})
+            out["tiered"] = (time.perf_counter() - started, sum(info.bytes_by_tier.values()), info.bytes_received)
+
+    if action == "save":
+        train_step(model, optim, width)
+        asyncio.run(tiered())
+        model_sd, optim_sd = get_state_dict(model, optim)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{work}/dcp")
+    else:
+        asyncio.run(tiered())
+        out["tiered_digest"] = digest(model, optim)
+        model, optim = build(layout, world, width, blocks)  # fresh, for DCP
+        dist.barrier()
+        before, started = _read_chars(), time.perf_counter()
+        model_sd, optim_sd = get_state_dict(model, optim)
+        sd = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sd, checkpoint_id=f"{work}/dcp")
+        set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        out["dcp"] = (time.perf_counter() - started, _read_chars() - before, None)
+        out["same"] = digest(model, optim) == out.pop("tiered_digest")
+        out["held"] = held_bytes(model, optim)
+    Path(work, f"{action}{rank}.pkl").write_bytes(pickle.dumps(out))
+    dist.destroy_process_group()
+
+
+def _spawn(world: int, *args: Any) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, world, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"a benchmark rank failed: exit codes {[p.exitcode for p in procs]}")
+    return [pickle.loads(Path(args[0], f"{args[1]}{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def run_reshard_bench(width: int, blocks: int, base: Path) -> str:
+    """Every scenario in fresh processes; a markdown table."""
+    rows = ["| save → load | checkpoint | tiered_ckpt load s | DCP load s | ratio | read (tiered / DCP) | "
+            "received per rank (max) / held | bit-equal |", "|---|---|---|---|---|---|---|---|"]
+    for saved_layout, saved_world, layout, world in SCENARIOS:
+        work = Path(tempfile.mkdtemp(prefix="reshard-", dir=base)).resolve()
+        try:
+            _spawn(saved_world, str(work), "save", saved_layout, width, blocks)
+            nbytes = sum(f.stat().st_size for f in (work / "tiered").rglob("part-*"))
+            loaded = _spawn(world, str(work), "load", layout, width, blocks)
+            ours = max(r["tiered"][0] for r in loaded)
+            theirs = max(r["dcp"][0] for r in loaded)
+            received = max(r["tiered"][2] for r in loaded)
+            rows.append(f"| {saved_layout} {saved_world} → {layout} {world} | {nbytes / 2**20:.1f} MiB | {ours:.3f} | "
+                        f"{theirs:.3f} | {ours / theirs:.2f} | {sum(r['tiered'][1] for r in loaded) / nbytes:.2f}x / "
+                        f"{sum(r['dcp'][1] for r in loaded) / nbytes:.2f}x | {received / 2**10:.1f} KiB / "
+                        f"{max(r['held'] for r in loaded) / 2**10:.0f} KiB | {all(r['same'] for r in loaded)} |")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m tiered_ckpt.bench.reshard [width] [blocks]
+    import sys
+
+    print(run_reshard_bench(int(sys.argv[1]) if len(sys.argv) > 1 else 256,
+                            int(sys.argv[2]) if len(sys.argv) > 2 else 8, Path(tempfile.gettempdir())))
+    os._exit(0)
