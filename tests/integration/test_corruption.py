@@ -243,3 +243,22 @@ async def test_verify_checks_that_a_parts_checksum_follows_from_its_chunk_digest
         for report in reports:
             assert len(report.bad) == len(manifest.ranks[0].checksums)
             assert all("chunk digests disagree" in bad for bad in report.bad)
+
+
+async def test_a_damaged_memory_copy_is_repaired_after_the_load(make_config):
+    """A part of the memory tier's copy flipped: the load falls back to disk for it, then heals the copy in the
+    background, so the next load reads it from memory again."""
+    async with tc.Engine(make_config()) as engine:
+        state = await saved(engine)
+        path = part_file(engine, "host", 2)
+        data = bytearray(path.read_bytes())
+        data[1234] ^= 0x01
+        path.write_bytes(bytes(data))
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        first = await engine.load(out)
+        assert [f.tier for f in first.fallbacks] == ["host"]
+        reports = await engine.wait_healed()
+        assert [r.parts for r in reports] == [{"host": 1}] and not reports[0].errors
+        again = await engine.load(out)
+        assert not again.fallbacks and again.bytes_by_tier.keys() == {"host"}
+        assert all(torch.equal(out[k], state[k]) for k in state)

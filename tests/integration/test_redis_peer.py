@@ -119,3 +119,42 @@ async def test_missing_reports_lost_headers_and_chunks(redis_server):
     await tier._clients[0].delete(chunk)
     assert await tier.missing(["j/a", "j/b", "j/c"]) == ["j/a", "j/b"]
     await tier.close()
+
+
+async def test_a_dead_server_of_the_ring_is_passed_over_and_said_once_per_outage(tmp_path, shm_dir, redis_server,
+                                                                                  caplog):
+    """This node's server is urls[0]; its successor dies: every save still completes (the copy goes to the
+    next server), and the outage is logged once, not at every retry of the dead server (down_seconds = 0)."""
+    import logging
+
+    servers = [redis_server() for _ in range(3)]
+    config = stack(tmp_path, shm_dir, [s.url for s in servers], node=0, down_seconds=0)
+    async with tc.Engine(config) as engine:
+        servers[1].stop()
+        with caplog.at_level(logging.WARNING):
+            for step in (1, 2, 3):
+                await (await engine.save(step, state(float(step)))).wait()
+        info, out = await load(engine, tiers=["peer"])
+    assert info.step == 3 and torch.all(out["w"] == 3.0)
+    said = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+
+
+def test_a_url_is_this_machine_by_its_address_when_no_url_names_it():
+    """urls by IP address: the one that is an address of this machine (not loopback) is the node's own server,
+    so the ring never puts a copy there."""
+    import socket
+
+    from tiered_ckpt.storage.tiers.redis_peer import RedisOptions, RedisPeerTier
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # no packet is sent: the kernel picks the outgoing address
+        mine = probe.getsockname()[0]
+    assert not mine.startswith("127."), "this machine needs a non-loopback address for this test"
+    tier = RedisPeerTier("peer", RedisOptions(urls=("redis://203.0.113.7:6380", f"redis://{mine}:6380",
+                                                    "redis://203.0.113.9:6380")))
+    tier.bind(rank=0, world_size=1, node=0, num_nodes=1)
+    assert tier.own == 1 and 1 not in tier._ring()
+    loopback = RedisPeerTier("peer", RedisOptions(urls=("redis://127.0.0.10:6380", "redis://127.0.0.11:6380")))
+    loopback.bind(rank=0, world_size=1, node=1, num_nodes=2)
+    assert loopback.own is None and loopback._ring() == [0]  # loopback is every node's: the node number decides

@@ -110,6 +110,8 @@ def test_one_node_lost_resumes_from_memory_and_the_ring_then_heals_for_the_next_
     expect(job(cluster, config=config, action="load", tiers=["disk"]), 2, disk=[0, 1, 2])
 
     relaunch(cluster, 1)  # node1's memory, disk and Redis (node0's peer copies) are gone
+    partial = job(cluster, config=config, action="load", tiers=["peer"])  # not lost: not on the tiers asked for
+    assert all(r["error"].startswith("IncompleteCheckpoint: ") and "rank(s) [0]" in r["error"] for r in partial)
     loaded = job(cluster, config=config, action="load")
     expect(loaded, 2, host=[0, 2], peer=[1])  # nothing from disk: memory and the ring hold every part
     parts = [-(-n // 16384) for n in loaded[0]["rank_nbytes"]]  # part_size 16 KiB
@@ -149,6 +151,22 @@ def test_the_ring_follows_machines_after_a_shuffled_restart(cluster, redis_serve
     relaunch(cluster, 2)  # rank 1's machine: its memory gone, its ring copy safe on node0
     loaded = job(cluster, [0, 1, 2], config=config, action="load")  # and the ranks land on other machines
     expect(loaded, 1, host=[0, 2], peer=[1])  # rank 2's shard is read on node1, which holds it, not from disk
+
+
+def test_heals_after_a_shuffled_restart_put_each_copy_back_where_its_writer_keeps_it(cluster, redis_server):
+    """Saved with ranks on machines [2, 0, 1]; node1 replaced; loaded on [0, 1, 2]: each saved rank's lost copy
+    is rewritten by a rank on the machine that wrote it (its memory copy there, its ring copy on that machine's
+    successor), never beside its other copy, so losing another node right after still loses nothing."""
+    config = write_config(cluster, redis_server().url)
+    job(cluster, [2, 0, 1], config=config, action="save", steps=[1])  # saved rank r ran on node [2, 0, 1][r]
+    relaunch(cluster, 1)  # saved rank 2's memory copy and saved rank 1's ring copy (node0's writes) are gone
+    loaded = job(cluster, [0, 1, 2], config=config, action="load")
+    expect(loaded, 1, host=[0, 1], peer=[2])
+    parts = [-(-n // 16384) for n in loaded[0]["rank_nbytes"]]
+    # rank 0 runs on node0, saved rank 1's machine: its ring copy; rank 1 on node1: saved rank 2's memory copy
+    assert [r["healed"] for r in loaded] == [{"peer": parts[1]}, {"host": parts[2]}, {}]
+    relaunch(cluster, 0)
+    expect(job(cluster, [0, 1, 2], config=config, action="load"), 1, host=[0, 2], peer=[1])
 
 
 def test_a_stale_three_node_file_on_two_nodes_resumes_and_keeps_saving(cluster, redis_server):

@@ -156,7 +156,7 @@ class Catalog:
                          else await self._whole_on_tiers(st, allowed, copies))
             except (IncompleteCheckpoint, IntegrityError) as e:
                 passed_over.append(f"step {st}: {e}")
-                lost += status is not None
+                lost += status is not None and set(self.io.names) <= set(allowed)  # not lost: on tiers not asked
                 continue
             if passed_over:
                 log.warning("job %r: loading step %d; newer checkpoint(s) cannot be loaded: %s", self.job, found.step,
@@ -200,8 +200,9 @@ class Catalog:
                 log.warning("job %r: loading step %d, the best by %s that can be loaded; better one(s) cannot: %s",
                             self.job, st, best.metric, "; ".join(passed_over[:5]))
             return found
-        raise CheckpointLost(f"job {self.job!r}: no checkpoint with {best.metric!r} in its metadata can be "
-                             f"loaded from tiers {list(allowed)}: {'; '.join(passed_over[:5])}")
+        error = CheckpointLost if set(self.io.names) <= set(allowed) else IncompleteCheckpoint
+        raise error(f"job {self.job!r}: no checkpoint with {best.metric!r} in its metadata can be "
+                    f"loaded from tiers {list(allowed)}: {'; '.join(passed_over[:5])}")
 
     async def _scan(self, allowed: Sequence[str], listings: dict[str, Sequence[str] | None] | None = None,
                     ) -> tuple[dict[str, dict[int, list[Copy]]], set[str]]:

@@ -2,11 +2,13 @@
 
 A node that is replaced comes back with an empty memory tier, and its Redis server, which held its ring
 predecessor's peer copies, comes back empty too. Until the next save, a second failure would then find the
-checkpoint on slow tiers only, or nowhere. After a load, each rank therefore checks the copies of its own
-saved rank (rank r heals what saved rank r wrote) on the cache tiers the checkpoint is complete on (memory:
-this node's copy; redis: the copy anywhere on the ring) and rewrites what is missing from the tiers that still
-hold it, verified part by part: parts first, then the checksum record, then the manifest and the committed
-marker, so a heal cut short never leaves a copy that looks whole. It runs in the background (the engine starts
+checkpoint on slow tiers only, or nowhere. After a load, the copies of each saved rank on the cache tiers the
+checkpoint is complete on (memory, and the ring) are checked by one rank on the machine that wrote them
+(`healer_of`; the memory copy belongs there, and its ring copy then goes to that machine's successor, never
+beside it, whatever machines the ranks now run on), which rewrites what no node holds any more from the
+tiers that still hold it, verified part by part: parts first, then the checksum record, then the manifest and
+the committed marker, so a heal cut short never leaves a copy that looks whole. A part this node's cache copy
+returned damaged during the load is written again too. It runs in the background (the engine starts
 it after load() returns), writes only keys of the loaded checkpoint's own folder (never a newer
 checkpoint's), keeps the step busy in its process meanwhile, and writes a copy's records only while the index
 still lists the checkpoint complete on that tier (another process's retention may have removed it).
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
 from ..errors import TieredCkptError, TierNotFound
-from ..layout import committed_key, manifest_key, rank_meta_key
+from ..layout import committed_key, manifest_key, parse_key, rank_meta_key
 from ..manifest import Manifest
 from ..storage.index import Index
 from ..storage.tier_io import ReadLog, TierIO
@@ -44,18 +46,40 @@ class HealReport:
         return sorted(self.parts)
 
 
+def healer_of(saved_rank: int, manifest: Manifest, hosts: Sequence[str]) -> int:
+    """The rank that heals `saved_rank`'s copies: the lowest rank on the machine that wrote them (its memory
+    copy belongs there, and from there its ring copy goes to that machine's successor, never beside it),
+    else, when that machine is not in this job (gone, renamed, or a checkpoint that names none), rank
+    saved_rank modulo the world."""
+    writer = manifest.ranks[saved_rank].host
+    on_writer = [r for r, h in enumerate(hosts) if writer and h == writer]
+    return on_writer[0] if on_writer else saved_rank % max(len(hosts), 1)
+
+
 async def heal(io: TierIO, index: Index, manifest: Manifest, order: Sequence[str], holdings: Holdings,
-               rank: int, held: Holdings | None = None) -> HealReport:
-    """Rewrite saved rank `rank`'s missing copies on the cache tiers in `order` (see the module's docstring).
+               rank: int, held: Holdings | None = None, hosts: Sequence[str] = ("",),
+               damaged: Sequence[tuple[str, str]] = ()) -> HealReport:
+    """Rewrite the missing copies on the cache tiers in `order` of the saved ranks this rank heals (healer_of),
+    and the parts in `damaged` ((tier, key): read back corrupt or missing from this node's copy by this load).
     `holdings`: what this rank can read the checkpoint from (this node's node-local tiers, and what the shared
-    tiers hold: the load's view); `held`: what each tier holds anywhere, every node's copies of a node-local tier
-    together (the pick's view). A copy is missing when no node holds it: a rank that now runs on another machine
-    than the one that saved reads across nodes rather than keeping a second copy in memory."""
+    tiers hold: the load's view); `held`: what each tier holds anywhere, every node's copies of a node-local
+    tier together (the pick's view). A copy is missing when no node holds it: ranks that now run on other
+    machines than the ones that saved read across nodes rather than keeping a second copy in memory."""
     report = HealReport(manifest.step)
-    if rank >= manifest.world_size:  # a rank the saved world lacked wrote nothing to heal
-        return report
-    job, step, inc = manifest.job, manifest.step, manifest.incarnation
-    record = rank_meta_key(job, step, rank, inc)
+    for saved_rank in range(manifest.world_size):
+        if healer_of(saved_rank, manifest, hosts) == rank:
+            await _heal_rank(io, index, manifest, order, holdings, held, saved_rank, report)
+    for tier, key in damaged:
+        await _repair(io, manifest, order, holdings, tier, key, report)
+    if report.parts:
+        log.info("step %d: healed %s", manifest.step,
+                 ", ".join(f"{t}: {report.parts[t]} part(s), {report.bytes[t]} bytes" for t in report.healed))
+    return report
+
+
+async def _heal_rank(io: TierIO, index: Index, manifest: Manifest, order: Sequence[str], holdings: Holdings,
+                     held: Holdings | None, rank: int, report: HealReport) -> None:
+    record = rank_meta_key(manifest.job, manifest.step, rank, manifest.incarnation)
     for tier in order:
         if io.configs[tier].kind not in CACHE_KINDS:
             continue
@@ -72,11 +96,28 @@ async def heal(io: TierIO, index: Index, manifest: Manifest, order: Sequence[str
             await _copy_rank(io, index, manifest, rank, tier, sources, report)
         except TieredCkptError as e:
             report.errors.append(f"{tier}: {type(e).__name__}: {e}")
-            log.warning("step %d: rank %d's copy on tier %s could not be healed: %s", step, rank, tier, e)
-    if report.parts:
-        log.info("step %d: healed rank %d's copies on %s (%s)", step, rank, ", ".join(report.healed),
-                 ", ".join(f"{t}: {report.parts[t]} part(s), {report.bytes[t]} bytes" for t in report.healed))
-    return report
+            log.warning("step %d: rank %d's copy on tier %s could not be healed: %s", manifest.step, rank, tier, e)
+
+
+async def _repair(io: TierIO, manifest: Manifest, order: Sequence[str], holdings: Holdings, tier: str, key: str,
+                  report: HealReport) -> None:
+    """One part this node's copy on `tier` returned damaged (a flipped byte, a truncated or vanished file):
+    written again from the next tier that returns it intact."""
+    parsed = parse_key(key)
+    if parsed is None or parsed.rank is None or parsed.index is None or io.configs[tier].kind not in CACHE_KINDS:
+        return
+    sources = [t for t in tiers_for(order, holdings, parsed.rank) if t != tier]
+    try:
+        buf = bytearray(manifest.part_length(parsed.rank, parsed.index))
+        await io.read_verified(part_read(manifest, parsed.rank, parsed.index, [memoryview(buf)]), sources, ReadLog(),
+                               budgeted=False)
+        await io.write(tier, key, memoryview(buf), f"repair {key}")
+    except TieredCkptError as e:
+        report.errors.append(f"{tier}: {key}: {type(e).__name__}: {e}")
+        log.warning("step %d: part %s on tier %s could not be repaired: %s", manifest.step, key, tier, e)
+        return
+    report.parts[tier] = report.parts.get(tier, 0) + 1
+    report.bytes[tier] = report.bytes.get(tier, 0) + len(buf)
 
 
 async def _copy_rank(io: TierIO, index: Index, manifest: Manifest, rank: int, tier: str, sources: Sequence[str],

@@ -97,7 +97,10 @@ class Loader:
         await asyncio.to_thread(target.apply)  # load_state_dict() of modules and optimizers: seconds for large ones
         if self.heal and manifest is not None:
             running = next((t for t, s in self.heals.items() if s == manifest.step), None)  # one heal a step
-            info.heal = running or asyncio.create_task(self._heal(manifest, order, holdings, held))
+            damaged = [(f.tier, f.part) for f in info.fallbacks  # this node's copy was to hold the part
+                       if self.io.file_tier(f.tier) and (k := parse_key(f.part)) is not None
+                       and k.rank in holdings.get(f.tier, ())]
+            info.heal = running or asyncio.create_task(self._heal(manifest, order, holdings, held, damaged))
             if running is None:
                 self.heals[info.heal] = manifest.step
                 info.heal.add_done_callback(self._healed)
@@ -129,10 +132,12 @@ class Loader:
         return reports
 
     async def _heal(self, manifest: Manifest, order: list[str], holdings: dict[str, frozenset[int]],
-                    held: dict[str, frozenset[int]]) -> HealReport:
-        """In the background: this rank's missing cache copies of the loaded checkpoint (load/heal.py)."""
+                    held: dict[str, frozenset[int]], damaged: list[tuple[str, str]]) -> HealReport:
+        """In the background: the missing cache copies this rank heals, and the parts its node's copies returned
+        damaged (load/heal.py)."""
         with self.busy.loading(manifest.step):
-            return await heal(self.io, self.catalog.index, manifest, order, holdings, self.coordinator.rank, held)
+            return await heal(self.io, self.catalog.index, manifest, order, holdings, self.coordinator.rank, held,
+                              self.coordinator.hosts, damaged)
 
     async def _unexpected(self, target: LoadTarget | None) -> BaseException | None:
         """Entries of the checkpoint that a module of this rank's state lacks are an error unless another rank's

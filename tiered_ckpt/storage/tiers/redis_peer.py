@@ -3,8 +3,9 @@
 `urls` names one server per node, in ring order. A node writes to the next server in the ring after its own,
 never to its own machine's, so a node that loses its memory and disk restores from its successor. A node is a
 machine: its own server is the url whose host is this machine's name (`machine_name`: the host name, or
-TIERED_CKPT_HOST); when no url names this machine (IP addresses, a service name), the node's position among
-the job's machines in name order stands for it (`node` overrides both). A server that cannot be reached is
+TIERED_CKPT_HOST), else the url whose address is one of this machine's (not loopback); when neither is found
+(a service name, loopback addresses), the node's position among the job's machines in name order stands for
+it, with a warning (`node` overrides all). A server that cannot be reached is
 passed over for `down_seconds` (said once per server): the copy goes to the next server in the ring and
 training goes on; only when every other server fails does a write fail. Reads look the value up on every
 live server at once (after a node loss or a reshard, the copy sits wherever its writer's ring put it).
@@ -24,7 +25,9 @@ TierUnavailable naming what happened.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 import time
 import uuid
 from urllib.parse import urlsplit
@@ -84,7 +87,10 @@ class RedisPeerTier(Tier):
             return
         self.node = node
         mine = _first_label(machine_name())
-        named = [i for i in self._plain if _first_label(urlsplit(self._plain[i]).hostname or "") == mine]
+        hosts = {i: urlsplit(self._plain[i]).hostname or "" for i in self._plain}
+        named = [i for i, h in hosts.items() if _first_label(h) == mine]
+        if not named and len(self.options.urls) > 1:  # urls by address: the one that is an address of this machine
+            named = [i for i, h in hosts.items() if _is_this_machine(h)]
         self.own = named[0] if named else None
         if self.own is None and len(self.options.urls) > 1:
             log.warning("tier %s: no url names this machine (%s), so its ring position is its node number %d among "
@@ -120,11 +126,16 @@ class RedisPeerTier(Tier):
     def _ring(self) -> list[int]:
         """The servers this node writes to, in order of preference: the ring from its own server's successor on,
         its own server left out (a copy on the writer's machine dies with it), unless there is only one."""
-        n = len(self._clients)
+        n = len(self.options.urls)
         if n == 1:
             return [0]
         start = self.own if self.own is not None else self.node % n
         return [(start + 1 + i) % n for i in range(n - 1)]
+
+    def _answered(self, server: int) -> None:
+        """`server` answered: an outage it was in is over (said once)."""
+        if self._down.pop(server, None) is not None:
+            log.warning("tier %s: redis %s answers again", self.name, redact(self.options.urls[server]))
 
     def _live(self, servers: Sequence[int]) -> list[int]:
         """`servers` less those passed over just now (all of them when none is left: one may be back)."""
@@ -136,7 +147,7 @@ class RedisPeerTier(Tier):
         """Whether `e` makes `server` one to pass over (unreachable); if so, say so once per outage."""
         if classify(e, self._kind(server)).kind != "transient" or len(self._clients) == 1:
             return False
-        if self._down.get(server, 0.0) <= time.monotonic():
+        if server not in self._down:  # once per outage: until the server answers again
             log.warning("tier %s: redis %s is unreachable (%s); passing it over for %.0f s, its copies go to the "
                         "next server in the ring", self.name, redact(self.options.urls[server]),
                         classify(e, self._kind(server)).text, self.options.down_seconds)
@@ -160,6 +171,7 @@ class RedisPeerTier(Tier):
         for i, server in enumerate(servers):
             try:
                 await self._write_to(server, key, view)
+                self._answered(server)
                 return
             except ERRORS as e:
                 if i + 1 < len(servers) and self._passed_over(server, e):
@@ -181,7 +193,7 @@ class RedisPeerTier(Tier):
     def _read_order(self) -> list[int]:
         """Every server, this node's write targets first (where its own copies are), its own server last."""
         ring = self._ring()
-        return ring + [s for s in range(len(self._clients)) if s not in ring]
+        return ring + [s for s in range(len(self.options.urls)) if s not in ring]
 
     async def _headers(self, names: list[str]) -> dict[int, list[Any]]:
         """Each live server's headers of `names` (one MGET each, all at once); unreachable servers are left out
@@ -197,6 +209,7 @@ class RedisPeerTier(Tier):
                     raise self._fail(server, result, f"reading {names[0] if len(names) == 1 else 'headers'}") \
                         from result
                 raise result
+            self._answered(server)
             out[server] = result
         if not out and servers:
             raise TierUnavailable(f"no server of {[redact(u) for u in self.options.urls]} can be reached",
@@ -295,6 +308,25 @@ class RedisPeerTier(Tier):
                     continue  # what it held cannot be read anyway
                 raise self._fail(server, e, f"listing {prefix}*") from e
         return sorted(keys)
+
+
+def _is_this_machine(host: str) -> bool:
+    """Whether `host` is an address of this machine: one a socket can bind to. Loopback addresses are left out
+    (every node has them; emulated nodes on one host share them)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, _, _, _, address in infos:
+        if ipaddress.ip_address(address[0].split("%")[0]).is_loopback:
+            continue
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((address[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
 
 
 def _first_label(host: str) -> str:
