@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only tiered_ckpt beside torch.save, DCP async_save, torch_checkpointing, torchsnapshot and "
                         "dlrover, each in fresh processes: the second save of a process (bench/peers.py)")
     peers.add_arguments(p)
+    p.add_argument("--reshard", action="store_true",
+                   help="only multi-rank loads that change the layout (FSDP2 2 -> 4, FSDP2 x TP 2x2 -> FSDP2 4), "
+                        "tiered_ckpt beside DCP, in fresh processes: 8 MLP blocks of width 256 with AdamW, 48 MiB "
+                        "(bench/reshard.py; python -m tiered_ckpt.bench.reshard WIDTH BLOCKS for other sizes)")
     p.add_argument("--training-loop", action="store_true",
                    help="only what checkpointing takes from a training loop: a ~2.2M-parameter GPT trained with no "
                         "checkpoint, with lazy saves every 3 steps, and with DCP saving synchronously "
@@ -62,6 +66,13 @@ def run_bench(args: argparse.Namespace) -> int:
 
         urls = [args.redis] if args.redis not in ("auto", "off") else []
         return run_cli([int(n) for n in args.index_storm.split(",")], urls, 64, 10_000)
+    if args.reshard:
+        from .reshard import run_reshard_bench
+
+        base = Path(args.dir or ".bench")
+        base.mkdir(parents=True, exist_ok=True)
+        print(run_reshard_bench(256, 8, base.resolve()))
+        return 0
     if args.training_loop:
         from . import loop_share
 
