@@ -122,3 +122,34 @@ def test_each_rank_receives_only_what_its_shards_hold(tmp_path):
         for r in results:
             # its shards are whole saved shards (4 -> 4, 4 -> 2): it reads them itself, only the steps come in
             assert r["received"] <= 64, (world, results)
+
+
+async def _save_2d(rank: int, world: int, root: str, layout: str) -> int:
+    from tiered_ckpt.bench.reshard import build, train_step
+
+    model, optim = build(layout, world, 32, 2)
+    train_step(model, optim, 32)
+    async with tc.Engine(config(root, part_size="16KiB")) as engine:
+        await (await engine.save(1, {"train": tc.TrainState(model, optim)})).wait()
+        return (await engine.read_manifest(1)).nbytes
+
+
+async def _load_2d(rank: int, world: int, root: str, layout: str) -> dict:
+    from tiered_ckpt.bench.reshard import build, held_bytes
+
+    model, optim = build(layout, world, 32, 2)
+    async with tc.Engine(config(root, part_size="16KiB")) as engine:
+        info = await engine.load({"train": tc.TrainState(model, optim)})
+    return {"read": sum(info.bytes_by_tier.values()), "received": info.bytes_received, "held": held_bytes(model, optim)}
+
+
+@pytest.mark.parametrize("saved, loaded", [("fsdp_tp", "fsdp_tp"), ("fsdp_tp", "fsdp")])
+def test_fsdp_tp_loads_read_once_and_receive_at_most_what_each_rank_holds(tmp_path, saved, loaded):
+    """FSDP2 x TP 2x2, loaded at the same layout and as FSDP2 4: the checkpoint is read once in all, and no rank
+    takes in more than its tensors hold (at the same layout, only what another rank wrote of what it holds
+    replicated: the 0-d steps and the row-parallel biases TP replicates, under 1% of its share)."""
+    nbytes = run_ranks(_save_2d, 4, str(tmp_path), saved)[0]
+    results = run_ranks(_load_2d, 4, str(tmp_path), loaded)
+    assert sum(r["read"] for r in results) == nbytes, results
+    for r in results:
+        assert r["received"] <= (r["held"] // 100 if saved == loaded else r["held"]), results

@@ -61,13 +61,14 @@ class Reads:
     """What one load reads: `dests` maps a saved chunk (rank, byte offset) to the bytes it fills, either
     the target's own memory (same box, contiguous CPU target: no extra copy) or a scratch buffer;
     `subs` maps a chunk of which this rank wants only byte ranges to them, each [(start in the chunk, the
-    target memory it fills, the target's key)] (a resharded piece of a contiguous CPU target that is one
-    contiguous stretch of the chunk: FSDP's dim-0 shards split or merged); `copies` then moves the overlapping
-    boxes from scratch into the targets (other resharding, non-contiguous or non-CPU targets)."""
+    memory it fills, the target's key where that memory is the target's own, else None)]: the overlap of a
+    target with a chunk that is one contiguous stretch of the chunk (FSDP's dim-0 shards split or merged, a
+    row-parallel shard's rows) is read alone, into the target when it is a contiguous stretch of it too, else
+    into a piece of scratch; `copies` then moves the overlapping boxes from scratch into the targets."""
 
     dests: dict[tuple[int, int], memoryview] = field(default_factory=dict)
     direct: dict[tuple[int, int], str] = field(default_factory=dict)  # dests that are a target's memory: its key
-    subs: dict[tuple[int, int], list[tuple[int, memoryview, str]]] = field(default_factory=dict)
+    subs: dict[tuple[int, int], list[tuple[int, memoryview, str | None]]] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list)  # scratch buffers the views point into
 
@@ -120,6 +121,12 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
             if direct and start is not None and dst.is_contiguous() and dst.numel():
                 reads.subs.setdefault(key, []).append((start * dst.element_size(), tensor_bytes(dst), where))
                 continue
+            if start is not None and dst.numel():  # one stretch of the chunk: read just it, then copy it over
+                piece = torch.empty(dst.numel() * dtype.itemsize, dtype=torch.uint8)
+                reads.keep.append(piece)
+                reads.subs.setdefault(key, []).append((start * dtype.itemsize, tensor_bytes(piece), None))
+                reads.copies.append((piece.view(dtype).view(dst.shape), dst))
+                continue
             if key not in scratch:
                 scratch[key] = torch.empty(chunk.nbytes, dtype=torch.uint8)
                 reads.dests[key] = tensor_bytes(scratch[key])
@@ -127,11 +134,12 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
             src = scratch[key].view(dtype).view(chunk.sizes)
             src = src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, chunk.offsets))]
             reads.copies.append((src, dst))
+    first: list[tuple[torch.Tensor, torch.Tensor]] = []
     for key in [k for k in reads.subs if k in reads.dests]:  # the chunk is read whole anyway: copy the pieces
         whole = torch.frombuffer(reads.dests[key], dtype=torch.uint8) if key not in scratch else scratch[key]
         for start, view, _ in reads.subs.pop(key):
-            piece = torch.frombuffer(view, dtype=torch.uint8)
-            reads.copies.append((whole[start:start + len(view)], piece))
+            first.append((whole[start:start + len(view)], torch.frombuffer(view, dtype=torch.uint8)))
+    reads.copies[:0] = first  # before the copies out of the pieces
     for pieces in reads.subs.values():
         pieces.sort(key=lambda s: s[0])
     return reads
@@ -198,8 +206,9 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
                     views.append(memoryview(bytearray(a - at)))
                 views.append(piece[a - offset - piece_start : b - offset - piece_start])
                 wanted.append((a - start, b - a))
-                targets.append(where)
-                starts.append(a - start)
+                if where is not None:  # a target's own memory (not a piece of scratch)
+                    targets.append(where)
+                    starts.append(a - start)
                 at = b
             if hi > at:
                 views.append(memoryview(bytearray(hi - at)))
