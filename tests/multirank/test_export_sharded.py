@@ -12,6 +12,7 @@ import tiered_ckpt as tc
 
 from .common import config
 from .spawn import run_ranks
+from .test_train_state import build as build_fsdp
 
 pytestmark = pytest.mark.timeout(300)  # real processes (gloo): slower than unit tests
 
@@ -32,20 +33,6 @@ def flat_tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
         else:
             out.update(flat_tensors(v, f"{prefix}{k}."))
     return out
-
-
-def build_fsdp(world: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 async def _save(rank: int, world: int, root: str) -> dict:

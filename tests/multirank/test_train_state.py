@@ -6,18 +6,21 @@ import torch
 
 import tiered_ckpt as tc
 
+from tiered_ckpt.bench.reshard import held_bytes
+
 from .common import config
 from .spawn import run_ranks
 
 pytestmark = pytest.mark.timeout(300)  # real processes (gloo, torchrun): slower than unit tests
 
 
-def build(world: int):
+def build(world: int, dims: tuple[int, int, int] = (7, 13, 5)):
+    """Two Linear layers (dims[0] -> dims[1] -> dims[2]), each and the whole sharded with FSDP2, and AdamW."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5))
+    model = torch.nn.Sequential(torch.nn.Linear(dims[0], dims[1]), torch.nn.ReLU(), torch.nn.Linear(dims[1], dims[2]))
     mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -69,33 +72,11 @@ def test_fsdp_model_and_adamw_reshard_4_to_2_to_3(tmp_path):
                 assert torch.equal(got[k], saved[k]), (world, k)
 
 
-def build_wide(world: int):
-    """Large enough that every rank's stream spans several 16 KiB parts."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(96, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def held_bytes(model, optim) -> int:
-    """What this rank's tensors hold: its shards of the parameters and AdamW states, and the 0-d steps."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optim)
-    values = [*model_sd.values(), *(v for state in optim_sd["state"].values() for v in state.values())]
-    local = [v.to_local() if type(v).__name__ == "DTensor" else v for v in values if isinstance(v, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in local)
+WIDE = (96, 128, 64)  # every rank's stream spans several 16 KiB parts
 
 
 async def _save_wide(rank: int, world: int, root: str) -> int:
-    model, optim = build_wide(world)
+    model, optim = build(world, WIDE)
     model(torch.randn(4, 96)).pow(2).sum().backward()
     optim.step()
     async with tc.Engine(config(root, part_size="16KiB")) as engine:
@@ -104,7 +85,7 @@ async def _save_wide(rank: int, world: int, root: str) -> int:
 
 
 async def _load_wide(rank: int, world: int, root: str) -> dict:
-    model, optim = build_wide(world)
+    model, optim = build(world, WIDE)
     async with tc.Engine(config(root, part_size="16KiB")) as engine:
         info = await engine.load({"train": tc.TrainState(model, optim)})
     return {"read": sum(info.bytes_by_tier.values()), "received": info.bytes_received,
@@ -135,7 +116,7 @@ async def _save_2d(rank: int, world: int, root: str, layout: str) -> int:
 
 
 async def _load_2d(rank: int, world: int, root: str, layout: str) -> dict:
-    from tiered_ckpt.bench.reshard import build, held_bytes
+    from tiered_ckpt.bench.reshard import build
 
     model, optim = build(layout, world, 32, 2)
     async with tc.Engine(config(root, part_size="16KiB")) as engine:

@@ -35,20 +35,24 @@ def run_dist_bench(nproc: int, size: int, part_size: int, repeats: int, base: Pa
     work = Path(tempfile.mkdtemp(prefix="dist-", dir=base)).resolve()
     shm_dir = Path(tempfile.mkdtemp(prefix="tiered_ckpt-bench-", dir=shm))
     try:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank_main, args=(r, nproc, str(work), str(shm_dir), size, part_size, repeats))
-                 for r in range(nproc)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise RuntimeError(f"a benchmark rank failed: exit codes {[p.exitcode for p in procs]}")
+        spawn_ranks(_rank_main, nproc, str(work), str(shm_dir), size, part_size, repeats)
         results = [pickle.loads((work / f"rank{r}.pkl").read_bytes()) for r in range(nproc)]
         return report(results, nproc)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def spawn_ranks(target: Any, world: int, *args: Any) -> None:
+    """`target(rank, world, *args)` in `world` fresh processes; an error names their exit codes."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, world, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"a benchmark rank failed: exit codes {[p.exitcode for p in procs]}")
 
 
 def _rank_main(rank: int, world: int, work: str, shm: str, size: int, part_size: int, repeats: int) -> None:

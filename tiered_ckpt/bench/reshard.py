@@ -144,16 +144,9 @@ def _rank(rank: int, world: int, work: str, action: str, layout: str, width: int
 
 
 def _spawn(world: int, *args: Any) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
+    from .dist_bench import spawn_ranks
 
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, world, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise RuntimeError(f"a benchmark rank failed: exit codes {[p.exitcode for p in procs]}")
+    spawn_ranks(_rank, world, *args)
     return [pickle.loads(Path(args[0], f"{args[1]}{r}.pkl").read_bytes()) for r in range(world)]
 
 
