@@ -204,7 +204,8 @@ def _parse_tier(table: Any, i: int, source: str | None) -> TierConfig:
     except ConfigError as e:
         raise ConfigError(str(e), key=f"{where}.kind" if "kind" in str(e) else f"{where}.name", file=source) from None
     common = {f.name for f in dataclasses.fields(TierConfig)} - {"options"}
-    options = build(cls.Options, {k: v for k, v in table.items() if k not in common}, where, source)
+    # an unknown key is named with every key this table accepts: the driver's and those every tier has
+    options = build(cls.Options, {k: v for k, v in table.items() if k not in common}, where, source, also=common)
     tier = dataclasses.replace(build(TierConfig, {k: v for k, v in table.items() if k in common}, where, source),
                                options=options)
     _check_tier(tier, cls, where, source)
@@ -296,14 +297,17 @@ def _out_of_range(value: float, meta: Mapping[str, Any]) -> str | None:
     return None
 
 
-def build(cls: type, table: Mapping[str, Any], where: str, source: str | None) -> Any:
-    """Type-check `table` against dataclass `cls`; unknown keys and wrong types name the key."""
+def build(cls: type, table: Mapping[str, Any], where: str, source: str | None,
+          also: typing.Iterable[str] = ()) -> Any:
+    """Type-check `table` against dataclass `cls`; unknown keys and wrong types name the key. `also`: keys the
+    same table accepts for another dataclass (a tier's common keys beside its driver's), listed as known too."""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "options"}
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for key, value in table.items():
         if key not in fields:
-            raise ConfigError(f"unknown key (known: {', '.join(sorted(fields))})", key=f"{where}.{key}", file=source)
+            known = ", ".join(sorted({*fields, *also}))
+            raise ConfigError(f"unknown key (known: {known})", key=f"{where}.{key}", file=source)
         try:
             values[key] = _coerce(value, hints[key], fields[key].metadata.get("size", False))
         except (TypeError, ValueError) as e:
