@@ -2,6 +2,8 @@
 cannot exist, `config` without a subcommand, the bench's many-tensor section only when asked, `export`
 refusing an existing file before any work. Real files and `cli.main` in process."""
 import dataclasses
+import json
+import os
 from pathlib import Path
 
 from tiered_ckpt import cli
@@ -22,3 +24,30 @@ def test_an_unknown_tier_key_lists_every_key_the_tier_accepts(tmp_path, capsys):
                 | {f.name for f in dataclasses.fields(driver_class("local").Options)})
     assert sorted(known) == known and set(known) == expected
     assert {"keep_last", "name", "kind", "every", "retries", "path"} <= set(known)
+
+
+def index_config(tmp_path: Path, index: Path) -> Path:
+    path = tmp_path / f"c-{abs(hash(str(index)))}.toml"
+    path.write_text(f'[engine]\njob = "x"\nindex = "file://{index}"\n'
+                    f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
+    return path
+
+
+def test_ls_of_a_missing_index_that_could_not_be_created_says_no_checkpoints(tmp_path, capsys):
+    """Read-only commands create nothing, so an index folder that does not exist is no error for `ls` even where
+    it could not be created: under a parent that is a regular file, or in /proc/sys (read-only for root too)."""
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "disk").mkdir()
+    places = [tmp_path / "a-file" / "sub" / "index"]
+    if not os.access("/proc/sys", os.W_OK):  # read-only for every user where /proc/sys is mounted so
+        places.append(Path("/proc/sys/tiered-ckpt-test/index"))
+    for index in places:
+        config = index_config(tmp_path, index)
+        assert cli.main(["-c", str(config), "ls"]) == 0, (index, capsys.readouterr().err)
+        out, err = capsys.readouterr()
+        assert out.startswith("job 'x': no checkpoints") and err == "", (index, out, err)
+        assert cli.main(["-c", str(config), "ls", "--json"]) == 0, index
+        out, err = capsys.readouterr()
+        assert json.loads(out)["checkpoints"] == [] and err == "", (index, out, err)
+        assert not index.exists() and not index.parent.exists()
+    assert (tmp_path / "a-file").read_text() == "" and os.listdir(tmp_path / "disk") == []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..config import index_path
 from ..distributed.coordinator import Coordinator
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.gc import GcReport, GcScope, collect
@@ -25,8 +26,9 @@ class Checkpoints:
     planner or the load path. One process, one rank, no collectives. Nothing here imports torch: `ls` and
     `gc` start at once; `show`, `verify` and `export` import it when they decode or read tensors."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, *, read_only: bool = False):
         self.config = config
+        self.read_only = read_only  # the command creates nothing (ls, show, verify, export, the dry runs)
         self.job = config.engine.job
         self.coordinator = Coordinator()  # single rank
         self.io = TierIO(config.tiers, config.engine.io_threads, background_nice=config.engine.background_nice)
@@ -40,11 +42,19 @@ class Checkpoints:
         try:
             node, num_nodes = await self.coordinator.node()
             await self.io.open(rank=0, world_size=1, node=node, num_nodes=num_nodes)
-            await self.index.open()
+            if not (self.read_only and self._missing_file_index()):
+                await self.index.open()
         except BaseException:
             self.io.shutdown()
             raise
         return self
+
+    def _missing_file_index(self) -> bool:
+        """A file index whose folder does not exist holds no checkpoints. A command that only reads skips the
+        index's check that the folder could be created (a parent that is a file, or read-only): it creates
+        nothing, so it lists nothing and is done (docs/operations.md, *CLI*)."""
+        url = self.config.engine.index
+        return url.startswith("file://") and not index_path(url).exists()
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.io.close()

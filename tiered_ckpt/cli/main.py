@@ -124,7 +124,8 @@ def _reader_went_away() -> int:
 async def _with_checkpoints(args: argparse.Namespace,
                             fn: Callable[[Checkpoints, argparse.Namespace], Awaitable[int]]) -> int:
     overrides: dict[str, Any] = {"job": args.job} if args.job else {}
-    async with Checkpoints(load_config(args.config, **overrides)) as checkpoints:
+    read_only = args.command in ("ls", "show", "verify", "export") or getattr(args, "dry_run", False)
+    async with Checkpoints(load_config(args.config, **overrides), read_only=read_only) as checkpoints:
         return await fn(checkpoints, args)
 
 
