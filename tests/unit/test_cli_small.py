@@ -51,3 +51,11 @@ def test_ls_of_a_missing_index_that_could_not_be_created_says_no_checkpoints(tmp
         assert json.loads(out)["checkpoints"] == [] and err == "", (index, out, err)
         assert not index.exists() and not index.parent.exists()
     assert (tmp_path / "a-file").read_text() == "" and os.listdir(tmp_path / "disk") == []
+
+
+def test_config_without_a_subcommand_prints_its_help_and_exits_2(capsys):
+    assert cli.main(["config"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "config_command" not in err, err
+    assert err.startswith("usage: tiered-ckpt config") and "check" in err and "validate a tier stack TOML" in err
+    assert err.splitlines()[-1] == "tiered-ckpt config: error: name a subcommand (check)"

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.add_argument("--other-indexes", action="store_true", help="also remove other indexes' folders of this job "
                     "(runs that share the tier's path and job name with their own index)")
     config = sub.add_parser("config", help="configuration tools")
-    config_sub = config.add_subparsers(dest="config_command", required=True)
+    config_sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND", title="subcommands")
     check = config_sub.add_parser("check", help="validate a tier stack TOML")
     check.add_argument("file")
     # the benchmark's options are parsed by bench/run.py once it is chosen: importing it imports torch
@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "config" and args.config_command is None:  # its help, not argparse's internal dest name
+        config.print_help(sys.stderr)
+        print(f"tiered-ckpt config: error: name a subcommand ({', '.join(config_sub.choices)})", file=sys.stderr)
+        return EXIT_USAGE
     try:
         status = _run(args, rest)
         sys.stdout.flush()  # here, where a reader that went away (`| head`) can be told from a failure
