@@ -8,7 +8,7 @@ import dataclasses
 import sys
 from typing import Any, NoReturn
 
-from ..errors import TieredCkptError
+from ..errors import TierError, TieredCkptError
 from ..lifecycle.gc import GRACE, in_flight
 from ..sizes import format_size
 from ..storage.index import CheckpointStatus
@@ -240,7 +240,11 @@ async def cmd_delete(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
         if not yes:
             raise Refused("nothing deleted")
         status = await _deletable(checkpoints, args.step, hold=True)  # again: it may have changed meanwhile
-    await checkpoints.delete(args.step)
+    try:
+        await checkpoints.delete(args.step)
+    except TierError as e:  # the index forgot it, a tier kept (some of) its data: done in part, a problem left
+        print(f"tiered-ckpt: {e}", file=sys.stderr)
+        return EXIT_PROBLEM
     print(f"deleted {_deletion(checkpoints, status)}")
     return EXIT_OK
 

@@ -77,8 +77,9 @@ class Removal:
         removals = [(f"tier {t}", lambda t=t: self.remove_from_tier(t, step)) for t in tiers]
         failed = await remove_checkpoint(self.index, self.job, step, removals, bury=bury, forget=forget)
         if failed:
-            raise TierError(f"checkpoint {step} of job {self.job!r} is out of the index but some of its data is not "
-                            f"removed yet ({'; '.join(failed)}); the next writer or `tiered-ckpt gc` finishes it")
+            raise TierError(f"checkpoint {step} of job {self.job!r} is out of the index and buried (never listed or "
+                            f"loaded again), but some of its data could not be removed ({'; '.join(failed)}); the "
+                            f"next writer or `tiered-ckpt gc` finishes it once the tier accepts removals")
 
     async def clear_crashed_attempt(self, step: int) -> None:
         """Before saving `step` (single rank): remove what a crashed earlier attempt at it left. With several

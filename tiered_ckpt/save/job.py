@@ -7,6 +7,7 @@ protocol on one tier, commit included (tier_write.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -28,6 +29,7 @@ from .tier_write import TierWrite
 # cores the hashing threads compete with the copy for the only other core and for memory bandwidth (measured:
 # save() blocking +15%, durable on the memory tier -15%), so there the parts are hashed after the copy.
 HASH_WHILE_STAGING = (os.cpu_count() or 1) > 2
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,11 @@ class SaveJob:
         except asyncio.CancelledError:
             handle.cancel()  # nobody waits forever on a save that will never finish
             raise
+        except Exception as e:  # a bug or an error no step expected: every tier still pending fails with it
+            log.error("step %d: the save stopped on an unexpected error: %s: %s", self.step, type(e).__name__, e)
+            handle.set_staged(e)
+            for tier in self.tiers:
+                handle.set_done(tier, e)
         finally:
             await self.source.release()
 

@@ -124,3 +124,5 @@ class TierPipeline:
                 log.warning("tier %s: %s failed (%s); retry %d/%d in %.2fs", self.name, what, e, attempt,
                             self.retries, delay)
                 await asyncio.sleep(delay)
+            except OSError as e:  # a driver's raw OS error (EROFS, EACCES, EIO...) leaves TierIO as a TierError
+                raise TierError(f"{what}: {e}", tier=self.name) from e

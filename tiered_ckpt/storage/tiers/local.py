@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -215,7 +216,10 @@ class LocalTier(FileTier):
     def _delete_sync(self, path: Path) -> int:
         if path.is_dir():
             freed = _tree_size(path)
-            shutil.rmtree(path, ignore_errors=True)
+            failed = _remove_tree(path)
+            if failed:  # a read-only remount, an immutable file: a delete that did not happen says so
+                raise TierError(f"could not remove {len(failed)} item(s) under {path}, first: {failed[0]}",
+                                tier=self.name)
         else:
             freed = _size_or_zero(path)
             path.unlink(missing_ok=True)
@@ -313,6 +317,24 @@ class LocalTier(FileTier):
                 except OSError:
                     break
         return freed
+
+
+def _remove_tree(path: Path) -> list[OSError]:
+    """rmtree that goes on past errors and returns them; a file already gone (a racing delete) is no error."""
+    failed: list[OSError] = []
+
+    def note(_fn: object, _path: str, exc: object) -> None:
+        error = exc[1] if isinstance(exc, tuple) else exc
+        if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
+            failed.append(error)
+        elif not isinstance(error, OSError):
+            raise error  # type: ignore[misc]
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=note)  # type: ignore[call-arg]
+    else:
+        shutil.rmtree(path, onerror=note)
+    return failed
 
 
 def _mtime(path: Path) -> float:
