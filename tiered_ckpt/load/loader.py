@@ -23,7 +23,7 @@ from ..lifecycle.rules import Best
 from ..manifest import Manifest
 from ..state import LoadTarget, SavedTensor, decode_skeleton, match
 from ..storage.index import CheckpointStatus
-from ..storage.tier_io import TierIO
+from ..storage.tier_io import Fallback, TierIO
 from .catalog import Catalog
 from .heal import HealReport, heal
 from .reads import LoadInfo, Reads, node_holdings, plan_reads, read_parts
@@ -43,6 +43,8 @@ class Loader:
         self.heal = heal
         self.heals: dict[asyncio.Task[HealReport], int] = {}  # heals still running, and their steps
         self.reports: list[HealReport] = []  # heals done, not yet handed out by wait_healed()
+        # the fallbacks already said of the step loaded last: (tier, part), and (tier, "") for an empty tier
+        self._fallbacks_said: tuple[int | None, set[tuple[str, str]]] = (None, set())
 
     async def load(self, state: Any, *, step: int | None, tiers: Sequence[str] | None,
                    best: Best | None = None) -> LoadInfo:
@@ -106,10 +108,33 @@ class Loader:
                 info.heal.add_done_callback(self._healed)
         info.tier = max(info.bytes_by_tier, key=info.bytes_by_tier.__getitem__, default=order[0] if order else None)
         info.seconds = time.perf_counter() - started
-        if info.fallbacks:
-            log.warning("step %d: %d part read(s) fell back to a slower tier: %s", info.step, len(info.fallbacks),
-                        "; ".join(f"{f.part} on {f.tier}: {f.reason}" for f in info.fallbacks[:5]))
+        self._say_fallbacks(info.step, info.fallbacks, holdings)
         return info
+
+    def _say_fallbacks(self, step: int, fallbacks: Sequence[Fallback], holdings: dict[str, frozenset[int]]) -> None:
+        """Say each fallback once per process, however many loads of the step read the part (a resume often
+        loads a state in pieces: the model, then the optimizer). A node-local tier that holds nothing of the
+        step on this node (a memory tier emptied by a reboot) is what a restart leaves, not damage: one info
+        line per tier, not a warning per part."""
+        if self._fallbacks_said[0] != step:
+            self._fallbacks_said = (step, set())
+        said = self._fallbacks_said[1]
+        empty: set[str] = set()
+        new: dict[tuple[str, str], Fallback] = {}
+        for f in fallbacks:
+            if self.io.file_tier(f.tier) is not None and holdings.get(f.tier) == frozenset():
+                empty.add(f.tier)
+            elif (f.tier, f.part) not in said:
+                new.setdefault((f.tier, f.part), f)
+        for tier in sorted(empty - {t for t, part in said if not part}):
+            said.add((tier, ""))
+            log.info("step %d: tier %s holds none of it on this node (emptied since the save, e.g. by a restart); "
+                     "read from the next tier", step, tier)
+        if new:
+            said.update(new)
+            shown = list(new.values())
+            log.warning("step %d: %d part read(s) fell back to a slower tier: %s", step, len(shown),
+                        "; ".join(f"{f.part} on {f.tier}: {f.reason}" for f in shown[:5]))
 
     def _healed(self, task: asyncio.Task[HealReport]) -> None:
         self.heals.pop(task, None)
