@@ -59,3 +59,46 @@ def test_config_without_a_subcommand_prints_its_help_and_exits_2(capsys):
     assert out == "" and "config_command" not in err, err
     assert err.startswith("usage: tiered-ckpt config") and "check" in err and "validate a tier stack TOML" in err
     assert err.splitlines()[-1] == "tiered-ckpt config: error: name a subcommand (check)"
+
+
+def bench_args(*argv: str):
+    import argparse
+
+    from tiered_ckpt.bench.run import add_arguments
+
+    parser = argparse.ArgumentParser(prog="tiered-ckpt bench")
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_bench_runs_its_many_tensor_section_only_for_the_full_run_or_when_asked():
+    from tiered_ckpt.bench.run import SMALL_TENSORS, small_tensors
+
+    assert small_tensors(bench_args("--size", "64MiB")) == 0  # a quick run at a small size: skipped
+    assert small_tensors(bench_args()) == SMALL_TENSORS == 100_000  # the full run (docs/benchmarks.md)
+    assert small_tensors(bench_args("--size", "64MiB", "--small-tensors", "2000")) == 2000
+    assert small_tensors(bench_args("--small-tensors", "0")) == 0
+
+
+def test_every_bench_table_with_a_met_column_says_what_no_means():
+    """The report's figures are made up here (no bench is run): two rows miss their targets."""
+    from tiered_ckpt.bench import MET_LEGEND
+    from tiered_ckpt.bench.index_storm import report as storm_report
+    from tiered_ckpt.bench.run import PAIRS, report
+
+    spread = {"median": 1.0, "min": 1.0, "max": 1.0}
+    figures = {"bytes": 1 << 20, "tensors": 3, "torch": "x", "python": "3", "cuda": False, "repeats": 1,
+               "memcpy": 0.001, "raw_write": 0.01, "raw_read": 0.01, "torch_save": 0.02, "torch_load": 0.01,
+               "first_save_blocking": 0.01, "save_blocking": 0.005, "lazy_return": 0.001, "lazy_staged": 0.002,
+               "durable_host": 0.002, "durable_disk": 0.02, "load_host": 0.002, "load_disk": 0.02,
+               "plan_miss": 0.01, "plan_hit": 0.0001, "peak_extra_rss": 1 << 20, "steady_extra_rss": 0,
+               "pairs": {k: spread for k in PAIRS}, "memory_only": {"load / memcpy": spread}}
+    text = report(figures)
+    assert "| NO |" in text and text.endswith(MET_LEGEND)
+    assert "not a failure" in MET_LEGEND and "exits 0" in MET_LEGEND
+    storm = {"ranks": 1024, "connections": 64, "begin_and_records_s": 0.1, "mark_p50_ms": 1.0, "mark_p99_ms": 2.0,
+             "commit_s": 2.0, "all_ranks_saw_it_s": 2.1, "list_one_s": 0.001, "memory_usage_per_checkpoint": 1,
+             "used_memory_per_checkpoint": 1, "keys_left_after_delete": 0, "memory_usage_left_after_delete": 0,
+             "used_memory_left_after_delete": 0}
+    text = storm_report("local", [storm], None)
+    assert "| NO |" in text and text.endswith(MET_LEGEND)

@@ -25,6 +25,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
+from . import MET_LEGEND
 from ..save.commit import Committer
 from ..storage.index.redis import RedisIndex
 from ..layout import new_session
@@ -191,6 +192,7 @@ def report(name: str, storms: list[dict[str, Any]], listing: dict[str, Any] | No
     if targets:
         lines += ["", "| target | measured | target | met |", "|---|---:|---:|:---:|"]
         lines += [f"| {label} | {value:.3f} | < {goal} | {'yes' if value < goal else 'NO'} |" for label, value, goal in targets]
+        lines += ["", MET_LEGEND]
     return "\n".join(lines)
 
 

@@ -18,8 +18,11 @@ import uvloop
 from .. import Engine
 from ..save.plan import Planner
 from ..sizes import format_size, parse_size
-from . import baselines, peers
+from . import MET_LEGEND, baselines, peers
 from .measure import PeakRSS, drop_cache, engine_config, mixed_state, state_nbytes
+
+
+SMALL_TENSORS = 100_000  # the many-tensor section of the full run (docs/benchmarks.md, *Many small tensors*)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="S3 endpoint URL for the S3-tier comparison (credentials from the AWS chain); 'auto' "
                         "starts a local moto_server if installed; 'off' skips it")
     p.add_argument("--s3-size", default="64MiB", help="bytes moved in the S3 comparison (moto is slow)")
-    p.add_argument("--small-tensors", type=int, default=100_000,
-                   help="also save and load a state of this many 16-float tensors (0 skips it)")
+    p.add_argument("--small-tensors", type=int, default=None, metavar="N",
+                   help=f"also save and load a state of N 16-float tensors (0 skips it; default: {SMALL_TENSORS:,} "
+                        f"without --size, the full run; none with --size)")
     p.add_argument("--nproc", type=int, default=1,
                    help="with N > 1: N local ranks holding a replicated state, tiered_ckpt beside DCP")
     p.add_argument("--index-storm", metavar="N[,N...]",
@@ -58,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only what checkpointing takes from a training loop: a ~2.2M-parameter GPT trained with no "
                         "checkpoint, with lazy saves every 3 steps, and with DCP saving synchronously "
                         "(bench/loop_share.py)")
+
+
+def small_tensors(args: argparse.Namespace) -> int:
+    """How many tensors the many-tensor section saves (0: skipped). It takes most of a run at a small --size
+    (100,000 tensors: over a minute on 2 cores), so it runs with the default size or when asked for."""
+    if args.small_tensors is not None:
+        return args.small_tensors
+    return SMALL_TENSORS if args.size is None else 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -83,6 +95,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return peers.run_cli([parse_size(s) for s in (args.size or "100MiB,1GiB").split(",")], args.repeats or 2,
                              args.libraries.split(","), args.first_saves, Path(args.dir or ".bench"),
                              Path(args.shm), args.json)
+    many = small_tensors(args)
     args.size, args.repeats = args.size or "1GiB", args.repeats or 3
     nbytes = parse_size(args.size)
     base = Path(args.dir) if args.dir else Path(".bench")
@@ -96,13 +109,15 @@ def run_bench(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     print(report(results))
-    if args.small_tensors:
+    if not many:
+        print("\n(the many-tensor section was skipped: it runs without --size, or with --small-tensors N)")
+    else:
         from .small import measure_small, report_small
 
         work = Path(tempfile.mkdtemp(prefix="small-", dir=base))
         shm = Path(tempfile.mkdtemp(prefix="tiered_ckpt-bench-small-", dir=args.shm))
         try:
-            small = [uvloop.run(measure_small(args.small_tensors, work / name, shm / name, automatic_gc=on))
+            small = [uvloop.run(measure_small(many, work / name, shm / name, automatic_gc=on))
                      for name, on in (("gc-on", True), ("gc-off", False))]
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -353,4 +368,5 @@ def report(r: dict[str, Any]) -> str:
     for label, spread in r["memory_only"].items():
         lines.append(f"| memory tier alone: {label} | {spread['median']:.3f} | {spread['min']:.3f} | "
                      f"{spread['max']:.3f} | | |")
+    lines += ["", MET_LEGEND]
     return "\n".join(lines)
