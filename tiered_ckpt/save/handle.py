@@ -50,6 +50,8 @@ class SaveHandle:
         self.started = time.perf_counter() if started is None else started  # the save() call (perf_counter)
         self.durable_at: dict[str, float] = {}  # seconds from save() to durable, per tier
         self.skipped: dict[str, int] = {}  # tiers that could not keep up and skipped this save → the newer step
+        self.staged_at: float | None = None  # seconds from save() until the copy was done (None: not, or failed)
+        self.nbytes = 0  # this rank's bytes of the checkpoint, as each tier holds them (0 until planned)
 
     async def staged(self) -> None:
         """Return once the tensors are copied to host buffers (raise if staging failed)."""
@@ -101,6 +103,8 @@ class SaveHandle:
 
     def set_staged(self, error: BaseException | None = None) -> None:
         """(The engine's) the copy is done, or failed with `error`."""
+        if error is None and not self._staged.done():
+            self.staged_at = time.perf_counter() - self.started
         _resolve(self._staged, error)
 
     def set_done(self, tier: str, error: BaseException | None = None) -> None:

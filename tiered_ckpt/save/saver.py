@@ -72,6 +72,7 @@ class Saver:
         events = producer_events(flat.tensors) if ready_events is None else ready_events
         handle = SaveHandle(step, targets, started=started)
         plan = await self.planner.plan(flat.paths, flat.tensors)
+        handle.nbytes = plan.nbytes
         while len(self.jobs) >= self._max_jobs:  # bounded: a burst waits here, like a full staging pool
             await asyncio.wait([j.task for j in self.jobs if j.task is not None], return_when=asyncio.FIRST_COMPLETED)
         pool = self.services.pool
