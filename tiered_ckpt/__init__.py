@@ -17,6 +17,7 @@ if TYPE_CHECKING:
                          TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable, WriterConflict)
     from .load.heal import HealReport
     from .load.reads import LoadInfo
+    from .observe.events import LoadEvent, RemovalEvent, SaveEvent, TierEvent
     from .save.handle import SaveHandle, TierDone
     from .state import PerRank
     from .storage.index import CheckpointStatus
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = [
     "Engine", "Checkpointer", "TrainState", "PerRank", "SaveHandle", "SyncSaveHandle", "TierDone", "LoadInfo",
-    "HealReport", "Fallback", "CheckpointStatus",
+    "HealReport", "Fallback", "CheckpointStatus", "SaveEvent", "TierEvent", "LoadEvent", "RemovalEvent",
     "Config", "EngineConfig", "TierConfig", "load_config",
     "TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable", "TierTimeout",
     "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointLost", "CheckpointExists", "SaveError",
@@ -36,12 +37,13 @@ __all__ = [
 _ERRORS = ("TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable",
            "TierTimeout", "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointLost", "CheckpointExists",
            "SaveError", "RankFailed", "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError")
+_EVENTS = ("SaveEvent", "TierEvent", "LoadEvent", "RemovalEvent")
 _MODULE_OF = {  # public name → the module that defines it
     "Engine": ".engine", "Checkpointer": ".sync", "SyncSaveHandle": ".sync", "TrainState": ".train_state",
     "PerRank": ".state", "SaveHandle": ".save.handle", "TierDone": ".save.handle",
     "LoadInfo": ".load.reads", "HealReport": ".load.heal", "Fallback": ".storage.tier_io",
     "CheckpointStatus": ".storage.index", "Config": ".config", "EngineConfig": ".config", "TierConfig": ".config",
-    "load_config": ".config", **dict.fromkeys(_ERRORS, ".errors"),
+    "load_config": ".config", **dict.fromkeys(_EVENTS, ".observe.events"), **dict.fromkeys(_ERRORS, ".errors"),
 }
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -60,6 +61,12 @@ class EngineConfig:
     save_on_sigterm: bool = False
     # after a load, rewrite in the background the cache copies (memory tier, peer ring) that node loss took
     heal: bool = True
+    # observability (observe/, docs/operations.md): every save, load and removal appended to this file as one line
+    # of JSON ("{rank}" in the path: the rank)
+    events_log: str | None = None
+    # Prometheus metrics served on this port (+ LOCAL_RANK) at metrics_addr; 0: off (needs the extra `prometheus`)
+    metrics_port: int = field(default=0, metadata=bounds(min=0, max=65535, why="0 turns the metrics server off"))
+    metrics_addr: str = "0.0.0.0"  # the address the metrics server listens on ("127.0.0.1": this machine only)
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,13 @@ def _check_engine(engine: EngineConfig, source: str | None) -> None:
     if engine.index.startswith("file://") and not engine.index.removeprefix("file://").strip():
         raise ConfigError("file:// names no folder (it would be the current one): give file://PATH",
                           key="engine.index", file=source)
+    if engine.events_log is not None and not engine.events_log.strip():
+        raise ConfigError("names no file: give a path, or omit it for no events log", key="engine.events_log",
+                          file=source)
+    if engine.metrics_port and importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError("metrics need the prometheus_client package: pip install -e '.[prometheus]' from a clone "
+                          "(or pip install 'prometheus_client>=0.20'); 0 or no metrics_port turns metrics off",
+                          key="engine.metrics_port", file=source)
     from .checksum import available
 
     if engine.checksum != "auto" and engine.checksum not in available():

@@ -8,14 +8,16 @@ Lifecycle: `async with Engine(config) as engine` opens the tiers and the index; 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from .checksum import resolve as resolve_checksum
 from .config import Config, check_config, load_config
 from .distributed.coordinator import Coordinator
-from .errors import TieredCkptError
+from .errors import ConfigError, TieredCkptError
 from .lifecycle.busy import BusySteps
 from .lifecycle.gc import GRACE, GcReport, GcScope, collect
 from .lifecycle.removal import Removal
@@ -29,6 +31,8 @@ from .load.heal import HealReport
 from .load.loader import Loader
 from .load.reads import LoadInfo
 from .manifest import Manifest
+from .observe.events import EventCallback, Events
+from .observe.jsonl import JsonLinesFile, log_path
 from .save.arena import Arena
 from .save.commit import Committer
 from .save.handle import SaveHandle
@@ -51,10 +55,15 @@ class Engine:
     checkpoint. Open it once (`async with Engine(config)` or `await Engine(config).open()`); under
     torch.distributed every rank makes the same calls."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, *, on_event: EventCallback | None = None):
         check_config(config)  # a Config built in code gets the checks a TOML file gets
         self.config = config
         self.job = config.engine.job
+        self.events = Events(self.job)  # records of saves, loads and removals (observe/): on_event, logs, metrics
+        self._sinks: list[Callable[[], None]] = []  # closers of the sinks [engine] configured (blocking: in a thread)
+        self.metrics_server: Any = None  # observe.prometheus.MetricsServer when [engine] metrics_port serves metrics
+        if on_event is not None:
+            self.events.subscribe(on_event)
         self.coordinator = Coordinator()  # replaced at open() when a process group exists
         self.io = TierIO(config.tiers, config.engine.io_threads, background_nice=config.engine.background_nice)
         self.index: Index = open_index(config.engine.index)
@@ -92,8 +101,9 @@ class Engine:
         await self.index.open()
         self.pool.arena = self._arena()
         self.committed.update(s.step for s in await self.catalog.statuses() if s.is_complete)
+        self.events.rank = self.rank
         removal = Removal(self.job, self.index, self.io, self.busy, self.committed, rank=self.rank,
-                          world_size=self.world_size, reclaim=self.pool.reclaim)
+                          world_size=self.world_size, reclaim=self._removing)
         rules = {t.name: Rules.of(t) for t in self.config.tiers}
         retention = Retention(self.job, self.index, removal, self.busy, rules)
         writer = Writer(self.job, self.index, self.coordinator, removal)
@@ -107,8 +117,40 @@ class Engine:
         loader = Loader(self.io, self.catalog, self.coordinator, self.busy, allow_pickle=engine.allow_pickle,
                         heal=engine.heal)
         self._parts = (writer, removal, saver, loader)
+        await self._open_sinks()
         self._state = "open"
         return self
+
+    async def _removing(self, tier: str, step: int) -> None:
+        """A removal of `step` from `tier` starts (Removal's hook): the staging pool takes its buffer back, and
+        the removal is recorded."""
+        await self.pool.reclaim(tier, step)
+        self.events.removed(tier, step)
+
+    async def _open_sinks(self) -> None:
+        """[engine] events_log and metrics_port: the JSON-lines file and the Prometheus server (observe/)."""
+        engine = self.config.engine
+        if engine.events_log is not None:
+            path = log_path(engine.events_log, self.rank)
+            try:
+                sink = await asyncio.to_thread(JsonLinesFile(path).open)
+            except OSError as e:
+                raise ConfigError(f"cannot append to {path}: {e.strerror or e}", key="engine.events_log",
+                                  file=self.config.source) from None
+            unsubscribe = self.events.subscribe(sink)
+            self._sinks.append(lambda: (unsubscribe(), sink.close()))
+        if engine.metrics_port:
+            from .observe.prometheus import serve
+
+            port = engine.metrics_port + int(os.environ.get("LOCAL_RANK", "0") or 0)  # one port per rank of a node
+            try:
+                server = serve(self, port, engine.metrics_addr)
+            except OSError as e:  # a taken port must not stop training: say so, and go on without metrics
+                log.error("metrics are not served: cannot listen on %s:%d ([engine] metrics_port): %s",
+                          engine.metrics_addr, port, e)
+            else:
+                self._sinks.append(server.close)
+                self.metrics_server = server
 
     def _arena(self) -> Arena | None:
         """Stage straight into the memory tier's files when it is first in the stack and keeps every save
@@ -135,9 +177,23 @@ class Engine:
         await self.index.close()
         await self.coordinator.destroy()
         await self.pool.clear()
+        await self._close_sinks()
         self._state = "closed"
         if raise_errors:
             saver.raise_unobserved()
+
+    async def _close_sinks(self) -> None:
+        while self._sinks:  # in a thread: stopping the HTTP server waits for its poll, flushing the file writes
+            await asyncio.to_thread(self._sinks.pop(0))
+
+    def on_event(self, callback: EventCallback) -> Callable[[], None]:
+        """Call `callback(record)` with a record of every save (a `TierEvent` as each tier finishes, then a
+        `SaveEvent` once every tier is done), every load (`LoadEvent`, failed ones too) and every removal of a
+        checkpoint from a tier (`RemovalEvent`), on the engine's event loop; returns a function that stops it.
+        Keep it quick (hand work to a thread or a queue); what it raises is logged, never raised into a save or
+        a load. The records are built from what the save's handle and the LoadInfo hold: no save waits for one.
+        docs/operations.md, *Observability*, describes them, the JSON lines and the Prometheus metrics."""
+        return self.events.subscribe(callback)
 
     async def __aenter__(self) -> "Engine":
         return await self.open()
@@ -200,6 +256,7 @@ class Engine:
         yes for a SIGTERM is the last: it waits for every tier, and then the process ends (should_save)."""
         _, _, saver, _ = self._open_parts()
         handle = await saver.save(step, state, lazy=lazy, metadata=metadata, ready_events=ready_events)
+        self.events.watch_save(handle, time.perf_counter() - handle.started)  # records it as its tiers finish
         self.policy.saved()
         if self.policy.last_save_due:  # should_save said yes for a SIGTERM: this was the last save
             await self._finish(handle)
@@ -241,7 +298,14 @@ class Engine:
         _, _, _, loader = self._open_parts()
         if best and step is not None:
             raise ValueError(f"load(best=True) picks the step itself: give step={step} or best=True, not both")
-        return await loader.load(state, step=step, tiers=tiers, best=self._best_rule() if best else None)
+        started = time.perf_counter()
+        try:
+            info = await loader.load(state, step=step, tiers=tiers, best=self._best_rule() if best else None)
+        except Exception as e:
+            self.events.load_failed(step, time.perf_counter() - started, e)
+            raise
+        self.events.loaded(info)
+        return info
 
     async def wait_healed(self) -> list[HealReport]:
         """Wait until the heals that loads started are done; return what each rewrote (one HealReport per load

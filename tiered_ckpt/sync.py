@@ -149,6 +149,12 @@ class Checkpointer:
         """Engine.gc, blocking: remove what crashed runs left (dry_run: only report it)."""
         return self._run(self.engine.gc(dry_run=dry_run, grace=grace, other_indexes=other_indexes))
 
+    def on_event(self, callback: Callable[[Any], None]) -> Callable[[], None]:
+        """Engine.on_event: `callback(record)` for every save, tier, load and removal record; returns a function
+        that stops it. It runs on the Checkpointer's event-loop thread, so it must be quick, thread-safe, and
+        call no Checkpointer method."""
+        return self.engine.on_event(callback)
+
     def wait_all(self) -> None:
         """Block until every save in flight is done on every tier it targets."""
         self._run(self.engine.wait_all())
