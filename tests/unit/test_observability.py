@@ -132,7 +132,9 @@ async def test_each_save_and_load_is_one_json_line_in_events_log_and_on_the_logg
     save, load = records[-2:]
     assert save["job"] == "test" and save["rank"] == 0 and save["step"] == 7 and save["time"] > 0
     assert save["blocked_seconds"] > 0 and save["staged_seconds"] > 0 and save["nbytes"] >= STATE_BYTES
-    assert list(save["tiers"]) == ["host", "disk"]
+    assert list(save["tiers"]) == ["host", "disk"] and set(save) == {
+        "event", "job", "rank", "step", "blocked_seconds", "staged_seconds", "nbytes", "tiers", "time"}
+    assert set(save["tiers"]["host"]) == {"outcome", "seconds", "nbytes", "error", "superseded_by"}
     assert all(t["outcome"] == "committed" and t["seconds"] > 0 and t["nbytes"] == save["nbytes"] and
                t["error"] is None for t in save["tiers"].values())
     assert load["step"] == 7 and load["tier"] == "host" and load["nbytes_by_tier"]["host"] >= STATE_BYTES

@@ -7,6 +7,7 @@ nothing here awaits, and nothing on the save() path waits for a record. A callba
 loop; what it raises is logged, never raised into a save or a load."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -122,8 +123,8 @@ EventCallback = Callable[[Event], None]
 def to_dict(event: Event) -> dict[str, Any]:
     """The record as JSON-able values: `{"event": kind, ...fields}`; a save's tiers as an object by tier name."""
     out: dict[str, Any] = {"event": event.kind}
-    for name in event.__dataclass_fields__:
-        value = getattr(event, name)
+    for f in dataclasses.fields(event):
+        name, value = f.name, getattr(event, f.name)
         if name == "tiers":
             value = {t.tier: {k: v for k, v in to_dict(t).items() if k not in ("event", "job", "rank", "step", "tier",
                                                                               "time")} for t in value}
