@@ -1,11 +1,17 @@
 """The small operational fixes of issue #31: what `config check` names as known keys, `ls` of an index that
 cannot exist, `config` without a subcommand, the bench's many-tensor section only when asked, `export`
 refusing an existing file before any work. Real files and `cli.main` in process."""
+import asyncio
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
+import torch
+
+import tiered_ckpt as tc
 from tiered_ckpt import cli
 from tiered_ckpt.config import TierConfig
 from tiered_ckpt.storage.tiers.registry import driver_class
@@ -102,3 +108,36 @@ def test_every_bench_table_with_a_met_column_says_what_no_means():
              "used_memory_left_after_delete": 0}
     text = storm_report("local", [storm], None)
     assert "| NO |" in text and text.endswith(MET_LEGEND)
+
+
+REFUSE_EXPORT = """
+import sys
+from tiered_ckpt.cli import main
+status = main(sys.argv[1:])
+print("torch imported:", "torch" in sys.modules)
+sys.exit(status)
+"""
+
+
+def test_export_to_an_existing_file_is_refused_before_any_work(tmp_path, shm_dir):
+    """Without --force, an existing PATH is refused before the checkpoint is looked up or torch imported (seconds
+    on a busy machine): the child process never imports torch, and the file stays as it was."""
+    config = tmp_path / "c.toml"
+    config.write_text(f'[engine]\njob = "x"\nindex = "file://{tmp_path}/index"\npart_size = "64KiB"\n'
+                      f'[[tiers]]\nname = "host"\nkind = "memory"\npath = "{shm_dir}/host"\n'
+                      f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
+
+    async def save():
+        async with tc.Engine.from_toml(config) as engine:
+            await (await engine.save(1, {"w": torch.ones(1000)})).wait()
+
+    asyncio.run(save())
+    out = tmp_path / "x.pt"
+    out.write_bytes(b"mine")
+    argv = ["-c", str(config), "export", "--to", "torch", "-o", str(out)]
+    run = subprocess.run([sys.executable, "-c", REFUSE_EXPORT, *argv], capture_output=True, text=True, timeout=60)
+    assert run.stdout == "torch imported: False\n" and run.returncode == 2, run
+    assert run.stderr == f"tiered-ckpt: {out} exists; pass --force to replace it\n" and out.read_bytes() == b"mine"
+    run = subprocess.run([sys.executable, "-c", REFUSE_EXPORT, *argv, "--force"], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0 and torch.equal(torch.load(out, weights_only=True)["w"], torch.ones(1000)), run

@@ -6,6 +6,7 @@ import asyncio
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from ..config import load_config
@@ -106,6 +107,10 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         bench = argparse.ArgumentParser(prog="tiered-ckpt bench", description=BENCH_HELP)
         add_arguments(bench)
         return run_bench(bench.parse_args(rest))
+    if args.command == "export" and not args.force:  # before the config, the index, the tiers and torch (seconds)
+        out = Path(args.output)
+        if out.exists() or out.is_symlink():
+            raise Refused(f"{out} exists; pass --force to replace it")
     commands: dict[str, Callable[[Checkpoints, argparse.Namespace], Awaitable[int]]] = {
         "ls": cmd_ls, "show": cmd_show, "verify": cmd_verify, "export": cmd_export, "delete": cmd_delete,
         "gc": cmd_gc}
