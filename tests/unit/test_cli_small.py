@@ -5,10 +5,12 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import tiered_ckpt as tc
@@ -141,3 +143,15 @@ def test_export_to_an_existing_file_is_refused_before_any_work(tmp_path, shm_dir
     run = subprocess.run([sys.executable, "-c", REFUSE_EXPORT, *argv, "--force"], capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 0 and torch.equal(torch.load(out, weights_only=True)["w"], torch.ones(1000)), run
+
+
+def test_what_the_examples_write_under_runs_is_ignored_by_git():
+    """examples/train_hf.py writes to runs/hf (its docstring, the README): git must not offer it for commit."""
+    repo = Path(__file__).resolve().parents[2]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git work tree")
+    for path in ("runs/hf/checkpoint-60/pointer", "checkpoints/index/x"):
+        check = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=repo, timeout=60)
+        assert check.returncode == 0, path
+    assert subprocess.run(["git", "check-ignore", "-q", "--no-index", "tiered_ckpt/runs.py"], cwd=repo,
+                          timeout=60).returncode == 1
