@@ -55,7 +55,7 @@ async def test_the_memory_tier_makes_its_folder_private(tmp_path, shm_dir, stage
     async with tc.Engine(config) as engine:
         await (await engine.save(1, state(1.0))).wait()
     assert stat.S_IMODE((shm_dir / "host").stat().st_mode) == 0o700
-    assert stat.S_IMODE((tmp_path / "disk").stat().st_mode) != 0o700  # the disk's folder: the umask's, as before
+    assert stat.S_IMODE((tmp_path / "disk").stat().st_mode) == 0o700  # the disk's too, whatever the umask
 
 
 async def test_capacity_counts_only_this_jobs_bytes(tmp_path, shm_dir):

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import pwd
+import stat
 from pathlib import Path
 
 
@@ -29,3 +31,41 @@ def check_creatable(root: Path) -> None:
         raise NotADirectoryError(f"{path} is not a directory")
     if path != root.absolute() and not os.access(path, os.W_OK | os.X_OK):
         raise PermissionError(f"cannot create folders in {path}")
+
+
+def make_folders(path: Path, mode: int = 0o700) -> None:
+    """`mkdir -p` where every folder it makes gets `mode` (less the umask's bits): Path.mkdir gives the parents
+    it makes the umask's mode, which leaves an index's records readable by every local user."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, mode)
+        except FileExistsError:
+            pass  # another process made it first
+
+
+def not_private(path: Path) -> str | None:
+    """Why the existing `path` cannot be trusted as this user's private folder (None when it can): a symbolic
+    link, not a folder, another user's, or writable by others. A folder under a shared, world-writable parent
+    (/dev/shm) may have been made beforehand by another local user to read or swap what goes in it."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link (to {os.readlink(path)})"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a folder"
+    mode = f"mode {stat.S_IMODE(st.st_mode):04o}"
+    if st.st_uid != os.geteuid():
+        return f"{path} belongs to {_user(st.st_uid)}, not to this user ({_user(os.geteuid())}; {mode})"
+    if st.st_mode & 0o022:
+        return f"{path} can be written by other users ({mode}, owner {_user(st.st_uid)})"
+    return None
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"

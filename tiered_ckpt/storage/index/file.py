@@ -31,7 +31,7 @@ import msgpack
 from ...checksum import seal, unseal
 from ...errors import IncompleteCheckpoint, IntegrityError, TieredCkptError, WriterConflict
 from ...layout import parse_step_dir, step_dir
-from ..files import check_creatable, fsync_dir
+from ..files import check_creatable, fsync_dir, make_folders
 from .base import CheckpointStatus, TierState
 
 T = TypeVar("T")
@@ -291,8 +291,8 @@ def _lease_record(role: str) -> bytes:
 
 def _try_lease(path: Path, role: str) -> int | str:
     """The open, exclusively locked lease file (its record rewritten for `role`), or the holder's record."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    make_folders(path.parent)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -377,7 +377,7 @@ def _entries(d: Path) -> list[Path]:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(path.parent)
     tmp = path.with_name(f".tmp-{path.name}.{uuid.uuid4().hex[:8]}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -405,7 +405,7 @@ def _rewrite(path: Path, data: bytes) -> bool:
 
 def _atomic_create(path: Path) -> bool:
     """Create an empty, durable `path` unless it exists; True for the one caller that created it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(path.parent)
     tmp = path.with_name(f".tmp-{path.name}.{uuid.uuid4().hex[:8]}")
     with open(tmp, "wb") as f:
         os.fsync(f.fileno())

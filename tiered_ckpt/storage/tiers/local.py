@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, ClassVar, Sequence
 
 from ...errors import ConfigError, TierError, TierFull, TierNotFound
-from ..files import check_creatable, fsync_dir
+from ..files import check_creatable, fsync_dir, not_private
 from .base import FileTier
 
 TMP = ".tmp-"
@@ -29,12 +29,13 @@ class LocalOptions:
     path: str
     capacity: int | None = field(default=None, metadata={"size": True, "min": 1, "why": "omit it for no limit"})
     fsync: bool = True
+    mode: int = field(default=0o700, metadata={"min": 0, "max": 0o777})  # the tier's folder, when it creates it
 
 
 class LocalTier(FileTier):
     Options = LocalOptions
     read_span = 16 << 20  # read_chunks reads this much at a time: a disk wants large requests
-    folder_mode: ClassVar[int | None] = None  # the mode of the tier's folder when it creates it (None: the umask's)
+    private: ClassVar[bool] = False  # refuse a folder another user owns or can write (its default path is shared)
 
     @classmethod
     def check_options(cls, name: str, options: LocalOptions) -> None:
@@ -48,6 +49,7 @@ class LocalTier(FileTier):
         self._used: int | None = None  # bytes stored; counted at open() when a capacity is set
         self._used_lock = threading.Lock()  # account() runs in worker threads, the rest on the event loop
         self._owned: Callable[[str], bool] = lambda key: True  # what counts toward the capacity (count_only)
+        self._root_checked = False  # the tier's folder was found this user's own (private tiers)
 
     async def open(self) -> None:
         """Check that the directory exists or can be created; it is created at the first write, so a
@@ -56,6 +58,7 @@ class LocalTier(FileTier):
             await self.run_blocking(check_creatable, self.root)
         except OSError as e:
             raise TierError(f"cannot create directory {self.root}: {e}", tier=self.name) from e
+        await self.run_blocking(self._check_private)
         if self.options.capacity is not None:  # count what earlier processes left here (this job's only), once
             self._used = await self.run_blocking(_owned_size, self.root, self._owned)
 
@@ -63,14 +66,32 @@ class LocalTier(FileTier):
         self._owned = owned
 
     def make_folder(self, path: Path) -> None:
-        if self.folder_mode is not None and not self.root.is_dir():
+        if not os.path.lexists(self.root):
             self.root.parent.mkdir(parents=True, exist_ok=True)
+            mode = getattr(self.options, "mode", 0o700)  # the memory tier's is always 0700
             try:
-                os.mkdir(self.root, self.folder_mode)
-                os.chmod(self.root, self.folder_mode)  # exactly this mode, whatever the umask
+                os.mkdir(self.root, mode)
+                os.chmod(self.root, mode)  # exactly this mode, whatever the umask
             except FileExistsError:
                 pass  # another process made it first
+            self._root_checked = False
+        if not self._root_checked:  # once, and again after the folder was made anew (by anyone)
+            self._check_private()
+            self._root_checked = True
         path.mkdir(parents=True, exist_ok=True)
+
+    def _check_private(self) -> None:
+        """A private tier's existing folder must be this user's and closed to others: else another local user
+        could read every checkpoint, or swap the job's folder for a forged one (checksums are no signatures)."""
+        if not self.private:
+            return
+        try:
+            problem = not_private(self.root)
+        except FileNotFoundError:
+            return  # created at the first write, with this tier's mode
+        if problem is not None:
+            raise TierError(f"refusing {problem}: another user could read or replace its checkpoints; remove it, or "
+                            f"set this tier's `path` to a folder of your own", tier=self.name)
 
     @property
     def capacity(self) -> int | None:

@@ -38,7 +38,7 @@ class MemoryOptions:
 class MemoryTier(LocalTier):
     Options = MemoryOptions
     read_span = 0  # a chunk at a time: RAM needs no large requests, and a chunk stays in cache
-    folder_mode = 0o700  # host memory of this user's jobs: no one else's business
+    private = True  # host memory of this user's jobs, in a shared /dev/shm: no one else's business
 
     def _open_for_chunks(self, path: Path) -> int | None:
         """Held with a shared flock for the whole read, taken while the file is still the one under its key (see
