@@ -259,7 +259,7 @@ async def _deletable(checkpoints: Checkpoints, step: int, *, hold: bool) -> Chec
     status = await checkpoints.status(step)  # again, under the lease: it may have gone meanwhile
     if status is None:
         await _no_checkpoint(checkpoints, step)
-    if in_flight(status, exclusive=exclusive, grace=GRACE):
+    if in_flight(status, exclusive=exclusive, grace=GRACE, now=await checkpoints.index.now()):
         raise Refused(f"job {checkpoints.job!r} step {step} is being saved (it began {local_time(status.created)} "
                       f"and is not complete on {', '.join(status.incomplete)}); delete it once the save is over")
     return status

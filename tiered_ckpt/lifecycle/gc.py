@@ -29,7 +29,6 @@ file index's lease, never takes it).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -78,13 +77,14 @@ class GcReport:
         return out
 
 
-def in_flight(status: CheckpointStatus, *, exclusive: bool, grace: float, now: float | None = None) -> bool:
+def in_flight(status: CheckpointStatus, *, exclusive: bool, grace: float, now: float) -> bool:
     """Whether a running save may still be writing `status` somewhere: a tier it targets is neither complete
-    nor failed, its save began less than `grace` seconds ago, and a writer may be running."""
+    nor failed, its save began less than `grace` seconds ago, and a writer may be running. `now` is the
+    index's clock (Index.now), the one `created` was stamped on."""
     if exclusive:
         return False
     pending = [t for t in status.tiers if t not in status.settled]
-    return bool(pending) and (now if now is not None else time.time()) - status.created < grace
+    return bool(pending) and now - status.created < grace
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ async def collect(scope: GcScope, dry_run: bool = False, *, grace: float = GRACE
     statuses = {s.step: s for s in await scope.index.list(scope.job)}
     buried = await scope.index.buried(scope.job)
     busy = scope.busy.steps()
-    now = time.time()
+    now = await scope.index.now()
     mine = index_dir(scope.index.identity) + "/"
     steps = sorted(set(statuses) | buried | {s for t in tiers for s in t.steps})
     for step in steps:

@@ -253,6 +253,11 @@ class FileIndex:
     async def bury(self, job: str, step: int) -> None:
         await self._io(_atomic_write, self.root / job / TOMBSTONES / step_dir(step), b"")
 
+    async def now(self) -> float:
+        """This machine's clock: a file index is one machine's folder (on a shared file system, its users'
+        clocks must agree, as they must for the file system's own times)."""
+        return time.time()
+
     async def buried(self, job: str) -> set[int]:
         def read() -> set[int]:
             steps = (parse_step_dir(p.name) for p in _entries(self.root / job / TOMBSTONES))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
-import time
 from typing import Any, Mapping, Sequence
 
 import msgpack
@@ -79,6 +78,10 @@ _HSET = _CHECK + _SUMMARY + """
 local s = nil
 for i = 3, #ARGV, 2 do
   local f, v = ARGV[i], ARGV[i + 1]
+  if f == 'created' and v == '' then  -- the server's clock, not the writer's (gc compares with it)
+    local t = redis.call('TIME')
+    v = t[1] .. '.' .. string.format('%06d', t[2])
+  end
   redis.call('HSET', KEYS[2], f, v)
   local kind = string.match(f, '^(%a+)')
   if kind == 'created' or kind == 'target' or kind == 'info' or kind == 'failed' or kind == 'skipped' then
@@ -271,7 +274,7 @@ class RedisIndex:
                            [self.epoch, step, *pairs])
 
     async def begin(self, job: str, step: int, tiers: Sequence[str], info: Mapping[str, Any] | None = None) -> None:
-        pairs: list[Any] = ["created", repr(time.time())]
+        pairs: list[Any] = ["created", ""]  # stamped with the server's clock by the script
         for position, tier in enumerate(tiers):  # fastest first: keep the order, hash fields have none
             pairs += [f"target:{tier}", str(position)]
         if info is not None:
@@ -443,6 +446,12 @@ class RedisIndex:
     async def bury(self, job: str, step: int) -> None:
         await self._script(f"tombstone of step {step}", "bury", [self._k(job, "epoch"), self._k(job, "tombstones")],
                            [self.epoch, step, 1])
+
+    async def now(self) -> float:
+        """The Redis server's clock: trainers and cleaners on machines whose clocks disagree still agree on it."""
+        assert self._client is not None
+        seconds, micros = await self._call("reading the server's time", lambda: self._client.time())
+        return seconds + micros / 1e6
 
     async def buried(self, job: str) -> set[int]:
         assert self._client is not None

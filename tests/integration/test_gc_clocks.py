@@ -1,0 +1,47 @@
+"""gc beside a trainer whose clock is two hours behind its own, with a Redis index (gc may run on another
+node): whether a save may still be writing is judged on the index server's clock, so gc keeps the save in
+flight (and the save completes) instead of removing it as two hours old."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HELPER = str(Path(__file__).with_name("skewed_trainer.py"))
+
+
+@pytest.mark.timeout(300)
+def test_gc_keeps_a_save_in_flight_of_a_trainer_whose_clock_is_behind(tmp_path, shm_dir, redis_server):
+    server = redis_server()
+    config = tmp_path / "tiers.toml"
+    config.write_text(f"""
+[engine]
+job = "clocks"
+index = "{server.url}"
+part_size = "64KiB"
+[[tiers]]
+name = "host"
+kind = "memory"
+path = "{shm_dir}/host"
+keep_last = 3
+[[tiers]]
+name = "disk"
+kind = "local"
+path = "{tmp_path}/disk"
+""")
+    go = tmp_path / "go"
+    trainer = subprocess.Popen([sys.executable, HELPER, str(config), str(go)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "holding"  # step 2 is being written to the disk
+        gc = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "--config", str(config), "gc", "--json"],
+                            capture_output=True, text=True, timeout=120)
+        assert gc.returncode == 0, gc.stderr
+        report = json.loads(gc.stdout)
+        assert 2 not in report["checkpoints"], report
+        assert not [r for r in report["removed"] if r["step"] == 2], report  # neither its data nor its records
+        assert any(k.startswith("step 2") and "may still" in k for k in report["kept"]), report
+    finally:
+        go.touch()
+        out, _ = trainer.communicate(timeout=120)
+    assert json.loads(out.strip().splitlines()[-1]) == {"step2": "ok"}
