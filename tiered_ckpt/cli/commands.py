@@ -137,26 +137,37 @@ async def _verify_step(checkpoints: Checkpoints, status: CheckpointStatus) -> di
     from ..load.verify import verify, verify_index
 
     step = status.step
-    entry: dict[str, Any] = {"step": step, "ok": True, "error": None, "tiers": [], "index": None}
+    entry: dict[str, Any] = {"step": step, "ok": True, "error": None, "retired": False, "tiers": [], "index": None}
     try:
         m = await checkpoints.read_manifest(step)
     except TieredCkptError as e:
+        if await checkpoints.status(step) is None:  # retention (or a delete) removed it meanwhile: no damage
+            entry["retired"] = True
+            return entry
         entry.update(ok=False, error=str(e))
         return entry
     # the bytes verify reads: every part on each configured tier the checkpoint targets; a bar on a terminal only
     with tqdm(total=m.nbytes * len(checkpoints.io.order(status.tiers)), unit="B", unit_scale=True,
               desc=f"step {step}", file=sys.stderr, disable=None) as bar:
         reports = await verify(checkpoints.io, status, m, bar.update)
-    entry["tiers"] = [{"tier": r.tier, "complete": r.complete, "parts": r.parts, "ok": r.ok, "bad": list(r.bad)}
-                      for r in reports]
-    damaged = any(not r.ok and r.complete for r in reports)
-    if status.incarnation is None:  # else listed from the tiers' manifests: the index has no record to check
+    # a checkpoint retired while verify read it (retention beside a live trainer) is gone, not damaged: what was
+    # bad on a tier that no longer holds it (or on every tier, once the index forgot it) is reported as retired
+    now = await checkpoints.status(step) if any(not r.ok for r in reports) else status
+    still = set(now.complete) if now is not None else set()
+    entry["retired"] = now is None
+    entry["tiers"] = [{"tier": r.tier, "complete": r.complete, "parts": r.parts, "ok": r.ok, "bad": list(r.bad),
+                       "retired": not r.ok and r.complete and r.tier not in still} for r in reports]
+    damaged = any(not t["ok"] and t["complete"] and not t["retired"] for t in entry["tiers"])
+    if now is not None and status.incarnation is None:  # else from the tiers' manifests: no index record to check
         index = await verify_index(checkpoints.index, m)
         checked = index.unreachable is None
         entry["index"] = {"index": index.index, "checked": checked, "unreachable": index.unreachable,
                           "rank_records": index.records - 1 if checked else None, "ok": index.ok if checked else None,
                           "bad": list(index.bad)}
-        damaged = damaged or (not index.ok and status.is_complete)
+        if not index.ok and await checkpoints.status(step) is None:
+            entry["retired"] = True  # its records went with it while they were read
+        else:
+            damaged = damaged or (not index.ok and status.is_complete)
     entry["ok"] = not damaged
     return entry
 
@@ -166,11 +177,14 @@ def _print_verified(entry: dict[str, Any]) -> None:
     if entry["error"] is not None:
         print(f"step {step}: {entry['error']}")
         return
+    if entry["retired"]:
+        print(f"step {step}: retired while verify read it (retention or a delete removed it): not damage")
+        return
     for r in entry["tiers"]:
-        verdict = "ok" if r["ok"] else f"{len(r['bad'])} bad part(s)"
+        verdict = "ok" if r["ok"] else "retired while verify read it" if r["retired"] else f"{len(r['bad'])} bad part(s)"
         print(f"step {step} tier {r['tier']} ({'complete' if r['complete'] else 'incomplete'}): {r['parts']} parts, "
               f"{verdict}")
-        for line in r["bad"]:
+        for line in r["bad"] if not r["retired"] else []:
             print(f"    {line}")
     index = entry["index"]
     if index is None:
