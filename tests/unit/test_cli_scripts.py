@@ -137,8 +137,8 @@ def test_verify_json_reports_every_copy_and_exits_1_on_damage(tmp_path, shm_dir,
     assert status == 0 and doc["ok"] is True and doc["job"] == "cli"
     assert [c["step"] for c in doc["checkpoints"]] == [1, 2]
     for c in doc["checkpoints"]:
-        assert c["ok"] is True and c["error"] is None
-        assert c["tiers"] == [{"tier": t, "complete": True, "parts": 4, "ok": True, "bad": []}
+        assert c["ok"] is True and c["error"] is None and c["retired"] is False
+        assert c["tiers"] == [{"tier": t, "complete": True, "parts": 4, "ok": True, "bad": [], "retired": False}
                               for t in ("host", "disk")]
         assert c["index"] == {"index": doc["index"], "checked": True, "unreachable": None, "rank_records": 1,
                               "ok": True, "bad": []}
@@ -153,6 +153,7 @@ def test_verify_json_reports_every_copy_and_exits_1_on_damage(tmp_path, shm_dir,
     assert one["ok"] is False and two["ok"] is True
     host, disk = one["tiers"]
     assert host["ok"] is True and disk["ok"] is False and len(disk["bad"]) == 1 and "part-000001" in disk["bad"][0]
+    assert disk["retired"] is False  # damage, not a step retired meanwhile
     status, out, _ = run_cli(capsys, "-c", str(config), "verify", "2", "--json")  # one step only
     assert status == 0 and [c["step"] for c in strict_json(out)["checkpoints"]] == [2]
 
