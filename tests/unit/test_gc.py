@@ -3,6 +3,7 @@ way crashed runs make them: real saves, then keys written with the layout's func
 (a zombie, a crashed attempt), index records cut short, temp files. tests/integration/test_gc.py kills a
 saving process and runs gc beside a trainer on the Redis index."""
 import asyncio
+import json
 import os
 import shutil
 import time
@@ -237,3 +238,46 @@ async def test_an_earlier_releases_checkpoint_lists_its_size_and_gc_keeps_it(tmp
         assert report.removed == [] and report.checkpoints == []
         out = {"w": torch.zeros(40_000), "b": torch.zeros(10, dtype=torch.int64), "extra": {"lr": None}}
         assert (await engine.load(out)).step == 3 and out["extra"] == {"lr": 0.5}
+
+
+def test_gc_drops_an_unreadable_record_once_no_tier_holds_its_step_and_keeps_it_while_one_does(tmp_path, shm_dir,
+                                                                                              capsys):
+    """#31 F1: step 2's `begun` record is torn (a truncated file), then retention removes its data: the record
+    promises nothing any more, yet it was listed as "incomplete, cannot be read" (warned about by every command)
+    and gc kept it for ever, saying load(step=2) might restore it. gc removes it now; a torn record whose step a
+    tier still holds (step 4) stays, and gc says where its data is."""
+    config = tmp_path / "c.toml"
+    config.write_text(f'[engine]\njob = "test"\nindex = "file://{tmp_path}/index"\npart_size = "64KiB"\n'
+                      f'[[tiers]]\nname = "host"\nkind = "memory"\npath = "{shm_dir}/host"\nkeep_last = 2\n'
+                      f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\nkeep_last = 2\n')
+
+    def tear(step: int) -> None:
+        begun = tmp_path / "index" / "test" / step_dir(step) / "begun"
+        begun.write_bytes(begun.read_bytes()[:7])
+
+    async def train(steps, torn_after: int) -> None:
+        async with tc.Engine.from_toml(config) as engine:
+            for step in steps:
+                await (await engine.save(step, state(step))).wait()
+                if step == torn_after:
+                    tear(step)
+
+    asyncio.run(train([1, 2, 3, 4, 5], torn_after=2))  # retention removes step 2's folders from both tiers
+    assert not [p for root in (shm_dir / "host", tmp_path / "disk") for p in root.rglob("*") if step_dir(2) in str(p)]
+    tear(4)  # torn too, but both tiers still hold step 4
+    assert cli.main(["-c", str(config), "gc", "--dry-run", "--json"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["checkpoints"] == [2] and [(r["tier"], r["step"]) for r in dry["removed"]] == [(None, 2)]
+    assert not any("step 2" in line for line in dry["kept"])
+    [kept] = [line for line in dry["kept"] if line.startswith("step 4")]
+    assert "cannot be read" in kept and "tier(s) host, disk still hold data of it" in kept
+    assert cli.main(["-c", str(config), "gc", "--json"]) == 0
+    real = json.loads(capsys.readouterr().out)
+    assert real["checkpoints"] == [2] and real["errors"] == [] and real["kept"] == dry["kept"]
+    assert cli.main(["-c", str(config), "ls", "--json"]) == 0
+    listed = {c["step"]: c for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert sorted(listed) == [4, 5] and listed[4]["complete"] is False  # step 4's record stays, unreadable
+    assert not (tmp_path / "index" / "test" / step_dir(2)).exists()
+    assert cli.main(["-c", str(config), "gc", "--json"]) == 0  # nothing more to do, and no error
+    again = json.loads(capsys.readouterr().out)
+    assert again["checkpoints"] == [] and again["removed"] == []

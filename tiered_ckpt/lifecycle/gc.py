@@ -19,7 +19,8 @@ trainer keeps committing; a trainer that starts meanwhile fences gc, whose next 
 
 Always kept: complete checkpoints (their committed folder), steps this process is saving or loading,
 folders of other indexes (an unrelated run sharing the tier; removed only with `other_indexes`), an
-index record that cannot be read, and a whole checkpoint of this index that the index does not list (a
+index record that cannot be read while some tier holds data of its step (without any, the record goes: it
+promises nothing), and a whole checkpoint of this index that the index does not list (a
 lost record: `load(step=N)` can still restore it; `tiered-ckpt delete` cannot see it). The tiers are
 listed before the index, so a save that begins during gc is known to the index snapshot or invisible to
 the tiers' one, never taken for an orphan; folders are removed by the names seen, never by a wider prefix
@@ -173,8 +174,7 @@ async def collect(scope: GcScope, dry_run: bool = False, *, grace: float = GRACE
         elif status is None:
             await _orphan(plan, tiers, step, mine, other_indexes)
         elif not status.tiers and "index" in status.failed:
-            report.kept.append(f"step {step}: its index record cannot be read ({status.failed['index']}); "
-                               f"load(step={step}) may still restore it from the tiers")
+            _unreadable(plan, tiers, step, mine, status.failed["index"])
         else:
             await _known(plan, tiers, status, mine, exclusive, grace, now)
         if other_indexes:
@@ -289,6 +289,23 @@ async def _orphan(plan: _Plan, tiers: list[_Tier], step: int, mine: str, other_i
                 continue
             _remove_folders(plan, t, step, [folder], "a step the index does not list (a lost record, a zombie's "
                                                      "write after a deletion)")
+
+
+def _unreadable(plan: _Plan, tiers: list[_Tier], step: int, mine: str, why: str) -> None:
+    """A step whose index record cannot be read (a torn or garbled record). While a tier holds data of it (a
+    folder of this index, or keys of formats 1-2), the tiers' copy may be all there is: kept. Once no tier does
+    (retention removed it, the record outlived its data), the record promises nothing: it goes, or it would be
+    listed as incomplete, and warned about, for ever."""
+    holding = [t.name for t in tiers if _mine(t, step, mine)]
+    unlisted = [name for name in plan.scope.io if name not in {t.name for t in tiers}]
+    if holding or unlisted:
+        where = (f"tier(s) {', '.join(holding)} still hold data of it" if holding else
+                 f"tier(s) {', '.join(unlisted)} could not be listed")
+        plan.report.kept.append(f"step {step}: its index record cannot be read ({why}); {where}: load(step={step}) "
+                                f"may still restore it from the tiers")
+        return
+    _remove_checkpoint(plan, tiers, step, mine, "an index record that cannot be read, of a step no tier holds "
+                                                "any data of")
 
 
 def _remove_checkpoint(plan: _Plan, tiers: list[_Tier], step: int, mine: str, what: str, *, in_index: bool = True,
