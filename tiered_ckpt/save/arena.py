@@ -15,19 +15,20 @@ import os
 import re
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Callable
 
 from ..errors import ConfigError
 from ..layout import job_prefix
+from ..lifecycle.host_memory import LOCK_FILE, STAGING_DIR, remove_dead, staging_folders
 from ..storage.tiers.base import FileTier
 from .mapped import MappedParts
 from .pool import StagingBuffer
 
 log = logging.getLogger(__name__)
 
-STAGING_DIR = ".staging"  # at the memory tier's root, beside the jobs' folders
-LOCK_FILE = ".owner"  # in a process's staging folder, flock-ed while it lives
+CLAIM_TRIES = 100  # a cleaner (gc, free, another process's clean_stale) holds an unclaimed folder's lock briefly
 TAKE_BACK_WAIT = 10.0  # seconds retention waits for a reader of a retired part file before giving the file up
 
 
@@ -73,12 +74,31 @@ class Arena:
 
     def claim(self) -> None:
         """Create `home` and hold an exclusive flock on its lock file for as long as this process lives: the
-        kernel drops it when the process dies, which is how `clean_stale` tells a dead folder (PIDs are
-        reused and differ between PID namespaces that share one /dev/shm)."""
-        self.tier.make_folder(self.home)
-        fd = os.open(self.home / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._lock_fd = fd
+        kernel drops it when the process dies, which is how `clean_stale` (and `tiered-ckpt gc`, `free`) tell a
+        dead folder (PIDs are reused and differ between PID namespaces that share one /dev/shm). A cleaner may
+        find the folder before this lock is taken, take it for a dead one's and remove it under its own lock:
+        then the lock file this process opened is no longer the one at its path, and it claims the folder anew."""
+        for _ in range(CLAIM_TRIES):
+            self.tier.make_folder(self.home)
+            try:
+                fd = os.open(self.home / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # removed between the two calls
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a cleaner holds it while it removes the folder: wait for it to finish
+                os.close(fd)
+                time.sleep(0.01)
+                continue
+            try:
+                same = os.stat(self.home / LOCK_FILE).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._lock_fd = fd
+                return
+            os.close(fd)
+        raise OSError(f"cannot claim the staging folder {self.home}: its lock file kept being replaced")
 
     def release_claim(self) -> None:
         if self._lock_fd is not None:
@@ -90,22 +110,10 @@ class Arena:
         """Remove the buffer folders of this job's processes that are gone (killed or crashed mid-save: their
         staging files hold a state's worth of RAM): those whose lock file nobody holds. Returns bytes freed."""
         freed = 0
-        for folder in self.home.parent.glob(f"{job}-*"):
-            if folder == self.home or not folder.is_dir():
+        for folder in staging_folders(self.home.parent.parent, job):
+            if folder.path == self.home or folder.alive:
                 continue
-            try:
-                fd = os.open(folder / LOCK_FILE, os.O_RDWR)
-            except FileNotFoundError:
-                continue  # not (yet) claimed: a process between mkdir and its lock
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its process is alive
-            else:
-                freed += sum(_size(f) for f in folder.rglob("*") if f.is_file())
-                shutil.rmtree(folder, ignore_errors=True)
-            finally:
-                os.close(fd)
+            freed += remove_dead(folder.path) or 0
         return freed
 
     @property

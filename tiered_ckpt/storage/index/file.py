@@ -325,6 +325,24 @@ def _lease_free(path: Path) -> bool:
         os.close(fd)  # drops the shared lock, if taken
 
 
+def lease_holder(root: Path, job: str) -> str | None:
+    """Who holds `job`'s writer lease in the file index at `root` (its record: pid, host, since when), or None
+    when no live process does (or there is no lease file, or it cannot be opened). Reads only: tested with a
+    shared lock taken and dropped at once, nothing created. gc and free use it to tell a live writer of
+    another index from a run that is over."""
+    try:
+        fd = os.open(Path(root) / job / "writer.lock", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+
+
 def _read_info(path: Path) -> dict[str, Any]:
     """Rank 0's {nbytes, metadata} of a step; {} when absent (an older release, a save cut short before it)
     or unreadable (a size is not worth failing a listing for)."""
