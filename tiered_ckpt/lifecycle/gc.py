@@ -17,8 +17,11 @@ Who may be writing decides what goes (docs/operations.md, "Cleaning up"):
 Either way gc never fences: with Redis it writes with the current epoch (`Index.attach`), so a running
 trainer keeps committing; a trainer that starts meanwhile fences gc, whose next index write then fails.
 
+Dead processes' staging folders on the memory tiers go too (host_memory.py: their lock is free).
+
 Always kept: complete checkpoints (their committed folder), steps this process is saving or loading,
-folders of other indexes (an unrelated run sharing the tier; removed only with `other_indexes`), an
+folders of other indexes (an unrelated run sharing the tier; removed only with `other_indexes`, and never
+those a live process holds: live_holders.py), an
 index record that cannot be read while some tier holds data of its step (without any, the record goes: it
 promises nothing), and a whole checkpoint of this index that the index does not list (a
 lost record: `load(step=N)` can still restore it; `tiered-ckpt delete` cannot see it). The tiers are
@@ -39,6 +42,8 @@ from ..manifest import Manifest
 from ..storage.index import CheckpointStatus, Index
 from ..storage.tier_io import TierIO
 from .busy import BusySteps
+from .host_memory import memory_tiers, remove_dead, staging_folders
+from .live_holders import LiveHolders, live_holders
 from .removal import remove_checkpoint
 from .writer import Writer
 
@@ -164,6 +169,8 @@ async def collect(scope: GcScope, dry_run: bool = False, *, grace: float = GRACE
     now = await scope.index.now()
     mine = index_dir(scope.index.identity) + "/"
     steps = sorted(set(statuses) | buried | {s for t in tiers for s in t.steps})
+    holders = await _foreign_holders(scope, tiers, mine) if other_indexes else None
+    held: dict[tuple[str, str, str], list[int]] = {}  # (tier, index folder, why) → steps kept
     for step in steps:
         status = statuses.get(step)
         if step in busy:
@@ -177,10 +184,18 @@ async def collect(scope: GcScope, dry_run: bool = False, *, grace: float = GRACE
             _unreadable(plan, tiers, step, mine, status.failed["index"])
         else:
             await _known(plan, tiers, status, mine, exclusive, grace, now)
-        if other_indexes:
+        if holders is not None:
             for t in tiers:
                 foreign = [f for f in t.steps.get(step, {}) if f and not f.startswith(mine)]
-                _remove_folders(plan, t, step, foreign, "another index's folder")
+                for f in foreign:
+                    why = holders.holder(f)
+                    if why is not None:  # never offered for removal: a live run's
+                        held.setdefault((t.name, f.split("/")[0], why), []).append(step)
+                _remove_folders(plan, t, step, [f for f in foreign if holders.holder(f) is None],
+                                "another index's folder")
+    for (tier, ix, why), kept_steps in held.items():
+        report.kept.append(f"tier {tier}: another index's folders ({ix}) of step(s) {', '.join(map(str, kept_steps))}: "
+                           f"{why}")
     _note_foreign(report, tiers, mine, other_indexes)
     io = scope.io
     for name in io:  # temp files and empty folders: removed after everything above
@@ -195,9 +210,30 @@ async def collect(scope: GcScope, dry_run: bool = False, *, grace: float = GRACE
         if debris:
             names = [item for item, _ in debris]
             plan.add(f"debris on {name}", lambda t=name, n=names: io.remove_debris(t, n, grace))
+    _dead_staging(plan)
     if not dry_run:
         await _run(plan, progress)
     return report
+
+
+async def _foreign_holders(scope: GcScope, tiers: list[_Tier], mine: str) -> LiveHolders:
+    """Who holds the other indexes' folders (live_holders.py): those gc --other-indexes must keep."""
+    folders = [(t.name, step, f) for t in tiers for step, by in sorted(t.steps.items()) for f in by
+               if f and not f.startswith(mine)]
+    return await live_holders(scope.io, scope.job, folders, mine.rstrip("/"))
+
+
+def _dead_staging(plan: _Plan) -> None:
+    """The staging folders (`.staging/<job>-…`, outside the job's folder) of the job's processes that died, on
+    every memory tier: RAM nothing will use again (host_memory.py). A live process's are never touched."""
+    for name, root in memory_tiers(plan.scope.io):
+        for folder in staging_folders(root, plan.job):
+            if folder.alive:
+                continue
+            plan.report.removed.append(Removal(name, None, folder.name, f"staging buffers of a process that died "
+                                                                        f"({folder.who()})", folder.nbytes))
+            plan.add(f"staging folder {folder.name} on {name}",
+                     lambda f=folder: plan.scope.io.run_blocking(remove_dead, f.path))
 
 
 async def _snapshot(scope: GcScope, report: GcReport) -> list[_Tier]:

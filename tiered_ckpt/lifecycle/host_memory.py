@@ -24,6 +24,12 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..storage.tiers.memory import MemoryTier
+
+if TYPE_CHECKING:
+    from ..storage.tier_io import TierIO
 
 STAGING_DIR = ".staging"  # at the memory tier's root, beside the jobs' folders
 LOCK_FILE = ".owner"  # in a process's staging folder, flock-ed while it lives
@@ -185,3 +191,22 @@ def jobs_in(root: Path) -> list[str]:
         jobs = set()
     jobs.update(f.job for f in staging_folders(root))
     return sorted(jobs)
+
+
+def memory_tiers(io: TierIO) -> list[tuple[str, Path]]:
+    """(name, folder) of each memory tier of the stack: the folders of this machine's RAM that `ls` sums and
+    `free` and `gc` clean (a `local` tier on a tmpfs is a disk to us: its copies are what the user asked for)."""
+    out = []
+    for name in io:
+        tier = io.file_tier(name)
+        if isinstance(tier, MemoryTier):
+            out.append((name, tier.root))
+    return out
+
+
+def live_sessions_in(roots: list[Path]) -> dict[str, StagingFolder]:
+    """live_sessions of several memory tiers' folders together."""
+    out: dict[str, StagingFolder] = {}
+    for root in roots:
+        out.update(live_sessions(root))
+    return out
