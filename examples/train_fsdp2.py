@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     per_rank, vocab, ctx = GLOBAL_BATCH // world, 256, 64
     report = SaveReport(enabled=rank == 0)
 
-    with tc.Checkpointer.from_toml(args.config, job=args.job) as ckpt:
+    with tc.Checkpointer.from_toml(args.config, job=args.job, role="writer") as ckpt:
         try:
             info = ckpt.load(state)  # every rank; each reads the parts of the saved shards its own shards need
             report.say(f"resumed from step {info.step} at world size {world} (tier {info.tier})")

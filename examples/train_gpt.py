@@ -191,7 +191,7 @@ def train(argv: list[str] | None) -> int:
     nparams = sum(p.numel() for p in model.parameters())
     report = SaveReport()
 
-    with tc.Checkpointer.from_toml(args.config, job=args.job) as ckpt:
+    with tc.Checkpointer.from_toml(args.config, job=args.job, role="writer") as ckpt:
         try:
             info = ckpt.load(state)
             torch.set_rng_state(state["rng"].value)  # the dropout masks go on as if never interrupted

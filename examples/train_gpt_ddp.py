@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = GLOBAL_BATCH // world
     report = SaveReport(enabled=rank == 0)
 
-    with tc.Checkpointer.from_toml(args.config, job=args.job) as ckpt:
+    with tc.Checkpointer.from_toml(args.config, job=args.job, role="writer") as ckpt:
         try:
             info = ckpt.load({"train": state["train"], "progress": progress})
             if progress.get("world") == world:  # each rank's own RNG state, saved by the rank of the same number

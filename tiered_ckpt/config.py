@@ -61,6 +61,9 @@ class EngineConfig:
     save_on_sigterm: bool = False
     # after a load, rewrite in the background the cache copies (memory tier, peer ring) that node loss took
     heal: bool = True
+    # "writer": open() makes this process the job's writer (a second trainer fails there, in one line); "reader":
+    # it never saves nor fences (an evaluator beside the trainer); "auto": a reader until its first save
+    role: str = "auto"
     # observability (observe/, docs/operations.md): every save, load and removal appended to this file as one line
     # of JSON ("{rank}" in the path: the rank)
     events_log: str | None = None
@@ -178,6 +181,9 @@ def check_config(config: Config) -> None:
     _check_one_best_metric(config.tiers, config.source)
 
 
+ROLES = ("auto", "writer", "reader")
+
+
 def _check_engine(engine: EngineConfig, source: str | None) -> None:
     check_ranges(engine, "engine", source)
     try:
@@ -190,6 +196,8 @@ def _check_engine(engine: EngineConfig, source: str | None) -> None:
     if engine.index.startswith("file://") and not engine.index.removeprefix("file://").strip():
         raise ConfigError("file:// names no folder (it would be the current one): give file://PATH",
                           key="engine.index", file=source)
+    if engine.role not in ROLES:
+        raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {engine.role!r}", key="engine.role", file=source)
     if engine.events_log is not None and not engine.events_log.strip():
         raise ConfigError("names no file: give a path, or omit it for no events log", key="engine.events_log",
                           file=source)

@@ -117,8 +117,14 @@ class Engine:
         loader = Loader(self.io, self.catalog, self.coordinator, self.busy, allow_pickle=engine.allow_pickle,
                         heal=engine.heal)
         self._parts = (writer, removal, saver, loader)
-        await self._open_sinks()
         self._state = "open"
+        try:
+            if engine.role == "writer":  # a second trainer, or a tier it can never write, fails here, not at a save
+                await writer.become()
+            await self._open_sinks()
+        except BaseException:
+            await self.close(raise_errors=False)
+            raise
         return self
 
     async def _removing(self, tier: str, step: int) -> None:

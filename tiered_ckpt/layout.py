@@ -85,6 +85,11 @@ def incarnation_dir(identity: str, session: str) -> str:
     return f"{index_dir(identity)}/{session}"
 
 
+def probe_key(job: str, session: str, rank: int) -> str:
+    """A value the writer writes and removes at once to check that it can write a tier (never a step's key)."""
+    return f"{job}/.probe-{session}-r{rank}"
+
+
 def step_prefix(job: str, step: int) -> str:
     return f"{job}/{step_dir(step)}/"
 

@@ -188,7 +188,7 @@ async def test_a_zombie_writer_never_overwrites_what_the_new_incarnation_committ
     commits its own step 1. When the zombie's writes go through, they land in its own folder: the committed
     step 1 still loads exactly, and the zombie's commit is refused."""
     url = redis_server().url
-    async with tc.Engine(stack(tmp_path, shm_dir, url)) as zombie:
+    async with tc.Engine(stack(tmp_path, shm_dir, url, role="writer")) as zombie:  # its probe writes done at open
         release = asyncio.Event()
         for tier in map(zombie.io.driver, zombie.io.names):
             async def held(key, data, real_write=tier.write):

@@ -92,7 +92,8 @@ async def test_the_staging_buffer_is_the_memory_tier_copy_and_retired_checkpoint
             keys = [k for k in await host.list(f"test/{step_dir(step)}/") if parse_key(k).kind == "part"]
             assert [host.path_of(k) for k in sorted(keys)] == held.files.paths
             inodes[step] = {os.stat(p).st_ino for p in held.files.paths}
-        assert all(parse_key(k).kind != "part" for k in writes)  # only records and manifests went through write
+        # only records, manifests (and the writer's probe value at its start) went through write
+        assert all(".probe-" in k or parse_key(k).kind != "part" for k in writes)
         assert len(buffers) == 3 and inodes[10] == inodes[7]  # step 7's files, retired at step 9, hold step 10
         assert [c.step for c in await engine.statuses() if "host" in c.complete] == [9, 10]
         for step in (9, 10):
@@ -113,7 +114,7 @@ async def test_a_memory_tier_too_small_for_its_staging_buffers_is_refused(make_c
 async def test_max_inflight_backpressure_holds_the_next_save_until_a_buffer_frees(make_config, monkeypatch):
     """With max_inflight = 1 and both tiers held, save 2 cannot take the only staging buffer: save() waits
     (it neither drops the save nor allocates a second buffer) until a tier holds save 1's parts."""
-    async with tc.Engine(make_config(max_inflight=1)) as engine:
+    async with tc.Engine(make_config(max_inflight=1, role="writer")) as engine:  # the tiers' probe done at open
         release = asyncio.Event()
         for name in ("host", "disk"):
             tier = engine.io.driver(name)
@@ -218,7 +219,7 @@ async def test_a_full_tmpfs_stages_in_anonymous_memory_and_the_save_goes_on(make
 async def test_slower_tiers_start_once_the_staging_memory_tier_is_marked_durable(make_config, monkeypatch):
     """When the staging buffer is the memory tier's files, the disk writes start only after this rank marked
     the memory tier durable: a file index's fsyncs would otherwise queue behind the disk's writeback."""
-    async with tc.Engine(make_config()) as engine:
+    async with tc.Engine(make_config(role="writer")) as engine:  # the tiers' probe writes done at open
         order = []
         real_mark, real_write = engine.index.mark_durable, engine.io.driver("disk").write
 

@@ -11,11 +11,13 @@ that is still running is not fenced out.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 from ..distributed.coordinator import Coordinator
-from ..errors import IndexUnavailable, RankFailed, TieredCkptError
+from ..errors import IndexUnavailable, RankFailed, TierError, TierFull, TieredCkptError
+from ..layout import probe_key
 from ..storage.index import Index
 from . import lineage
 from .removal import Removal
@@ -33,11 +35,13 @@ class Writer:
         self.is_cleaner = False  # attach()ed: may delete within the current incarnation
 
     async def become(self) -> None:
-        """Become the job's writer (collective: every rank calls it, at its first save). Raises on every rank
-        when rank 0 was refused (another writer holds the lease); an unreachable index leaves this engine a
-        reader, and the save goes on to fail at its commit, naming the index."""
+        """Become the job's writer (collective: every rank calls it, at open with `role = "writer"`, else at
+        its first save). Raises on every rank when rank 0 was refused (another writer holds the lease) or when a
+        tier cannot be written at all (`probe`); an unreachable index leaves this engine a reader, and the save
+        goes on to fail at its commit, naming the index."""
         if self.is_writer:
             return
+        await self.coordinator.agree(await self._probe())
         outcome: tuple[str, Any] = ("", None)
         refused: BaseException | None = None
         if self.coordinator.rank == 0:  # every rank must reach the broadcast below, whatever happens here
@@ -57,6 +61,31 @@ class Writer:
         if outcome[0] == "ok":
             self.index.epoch, self.is_writer = outcome[1], True
             self.removal.committed.update(outcome[2])  # listed again: saving those steps over is refused
+
+    async def _probe(self) -> BaseException | None:
+        """Write and remove a small value on each tier this rank answers for (its node's file tiers; rank 0 also
+        the others), all at once, so that a tier that can never be written (a read-only or wrong path, a refused
+        login) fails the writer's start in one line instead of every save in the background. A tier that is only
+        unreachable now (retryable) is a warning: it may be back by the time a save reaches it."""
+        io, rank = self.removal.io, self.coordinator.rank
+        answers = [t for t in io.names if rank == 0 or (io.file_tier(t) is not None and self.coordinator.lists_for_node())]
+        key = probe_key(self.job, self.coordinator.session, rank)
+
+        async def probe(tier: str) -> BaseException | None:
+            try:
+                await io.write(tier, key, memoryview(b"probe"), f"write a probe value ({key})")
+                await io.delete(tier, key)
+            except TierFull:
+                return None  # full now: retention makes room for a save, not for a probe
+            except TierError as e:
+                if e.retryable:
+                    log.warning("tier %s cannot be reached now (%s); saves will try it", tier, e)
+                    return None
+                return TierError(f"this process cannot write tier {tier!r} ({e}); nothing was saved", tier=tier)
+            return None
+
+        failed = [e for e in await asyncio.gather(*map(probe, answers)) if e is not None]
+        return failed[0] if failed else None
 
     async def _clean_leftovers(self) -> list[int]:
         """Finish removals a crash cut short, list again what the index forgot (returned), and remove incomplete

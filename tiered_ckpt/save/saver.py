@@ -13,7 +13,7 @@ import msgpack
 
 from ..config import Config
 from ..distributed.coordinator import Coordinator
-from ..errors import CheckpointExists, RankFailed, SaveError, StateError
+from ..errors import CheckpointExists, ConfigError, RankFailed, SaveError, StateError
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.writer import Writer
 from ..state import flatten
@@ -49,18 +49,23 @@ class Saver:
             raise ValueError(f"step must be an int from 0 to 2**53 - 1 (the Redis index orders steps as doubles), "
                              f"got {step!r}")
         self.raise_unobserved()
-        if step in self.services.committed:
-            raise CheckpointExists(f"job {self.job!r} step {step} already exists; delete it to save it again")
+        engine, rank = self.config.engine, self.coordinator.rank
+        if engine.role == "reader":
+            raise ConfigError(f"job {self.job!r}: this engine is a reader: it never saves; a trainer's engine takes "
+                              f"role \"writer\" or \"auto\"", key="engine.role", file=self.config.source)
         if any(j.step == step for j in self.jobs):
             raise CheckpointExists(f"job {self.job!r}: a save of step {step} is already in flight")
-        engine, rank = self.config.engine, self.coordinator.rank
         targets = [t.name for t in self.config.tiers if step % t.every == 0]
         if not targets:  # nothing to write (every tier skips this step): no collective, no index change
+            self._check_new(step)
             await asyncio.to_thread(flatten, state, allow_pickle=engine.allow_pickle, rank=rank)  # bad input raises
             handle = SaveHandle(step, targets, started=started)
             handle.set_staged()
             return handle
-        await self.writer.become()  # before anything that can fail on one rank only: every rank runs its collective
+        # before anything that can fail on one rank only (every rank runs its collective), and before "step N
+        # exists": a second trainer of the job learns of the writer it runs beside, not that it should delete N
+        await self.writer.become()
+        self._check_new(step)
         try:
             metadata = _checked_metadata(metadata)
             # in a thread: a state of 100k tensors takes a second of Python, and the loop serves saves in flight
@@ -89,6 +94,10 @@ class Saver:
         if not lazy:
             await handle.staged()
         return handle
+
+    def _check_new(self, step: int) -> None:
+        if step in self.services.committed:
+            raise CheckpointExists(f"job {self.job!r} step {step} already exists; delete it to save it again")
 
     def raise_unobserved(self) -> None:
         """Raise (once) the failure of a background save whose handle nobody waited on."""
