@@ -158,3 +158,15 @@ def test_a_url_is_this_machine_by_its_address_when_no_url_names_it():
     loopback = RedisPeerTier("peer", RedisOptions(urls=("redis://127.0.0.10:6380", "redis://127.0.0.11:6380")))
     loopback.bind(rank=0, world_size=1, node=1, num_nodes=2)
     assert loopback.own is None and loopback._ring() == [0]  # loopback is every node's: the node number decides
+
+
+async def test_the_first_save_after_a_peer_restart_goes_through_on_new_connections(tmp_path, shm_dir, redis_server):
+    # retries = 0: the pooled connections the restart broke must not count as a failed try
+    server = redis_server()
+    async with tc.Engine(stack(tmp_path, shm_dir, [server.url], retries=0)) as engine:
+        await (await engine.save(1, state(1.0))).wait()
+        server.stop()
+        server.start()  # same port, empty: every pooled connection is now a closed socket
+        await (await engine.save(2, state(2.0))).wait()  # raised before: "Connection closed by server"
+        info, out = await load(engine, tiers=["peer"])
+        assert info.step == 2 and torch.all(out["w"] == 2.0) and not info.fallbacks

@@ -164,3 +164,27 @@ async def test_a_plain_url_retries_through_a_failover_of_its_endpoint(redis_serv
     assert time.monotonic() - started >= 0.4
     await promoting
     await index.close()
+
+
+async def test_no_sentinel_answering_is_one_short_line_within_failover_timeout():
+    # no process listens on a port just freed: every sentinel connection is refused at once
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    index = RedisIndex(f"redis+sentinel://127.0.0.1:{port}/mymaster?failover_timeout=1")
+    await index.open()
+    try:
+        started = time.monotonic()
+        with pytest.raises(IndexUnavailable) as caught:
+            await index.jobs()
+        elapsed = time.monotonic() - started
+    finally:
+        await index.close()
+    message = str(caught.value)
+    # redis-py's own retries backed off for seconds per lookup (4.4 s each, 12.4 s for one `ls`), and its
+    # error carried the client's 1,300-character repr
+    assert elapsed < 3.5, elapsed
+    assert "<redis." not in message and len(message) < 400, message
+    assert "No master found for 'mymaster'" in message and f"127.0.0.1:{port}" in message

@@ -37,6 +37,8 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsp
 
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from ..config import REDIS_SCHEMES
 from ..errors import ConfigError, redact
@@ -228,10 +230,20 @@ def classify(e: BaseException, deployment: str) -> Problem:
     if isinstance(e, rexc.ResponseError):
         return Problem("error", str(e))
     if type(e).__name__ in ("MasterNotFoundError", "SlaveNotFoundError"):
-        return Problem("transient", f"no sentinel names a reachable master ({e})")
+        return Problem("transient", f"no sentinel names a reachable master ({_without_repr(str(e))})")
     if isinstance(e, (rexc.ConnectionError, rexc.TimeoutError, OSError, asyncio.TimeoutError)):
         return Problem("transient", text)
     return Problem("protocol", f"{text} (is this a Redis server?)")
+
+
+def _without_repr(text: str) -> str:
+    """redis-py's "No master found for 'x' : <a 1,300-character repr of the client> - network:ConnectionError",
+    less the repr (it names no server the URL does not, and buries the reason)."""
+    head, sep, tail = text.partition(" : <")
+    if not sep:
+        return text
+    reason = tail.rpartition(">")[2].strip(" -")
+    return f"{head}: {reason}" if reason else head
 
 
 ERRORS = (rexc.RedisError, rexc.RedisClusterException, NotReplicated, OSError, asyncio.TimeoutError)
@@ -271,11 +283,14 @@ class RedisDeployment:
         else:
             from redis.asyncio.sentinel import Sentinel
 
+            # no retries inside redis-py (its default backs off for seconds per sentinel and per master lookup,
+            # 12 s for one `ls` with failover_timeout = 1): call() retries, within failover_timeout
+            once = dict(retry=Retry(NoBackoff(), 0))
             sentinel_kwargs = dict(socket_timeout=min(self.socket_timeout, 5.0), socket_connect_timeout=min(
-                self.connect_timeout, 5.0), username=u.sentinel_username, password=u.sentinel_password)
+                self.connect_timeout, 5.0), username=u.sentinel_username, password=u.sentinel_password, **once)
             self._sentinel = Sentinel(list(u.hosts), sentinel_kwargs=sentinel_kwargs)
             self.client = self._sentinel.master_for(u.service, db=u.db, username=u.username, password=u.password,
-                                                    ssl=u.ssl, max_connections=2**16, **common)
+                                                    ssl=u.ssl, max_connections=2**16, **once, **common)
         return self.client
 
     async def connect(self) -> None:

@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import redis.asyncio as aioredis
+from redis import exceptions as rexc
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from ...errors import ConfigError, TierError, TierFull, TierNotFound, TierUnavailable
 from ..redis_connect import ERRORS, RedisDeployment, classify, parse_url, redact
@@ -98,11 +101,15 @@ class RedisPeerTier(Tier):
                         "each url by its machine's host name", self.name, machine_name(), node)
 
     async def open(self) -> None:
-        # A blocking pool: past `connections`, a command waits for a free connection instead of failing.
+        # A blocking pool: past `connections`, a command waits for a free connection instead of failing. A
+        # command that meets a closed connection (the server restarted since it was pooled) is sent once more at
+        # once, on a new one, before the pipeline counts a failed try (every command here is idempotent); a
+        # timeout is not retried here (a server that does not answer is passed over).
         self._clients = [self._deployments[i].open() if i in self._deployments else
                          aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
                              self._plain[i], max_connections=self.options.connections, timeout=None,
-                             socket_timeout=self.options.socket_timeout, socket_connect_timeout=10))
+                             socket_timeout=self.options.socket_timeout, socket_connect_timeout=10,
+                             retry=Retry(NoBackoff(), 1), retry_on_error=[rexc.ConnectionError]))
                          for i, url in enumerate(self.options.urls)]
         for deployment in self._deployments.values():
             await deployment.connect()
