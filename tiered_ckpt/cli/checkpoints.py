@@ -1,6 +1,7 @@
 """One job's checkpoints, opened for the CLI's commands without the engine's save and load paths."""
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import index_path
@@ -37,6 +38,20 @@ class Checkpoints:
         self.busy = BusySteps()
         self.removal = Removal(self.job, self.index, self.io, self.busy, set())
         self.writer = Writer(self.job, self.index, self.coordinator, self.removal)
+        self._jobs: dict[str, Checkpoints] = {self.job: self}
+
+    def for_job(self, job: str) -> "Checkpoints":
+        """Another job's checkpoints on the same tiers and index (`free --all-jobs`), opened with this one: its
+        own catalog, removal and cleaner's writer role. The same object for the same job."""
+        if job not in self._jobs:
+            other = copy.copy(self)
+            other.job = job
+            other.catalog = Catalog(job, self.index, self.io, adopt=self.config.engine.adopt)
+            other.busy = BusySteps()
+            other.removal = Removal(job, self.index, self.io, other.busy, set())
+            other.writer = Writer(job, self.index, self.coordinator, other.removal)
+            self._jobs[job] = other
+        return self._jobs[job]
 
     async def __aenter__(self) -> "Checkpoints":
         try:

@@ -1,4 +1,4 @@
-"""The commands that open a job: ls, show, verify, export, delete and gc. Each returns the exit status
+"""The commands that open a job: ls, show, verify, export, delete and gc (free: cli/free.py). Each returns the exit status
 (docs/operations.md, *CLI*)."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ..lifecycle.gc import GRACE, in_flight
 from ..sizes import format_size
 from ..storage.index import CheckpointStatus
 from .checkpoints import Checkpoints
+from .memory import host_memory, print_host_memory
 from .text import KEY_WIDTH, age, local_time, plain_values, print_json, short, status_json
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2  # docs/operations.md, *CLI*
@@ -25,12 +26,14 @@ class Refused(Exception):
 async def cmd_ls(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
     """A job without checkpoints is no error here (an empty list): a script may ask before the first save."""
     rows = await checkpoints.list()
+    ram = host_memory(checkpoints)
     if args.json:
         print_json({"job": checkpoints.job, "index": checkpoints.index.identity,
-                     "checkpoints": [status_json(c) for c in rows]})
+                     "checkpoints": [status_json(c) for c in rows], "host_memory": ram})
         return EXIT_OK
     if not rows:
         print(f"job {checkpoints.job!r}: no checkpoints{await _jobs_hint(checkpoints)}")
+        print_host_memory(ram, checkpoints.job)
         return EXIT_OK
     when = [local_time(c.created) for c in rows]
     width = max(len("created"), *map(len, when))
@@ -43,6 +46,7 @@ async def cmd_ls(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
         size = "-" if c.nbytes is None else format_size(c.nbytes)
         print(f"{c.step:>10}  {created:<{width}}  {size:>10}  {'complete' if c.is_complete else 'incomplete':<10}  "
               f"{marks}{foreign}")
+    print_host_memory(ram, checkpoints.job)
     return EXIT_OK
 
 

@@ -14,6 +14,7 @@ from ..errors import ConfigError, TieredCkptError
 from ..lifecycle.gc import GRACE
 from ..storage.index import open_index
 from .checkpoints import Checkpoints
+from .free import cmd_free
 from .commands import (EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, Refused, cmd_delete, cmd_export, cmd_gc, cmd_ls, cmd_show,
                        cmd_verify)
 from .text import config_keys, print_keys
@@ -71,6 +72,14 @@ def main(argv: list[str] | None = None) -> int:
                          "files and empty folders younger than this (default 1h; e.g. 90s, 30m, 2h)")
     gc.add_argument("--other-indexes", action="store_true", help="also remove other indexes' folders of this job "
                     "(runs that share the tier's path and job name with their own index)")
+    free = with_config(sub.add_parser("free", help="give back the host memory (RAM) a job holds in the memory tier "
+                                                   "on this machine: its copies there and dead processes' staging "
+                                                   "buffers (docs/operations.md, *Host memory*)"), json_output=True)
+    free.add_argument("--all-jobs", action="store_true", help="every job in this user's memory tier folder")
+    free.add_argument("--force", action="store_true", help="also when no other tier holds the newest checkpoint "
+                      "(it is lost), and folders this index does not list; never what a live process holds")
+    free.add_argument("--dry-run", action="store_true", help="print what would be freed; change nothing")
+    free.add_argument("-y", "--yes", action="store_true", help="do not ask (it asks only when stdin is a terminal)")
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND", title="subcommands")
     check = config_sub.add_parser("check", help="validate a tier stack TOML")
@@ -113,7 +122,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             raise Refused(f"{out} exists; pass --force to replace it")
     commands: dict[str, Callable[[Checkpoints, argparse.Namespace], Awaitable[int]]] = {
         "ls": cmd_ls, "show": cmd_show, "verify": cmd_verify, "export": cmd_export, "delete": cmd_delete,
-        "gc": cmd_gc}
+        "gc": cmd_gc, "free": cmd_free}
     return asyncio.run(_with_checkpoints(args, commands[args.command]))
 
 
