@@ -6,7 +6,7 @@ import torch
 
 from tiered_ckpt.save.plan import build_plan
 from tiered_ckpt.save.copy import stage, stream_steps
-from tiered_ckpt.save.pool import StagingBuffer
+from tiered_ckpt.save.staging_buffer import StagingBuffer
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 

@@ -24,7 +24,7 @@ from ..layout import job_prefix
 from ..lifecycle.host_memory import LOCK_FILE, STAGING_DIR, remove_dead, staging_folders
 from ..storage.tiers.base import FileTier
 from .mapped import MappedParts
-from .pool import StagingBuffer
+from .staging_buffer import StagingBuffer
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from ..distributed.dtensor import local_tensor
 
 if TYPE_CHECKING:
     from .plan import Plan
-    from .pool import StagingBuffer
+    from .staging_buffer import StagingBuffer
 
 
 def producer_events(tensors: Sequence[torch.Tensor] | None = None) -> dict[torch.device, Any]:

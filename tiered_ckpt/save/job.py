@@ -20,7 +20,8 @@ from .commit import Committer
 from .copy import stage
 from .handle import SaveHandle
 from .plan import Plan
-from .pool import StagingBuffer, StagingPool
+from .pool import StagingPool
+from .staging_buffer import StagingBuffer
 from .records import Records
 from .source import PartSource
 from .tier_write import TierWrite

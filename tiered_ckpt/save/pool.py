@@ -1,7 +1,6 @@
-"""Host staging buffers, reused across saves.
+"""Host staging buffers (staging_buffer.py), reused across saves.
 
-A buffer is one flat uint8 tensor (pinned when CUDA is present, so device-to-host copies are DMA on a
-side stream). Buffers are allocated once, touched once (first-touch page faults cost 4-5x a memcpy), and
+Buffers are allocated once, touched once (first-touch page faults cost 4-5x a memcpy), and
 then recycled: a save never allocates host memory proportional to the state after the first one.
 At most `max_inflight` buffers are in flight; a save that needs one waits for a release, it never drops.
 With an `Arena` (arena.py) a buffer is the memory tier's own files; it stays with the checkpoint it holds
@@ -15,41 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..buffers import tensor_bytes
+from .staging_buffer import StagingBuffer
 
 if TYPE_CHECKING:
     from .arena import Arena
-    from .mapped import MappedParts
-    from .plan import Plan
 
 log = logging.getLogger(__name__)
-
-
-class StagingBuffer:
-    def __init__(self, nbytes: int, pin: bool, *, files: MappedParts | None = None):
-        self.files = files  # the memory tier's files behind this buffer (None: anonymous memory)
-        if files is None:
-            self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
-            self.tensor.zero_()  # touch every page now, not during a save
-        else:
-            self.tensor = files.tensor  # preallocated and populated by MappedParts
-        self.view = tensor_bytes(self.tensor)
-        self.pinned = files.pinned if files is not None else pin
-        self.step: int | None = None  # the memory tier's checkpoint these files hold (retained buffers)
-        self.published = False  # the files sit under the memory tier's keys
-        self.in_use = False  # a save is reading or writing it (between acquire and release)
-        self._views: tuple[tuple, list[torch.Tensor]] | None = None  # (plan key, typed views) of the last plan
-
-    def views_for(self, plan: Plan) -> list[torch.Tensor]:
-        """Typed, shaped views of this buffer at the plan's offsets; built once per plan, not per save."""
-        if self._views is None or self._views[0] is not plan.key:
-            views = [self.tensor[c.offset : c.offset + c.nbytes].view(c.dtype).view(c.shape) for c in plan.local]
-            self._views = (plan.key, views)
-        return self._views[1]
-
-    @property
-    def capacity(self) -> int:
-        return self.tensor.numel()
 
 
 class StagingPool:
@@ -233,7 +203,7 @@ class StagingPool:
     async def _discard(self, buf: StagingBuffer) -> None:
         """Drop a buffer: its files (if not the tier's) go, and its memory is unmapped, in a thread (hundreds of
         ms for a large state)."""
-        await asyncio.to_thread(_drop, buf)
+        await asyncio.to_thread(buf.drop)
 
     async def clear(self) -> None:
         if self._preparing is not None:
@@ -264,13 +234,4 @@ class StagingPool:
     def retained(self) -> dict[int, StagingBuffer]:
         """step → the buffer whose files hold that checkpoint on the memory tier (a copy of the mapping)."""
         return dict(self._retained)
-
-
-def _drop(buf: StagingBuffer) -> None:
-    if buf.files is not None and not buf.published:
-        buf.files.unlink()
-    buf.files = None
-    buf.tensor = buf.view = None  # type: ignore[assignment]  # the last references: unmapped here
-    buf._views = None
-
 

@@ -20,7 +20,8 @@ from ..errors import IntegrityError
 from ..layout import PartKey
 from ..storage.tier_io import PartRead, ReadLog, TierIO
 from .plan import Plan
-from .pool import StagingBuffer, StagingPool
+from .pool import StagingPool
+from .staging_buffer import StagingBuffer
 
 
 class PartSource:
