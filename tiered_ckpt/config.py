@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from .errors import ConfigError, redact
 from .sizes import format_size, parse_size
-from .storage.tiers.registry import driver_class
+from .tier_kinds import driver_class
 
 
 def bounds(*, size: bool = False, why: str = "", **limits: float) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 import tiered_ckpt as tc
 from tiered_ckpt import cli
 from tiered_ckpt.config import TierConfig
-from tiered_ckpt.storage.tiers.registry import driver_class
+from tiered_ckpt.tier_kinds import driver_class
 
 
 def test_an_unknown_tier_key_lists_every_key_the_tier_accepts(tmp_path, capsys):

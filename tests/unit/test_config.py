@@ -119,7 +119,7 @@ def numeric_fields():
     import typing
 
     from tiered_ckpt.config import EngineConfig, TierConfig
-    from tiered_ckpt.storage.tiers.registry import driver_class
+    from tiered_ckpt.tier_kinds import driver_class
 
     classes = [("engine", None, EngineConfig), ("tiers", "disk", TierConfig)]
     classes += [("tiers", name, driver_class(kind).Options)

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, AsyncContextManager, Callable, Iterable, 
 from ..checksum import ALGORITHM, chunk_digest, describe, of_chunk_digests, part_checksum
 from ..config import TierConfig
 from ..errors import IntegrityError, TierError
+from ..tier_kinds import driver_class
 from .pipeline import SaveTurns, TierPipeline
 from .tiers.base import FileTier, Tier, scatter, start_tier
-from .tiers.registry import driver_class
 
 if TYPE_CHECKING:  # torch is imported where buffers are made: listing and deleting need none (the CLI)
     import torch

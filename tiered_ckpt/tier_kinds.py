@@ -1,11 +1,12 @@
-"""kind name → driver class. Built-in kinds load lazily; third parties register the entry point
+"""Tier kind name → driver class. Built-in kinds load lazily (by name: this module imports no driver, so the
+config, in the base, and storage/tier_io.py both use it); third parties register the entry point
 group `tiered_ckpt.tiers` (name = kind, value = "module:Class")."""
 from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
 
-from ...errors import ConfigError
+from .errors import ConfigError
 
 BUILTIN = {
     "memory": "tiered_ckpt.storage.tiers.memory:MemoryTier",
