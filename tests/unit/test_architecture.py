@@ -1,15 +1,23 @@
 """The package's shape, as docs/architecture.md states it: layers that import downwards, no import circles,
-only the facades import the engine, drivers reached only through TierIO."""
+only the facades import the engine, drivers reached only through TierIO. Imports under `if TYPE_CHECKING:`
+count like any other: a circle or an arrow up made of type-only imports is still a dependency."""
 import ast
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__import__("tiered_ckpt").__file__).parent
-FACADES = {"tiered_ckpt", "tiered_ckpt.sync"}
+FACADES = {"tiered_ckpt", "tiered_ckpt.sync", "tiered_ckpt.metrics"}
 FACADE_PACKAGES = ("tiered_ckpt.cli", "tiered_ckpt.integrations", "tiered_ckpt.bench", "tiered_ckpt.testing")
-# lowest first: a module may import its own layer and the ones below
-LAYERS = ["base", "storage", "distributed", "lifecycle", "load", "save", "facade"]
+# lowest first: a module may import its own layer and the ones below (observe/ reads the SaveHandle and the
+# LoadInfo, and only the facades import it)
+LAYERS = ["base", "storage", "distributed", "lifecycle", "load", "save", "observe", "facade"]
+# circles known and not yet broken, each with why: a new one fails the test
+KNOWN_CIRCLES = {
+    # type-only: reads.LoadInfo.heal names heal.HealReport; load/ was being changed by others when type-only
+    # imports began to count (#28 item 6), so it is left to be broken there
+    ("tiered_ckpt.load.heal", "tiered_ckpt.load.reads"),
+}
 
 
 def module_name(path: Path) -> str:
@@ -24,8 +32,9 @@ def layer(module: str) -> str:
     return second if second in LAYERS else "base"
 
 
-def runtime_imports(path: Path) -> set[str]:
-    """Modules of the package that `path` imports when it runs (not those under `if TYPE_CHECKING:`)."""
+def imports(path: Path) -> set[str]:
+    """Modules of the package that `path` imports, those under `if TYPE_CHECKING:` and inside functions
+    included."""
     tree = ast.parse(path.read_text())
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
@@ -33,9 +42,6 @@ def runtime_imports(path: Path) -> set[str]:
 
     def visit(nodes):
         for node in nodes:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                visit(node.orelse)
-                continue
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -57,7 +63,7 @@ def runtime_imports(path: Path) -> set[str]:
 
 
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-GRAPH = {m: {i for i in runtime_imports(p) if i in MODULES} for m, p in MODULES.items()}
+GRAPH = {m: {i for i in imports(p) if i in MODULES} for m, p in MODULES.items()}
 
 
 def test_no_import_circles():
@@ -78,7 +84,8 @@ def test_no_import_circles():
 
     for m in sorted(GRAPH):
         walk(m)
-    assert not circles, circles[:3]
+    new = [c for c in circles if tuple(sorted(set(c))) not in KNOWN_CIRCLES]
+    assert not new, new[:3]
 
 
 def test_imports_run_down_the_layers():

@@ -6,12 +6,9 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
-from .events import Event, LoadEvent, RemovalEvent, SaveEvent, TierEvent
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from .events import Event, EventCallback, LoadEvent, RemovalEvent, SaveEvent, TierEvent
 
 log = logging.getLogger(__name__)
 EXTRA = "pip install -e '.[prometheus]' from a clone (or pip install 'prometheus_client>=0.20')"
@@ -130,7 +127,19 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def serve(engine: "Engine", port: int = 0, addr: str = "0.0.0.0") -> MetricsServer:
+class Observed(Protocol):
+    """What `serve` reads of an Engine (this package sits below engine.py and does not import it)."""
+
+    @property
+    def job(self) -> str: ...
+
+    @property
+    def saves_in_flight(self) -> int: ...
+
+    def on_event(self, callback: EventCallback) -> Callable[[], None]: ...
+
+
+def serve(engine: Observed, port: int = 0, addr: str = "0.0.0.0") -> MetricsServer:
     """Record `engine`'s saves, loads and removals as Prometheus metrics and serve them at
     http://addr:port/metrics (port 0: a free port, see `.port`), from a daemon thread. `close()` stops it (the
     engine's own server, `[engine] metrics_port`, stops at engine.close())."""
