@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
+from importlib import resources
 from typing import Any, Mapping, Sequence
 
 import msgpack
@@ -38,140 +39,17 @@ log = logging.getLogger(__name__)
 from ..redis_connect import ERRORS, Problem, RedisDeployment
 from ..redis_connect import classify as _problem
 
-# A newer epoch than the writer's fences it. An older one (0: the key is gone) means the index lost it: a Redis
-# restarted empty, FLUSHDB, a restore from an older snapshot. The writer then sets it back to its own epoch and
-# goes on: only a real newer writer can fence it.
-_CHECK = """
-local current, mine = tonumber(redis.call('GET', KEYS[1]) or '0'), tonumber(ARGV[1])
-if current > mine then
-  return redis.error_reply('FENCED epoch ' .. ARGV[1] .. ' is stale (current ' .. current .. ')')
-end
-if current < mine then redis.call('SET', KEYS[1], ARGV[1]) end
-"""
-# The last write of every script: it always reaches the replicas (a no-op write would not), so the WAIT after
-# a repeated attempt (a retry through a failover) also covers whatever an earlier attempt wrote on this master.
-_REPLICATED = "redis.call('INCRBY', KEYS[1], 0)\n"
-# The summary of a step in the job's `list` hash (KEYS[n]): read, changed, written back by the scripts below.
-# Only begin() (a `created` field) starts one: a step an earlier release wrote keeps none and is listed from
-# its hash, never from a partial summary.
-# A summary is sealed: "TCS1", the SHA-1 of the msgpack body (40 hex digits), the body. One the scripts find
-# damaged is left as it is (never sealed again over a flipped byte); list() rebuilds that step from its hash.
-_SUMMARY = """
-local function summary(key, step, create)
-  local raw = redis.call('HGET', key, step)
-  if raw then
-    if string.sub(raw, 1, 4) ~= 'TCS1' then return cmsgpack.unpack(raw) end
-    local body = string.sub(raw, 45)
-    if redis.sha1hex(body) ~= string.sub(raw, 5, 44) then return nil end
-    return cmsgpack.unpack(body)
-  end
-  if create then return {} end
-  return nil
-end
-local function store(key, step, s)
-  local body = cmsgpack.pack(s)
-  redis.call('HSET', key, step, 'TCS1' .. redis.sha1hex(body) .. body)
-end
-"""
-# KEYS: epoch, step hash, steps zset, list hash. ARGV: epoch, step, field, value [, field, value ...]
-_HSET = _CHECK + _SUMMARY + """
-local s = nil
-for i = 3, #ARGV, 2 do
-  local f, v = ARGV[i], ARGV[i + 1]
-  if f == 'created' and v == '' then  -- the server's clock, not the writer's (gc compares with it)
-    local t = redis.call('TIME')
-    v = t[1] .. '.' .. string.format('%06d', t[2])
-  end
-  redis.call('HSET', KEYS[2], f, v)
-  local kind = string.match(f, '^(%a+)')
-  if kind == 'created' or kind == 'target' or kind == 'info' or kind == 'failed' or kind == 'skipped' then
-    s = s or summary(KEYS[4], ARGV[2], kind == 'created')
-    local tier, rank, session = string.match(f, '^failed:([^:]*):(%d+):(.*)$')
-    local skipped, _, skip_session = string.match(f, '^skipped:([^:]*):(%d+):(.*)$')
-    if tier then
-      redis.call('HSETNX', KEYS[2], 'fail:' .. tier .. ':' .. session, 'rank ' .. rank .. ': ' .. v)
-    elseif skipped then
-      redis.call('HSETNX', KEYS[2], 'skip:' .. skipped .. ':' .. skip_session, v)
-    end
-    if s then
-      if kind == 'created' then s.c = v
-      elseif kind == 'info' then s.i = v
-      elseif kind == 'target' then s.t = s.t or {}; s.t[string.sub(f, 8)] = tonumber(v)
-      elseif tier then s.f = s.f or {}; if not s.f[tier] then s.f[tier] = 'rank ' .. rank .. ': ' .. v end
-      elseif skipped then s.s = s.s or {}; if not s.s[skipped] then s.s[skipped] = tonumber(v) end
-      end
-    end
-  end
-end
-if s then store(KEYS[4], ARGV[2], s) end
-redis.call('ZADD', KEYS[3], ARGV[2], ARGV[2])
-""" + _REPLICATED + "return 1"
-# KEYS: epoch, step hash, list hash. ARGV: epoch, tier, session, rank, world, step. This rank's bit in the
-# tier's bitmap of this session; the marker that completes the set commits the tier, atomically.
-_COMMIT = _CHECK + _SUMMARY + """
-local tier, session, rank = ARGV[2], ARGV[3], tonumber(ARGV[4])
-local count_field, bits_field = 'count:' .. tier .. ':' .. session, 'done:' .. tier .. ':' .. session
-local bits = redis.call('HGET', KEYS[2], bits_field) or ''
-local at, mask = math.floor(rank / 8) + 1, 2 ^ (7 - rank % 8)
-if #bits < at then bits = bits .. string.rep('\\0', at - #bits) end
-local byte = string.byte(bits, at)
-local n
-if math.floor(byte / mask) % 2 == 0 then
-  redis.call('HSET', KEYS[2], bits_field, string.sub(bits, 1, at - 1) .. string.char(byte + mask) .. string.sub(bits, at + 1))
-  n = redis.call('HINCRBY', KEYS[2], count_field, 1)
-else
-  n = tonumber(redis.call('HGET', KEYS[2], count_field))
-end
-local done = 0
-if n >= tonumber(ARGV[5]) then
-  redis.call('HSET', KEYS[2], 'complete:' .. tier, '1')
-  local s = summary(KEYS[3], ARGV[6], false)
-  if s then s.k = s.k or {}; s.k[tier] = 1; store(KEYS[3], ARGV[6], s) end
-  done = 1
-end
-""" + _REPLICATED + "return done"
-# KEYS: epoch, step hash, list hash. ARGV: epoch, tier, step. Drops every record of one tier (before its data
-# is deleted).
-_UNMARK = _CHECK + _SUMMARY + """
-for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
-  local kind, rest = string.match(f, '^(%a+):(.*)$')
-  if kind and kind ~= 'rank' and (rest == ARGV[2] or string.sub(rest, 1, #ARGV[2] + 1) == ARGV[2] .. ':') then
-    redis.call('HDEL', KEYS[2], f)
-  end
-end
-local s = summary(KEYS[3], ARGV[3], false)
-if s then
-  for _, part in ipairs({'t', 'k', 'f', 's'}) do if s[part] then s[part][ARGV[2]] = nil end end
-  store(KEYS[3], ARGV[3], s)
-end
-""" + _REPLICATED + "return 1"
-# KEYS: epoch, step hash, steps zset, list hash. ARGV: epoch, step
-_DELETE = _CHECK + """
-redis.call('DEL', KEYS[2])
-redis.call('ZREM', KEYS[3], ARGV[2])
-redis.call('HDEL', KEYS[4], ARGV[2])
-""" + _REPLICATED + "return 1"
+
+def _lua(name: str) -> str:
+    return (resources.files(__package__) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
 
 
-# KEYS: epoch, tombstones set. ARGV: epoch, step, 1 to add or 0 to remove
-_BURY = _CHECK + """
-if ARGV[3] == '1' then redis.call('SADD', KEYS[2], ARGV[2]) else redis.call('SREM', KEYS[2], ARGV[2]) end
-""" + _REPLICATED + "return 1"
-
-
-# KEYS: epoch. A new epoch above the current one and above the server's clock in milliseconds, so that an
-# epoch issued after the index lost its counter (restarted empty, restored from a snapshot) is still above
-# every earlier incarnation's: a zombie can never set its own back over a newer writer's.
-_FENCE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local epoch = math.max(tonumber(redis.call('GET', KEYS[1]) or '0') + 1, now)
-redis.call('SET', KEYS[1], string.format('%.0f', epoch))
-return string.format('%.0f', epoch)
-"""
-
-_SCRIPTS = {"hset": _HSET, "commit": _COMMIT, "unmark": _UNMARK, "delete": _DELETE, "bury": _BURY,
-            "fence": _FENCE}
+# The Lua scripts (lua/*.lua, shipped as package data), read once at import: every write script begins with
+# check.lua (the fencing epoch), those that change a step's summary with summary.lua too.
+_CHECK, _SUMMARY = _lua("check"), _lua("summary")
+_SCRIPTS = {"hset": _CHECK + _SUMMARY + _lua("hset"), "commit": _CHECK + _SUMMARY + _lua("commit"),
+            "unmark": _CHECK + _SUMMARY + _lua("unmark"), "delete": _CHECK + _lua("delete"),
+            "bury": _CHECK + _lua("bury"), "fence": _lua("fence")}
 
 
 class RedisIndex:
