@@ -182,6 +182,26 @@ class Problem:
     text: str
 
 
+# redis-py error classes that name one problem whatever the deployment: (classes, kind, text), the text
+# formatted with the error as {e} and "<class>: <error>" as {text} (in the style of redis-py's EXCEPTION_CLASSES
+# table). classify() tries them after the special cases, in this order, the first match winning: a subclass
+# comes before its base (MasterDownError is a ClusterDownError, which is a ClusterError). None of them is an
+# AskError or a ReadOnlyError; those that are ResponseErrors or ConnectionErrors come before the catch-alls.
+_BY_CLASS: tuple[tuple[type | tuple[type, ...], str, str], ...] = (
+    (rexc.MasterDownError, "transient", "a replica lost its master (MASTERDOWN: {e})"),
+    (rexc.ClusterDownError, "transient", "the cluster is down (CLUSTERDOWN: {e}): some hash slot has no reachable "
+                                         "master"),
+    (rexc.TryAgainError, "transient", "a hash slot is being migrated (TRYAGAIN: {e})"),
+    (rexc.ClusterCrossSlotError, "error", "keys of one operation in different hash slots (CROSSSLOT: {e})"),
+    (rexc.SlotNotCoveredError, "transient", "no master serves a hash slot ({e})"),
+    ((rexc.ClusterError, rexc.RedisClusterException), "transient", "the cluster cannot serve the request "
+                                                                   "({text})"),
+    (rexc.BusyLoadingError, "transient", "the server is loading its data set (LOADING: {e})"),
+    (rexc.MaxConnectionsError, "error", "every connection of the client's pool is in use ({e}): lower the "
+                                        "concurrency, or raise max_connections"),
+)
+
+
 def classify(e: BaseException, deployment: str) -> Problem:
     """Name a redis-py error. `deployment` is "single", "cluster" or "sentinel"."""
     text = f"{type(e).__name__}: {e}"
@@ -201,30 +221,16 @@ def classify(e: BaseException, deployment: str) -> Problem:
                                      f"{e.host}:{e.port} ({what}); use redis+cluster://host:port[,host:port...]")
         return Problem("transient", f"the cluster redirected slot {e.slot_id} to {e.host}:{e.port} ({what}) and the "
                                     f"client could not follow: the cluster is resharding or failing over")
-    if isinstance(e, rexc.MasterDownError):
-        return Problem("transient", f"a replica lost its master (MASTERDOWN: {e})")
-    if isinstance(e, rexc.ClusterDownError):
-        return Problem("transient", f"the cluster is down (CLUSTERDOWN: {e}): some hash slot has no reachable "
-                                    f"master")
-    if isinstance(e, rexc.TryAgainError):
-        return Problem("transient", f"a hash slot is being migrated (TRYAGAIN: {e})")
-    if isinstance(e, rexc.ClusterCrossSlotError):
-        return Problem("error", f"keys of one operation in different hash slots (CROSSSLOT: {e})")
-    if isinstance(e, rexc.SlotNotCoveredError):
-        return Problem("transient", f"no master serves a hash slot ({e})")
-    if isinstance(e, (rexc.ClusterError, rexc.RedisClusterException)):
-        return Problem("transient", f"the cluster cannot serve the request ({text})")
     if isinstance(e, rexc.ReadOnlyError):
         if deployment == "single":  # a managed service's endpoint moving to the new primary, or a wrong URL
             return Problem("transient", f"the server is a read-only replica (READONLY: {e}): a failover under way "
                                         f"(failover_timeout retries through it), or the URL names a replica (use the "
                                         f"primary's, or redis+sentinel://)")
         return Problem("transient", f"the server is a replica now (READONLY: {e}): a failover is under way")
-    if isinstance(e, rexc.BusyLoadingError):
-        return Problem("transient", f"the server is loading its data set (LOADING: {e})")
-    if isinstance(e, rexc.MaxConnectionsError):
-        return Problem("error", f"every connection of the client's pool is in use ({e}): lower the concurrency, or "
-                                f"raise max_connections")
+    for classes, kind, template in _BY_CLASS:
+        if isinstance(e, classes):
+            return Problem(kind, template.format(e=e, text=text))
+    # the rest in this order: an OOM reply is a ResponseError; MasterNotFoundError is a ConnectionError
     if isinstance(e, rexc.OutOfMemoryError) or (isinstance(e, rexc.ResponseError) and str(e).startswith("OOM")):
         return Problem("oom", f"the server is out of memory (maxmemory): {e}")
     if isinstance(e, rexc.ResponseError):
