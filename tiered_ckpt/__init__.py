@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import Config, EngineConfig, TierConfig, load_config
     from .engine import Engine
+    from .interval import Advice, FailureRates, SaveCosts, advise
     from .errors import (AuthenticationError, CheckpointExists, CheckpointLost, ConfigError, Fenced, IncompleteCheckpoint,
                          IndexUnavailable, IntegrityError, RankFailed, SaveError, StateError, TieredCkptError,
                          TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable, WriterConflict)
@@ -29,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Engine", "Checkpointer", "TrainState", "PerRank", "SaveHandle", "SyncSaveHandle", "TierDone", "LoadInfo",
     "HealReport", "Fallback", "CheckpointStatus", "SaveEvent", "TierEvent", "LoadEvent", "RemovalEvent",
-    "Config", "EngineConfig", "TierConfig", "load_config",
+    "Config", "EngineConfig", "TierConfig", "load_config", "advise", "SaveCosts", "FailureRates", "Advice",
     "TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable", "TierTimeout",
     "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointLost", "CheckpointExists", "SaveError",
     "RankFailed", "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError",
@@ -43,7 +44,7 @@ _MODULE_OF = {  # public name → the module that defines it
     "PerRank": ".state", "SaveHandle": ".save.handle", "TierDone": ".save.handle",
     "LoadInfo": ".load.reads", "HealReport": ".load.heal", "Fallback": ".storage.tier_io",
     "CheckpointStatus": ".storage.index", "Config": ".config", "EngineConfig": ".config", "TierConfig": ".config",
-    "load_config": ".config", **dict.fromkeys(_EVENTS, ".observe.events"), **dict.fromkeys(_ERRORS, ".errors"),
+    "load_config": ".config", **dict.fromkeys(("advise", "SaveCosts", "FailureRates", "Advice"), ".interval"), **dict.fromkeys(_EVENTS, ".observe.events"), **dict.fromkeys(_ERRORS, ".errors"),
 }
 
 

@@ -14,6 +14,7 @@ from ..errors import ConfigError, TieredCkptError
 from ..lifecycle.gc import GRACE
 from ..storage.index import open_index
 from .checkpoints import Checkpoints
+from .advise import add_arguments as advise_arguments, cmd_advise
 from .free import cmd_free
 from .commands import (EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, Refused, cmd_delete, cmd_export, cmd_gc, cmd_ls, cmd_show,
                        cmd_verify)
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                          "files and empty folders younger than this (default 1h; e.g. 90s, 30m, 2h)")
     gc.add_argument("--other-indexes", action="store_true", help="also remove other indexes' folders of this job "
                     "(runs that share the tier's path and job name with their own index)")
+    advise = with_config(sub.add_parser("advise", help="how often to save and to which tier, from the job's save "
+                                                       "records and the failure rates you give"), json_output=True)
+    advise_arguments(advise, duration)
     free = with_config(sub.add_parser("free", help="give back the host memory (RAM) a job holds in the memory tier "
                                                    "on this machine: its copies there and dead processes' staging "
                                                    "buffers (docs/operations.md, *Host memory*)"), json_output=True)
@@ -116,6 +120,8 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         bench = argparse.ArgumentParser(prog="tiered-ckpt bench", description=BENCH_HELP)
         add_arguments(bench)
         return run_bench(bench.parse_args(rest))
+    if args.command == "advise":  # the config and the events log only: no index, no tiers
+        return cmd_advise(load_config(args.config, **({"job": args.job} if args.job else {})), args)
     if args.command == "export" and not args.force:  # before the config, the index, the tiers and torch (seconds)
         out = Path(args.output)
         if out.exists() or out.is_symlink():

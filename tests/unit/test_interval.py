@@ -1,0 +1,120 @@
+"""The checkpoint-interval advice (#30 item 6): the model's optimum (Young's formula where it applies, a brute
+force over every interval where tiers make it multi-level), which tier each failure resumes from, the costs
+measured from a real engine's save records, and `tiered-ckpt advise` on them."""
+import asyncio
+import json
+import math
+
+import pytest
+import torch
+
+import tiered_ckpt as tc
+from tiered_ckpt import cli
+from tiered_ckpt.config import parse_config
+from tiered_ckpt.interval import costs_from_events, plan_at, read_events, survivors
+
+from .test_cli import write_config
+
+
+def stack(*tiers: dict) -> tc.Config:
+    return parse_config({"engine": {"job": "j"}, "tiers": list(tiers)})
+
+
+HOST = {"name": "host", "kind": "memory", "path": "/dev/shm/unused"}
+DISK = {"name": "disk", "kind": "local", "path": "/tmp/unused"}
+RING = {"name": "peer", "kind": "redis", "urls": ["redis://a:6379", "redis://b:6379"]}
+S3 = {"name": "s3", "kind": "s3", "bucket": "b"}
+
+
+def test_one_tier_that_is_durable_at_once_gives_youngs_interval():
+    costs = tc.SaveCosts(blocked_seconds=2.0, seconds_per_step=0.5, durable_seconds={"host": 0.0})
+    advice = tc.advise(stack(HOST), costs, tc.FailureRates(interruptions_per_day=4))
+    young = math.sqrt(2 * 2.0 / (4 / 86400)) / 0.5  # steps
+    assert abs(advice.recommended.save_every_steps - young) <= 1, (advice.recommended, young)
+    assert advice.recommended.resume_from == {"interruption": "host"}
+
+
+def test_node_losses_resume_from_the_tiers_off_the_machine_and_slow_tiers_take_fewer_saves():
+    config = stack(HOST, DISK, RING, S3)
+    assert survivors(config) == {"interruption": ("host", "disk", "peer", "s3"), "node_loss": ("peer", "s3")}
+    costs = tc.SaveCosts(0.3, 1.0, {"host": 0.5, "disk": 4.0, "peer": 6.0, "s3": 900.0})
+    failures = tc.FailureRates(interruptions_per_day=3, node_losses_per_day=1, restart_seconds=300)
+    advice = tc.advise(config, costs, failures, current_every_steps=50)
+    rec = advice.recommended
+    alive = survivors(config)
+    # the optimum of the model over every whole interval up to a day
+    brute = min(range(1, 86400), key=lambda s: plan_at(s, costs, failures, alive).lost_fraction)
+    assert rec.lost_fraction <= plan_at(brute, costs, failures, alive).lost_fraction * (1 + 1e-12)
+    assert rec.resume_from == {"interruption": "host", "node_loss": "peer"}
+    seconds = rec.save_every_steps * costs.seconds_per_step
+    assert rec.every["s3"] == math.ceil(900.0 / seconds) > 1 and rec.every["host"] == 1  # S3 cannot take every save
+    assert advice.current is not None and advice.current.lost_fraction > rec.lost_fraction
+    assert rec.restart_fraction == pytest.approx(4 / 86400 * 300)
+    assert "save_every_steps = " in advice.summary() and "node losses (resume from peer)" in advice.summary()
+
+
+def test_node_losses_with_only_node_local_tiers_are_refused_naming_the_fix():
+    costs = tc.SaveCosts(0.3, 1.0, {"host": 0.5, "disk": 4.0})
+    with pytest.raises(tc.ConfigError, match="no tier survives a node loss"):
+        tc.advise(stack(HOST, DISK), costs, tc.FailureRates(node_losses_per_day=1))
+    with pytest.raises(ValueError, match="give a failure rate"):
+        tc.advise(stack(HOST, DISK), costs, tc.FailureRates())
+    with pytest.raises(ValueError, match="names tiers the configuration lacks: \\['nvme'\\]"):
+        tc.advise(stack(HOST), tc.SaveCosts(0.3, 1.0, {"nvme": 1.0}), tc.FailureRates(1))
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        status = cli.main(list(argv))
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_costs_come_from_a_real_engines_save_records_and_advise_reads_them(tmp_path, shm_dir, capsys):
+    log = tmp_path / "events-{rank}.jsonl"
+    config = write_config(tmp_path, shm_dir, extra=f'events_log = "{log}"\n')
+
+    async def train():
+        async with tc.Engine.from_toml(config) as engine:
+            state = {"w": torch.zeros(200_000)}
+            for step in range(1, 41):
+                await asyncio.sleep(0.005)  # a training step
+                state["w"] += 1
+                if step % 10 == 0:
+                    await (await engine.save(step, state)).wait()
+
+    asyncio.run(train())
+    records = read_events(tmp_path / "events-0.jsonl")
+    costs = costs_from_events(records)
+    assert costs.saves == 4 and costs.save_every_steps == 10
+    assert set(costs.durable_seconds) == {"host", "disk"}
+    assert 0 < costs.blocked_seconds <= min(costs.durable_seconds.values())
+    assert costs.seconds_per_step >= 0.005 * 0.9  # at least the sleep (sleep never ends early)
+
+    status, out, err = run_cli(capsys, "-c", str(config), "advise", "--interruptions-per-day", "2", "--json")
+    assert status == 0, err
+    advice = json.loads(out)
+    assert advice["current"]["save_every_steps"] == 10 and advice["costs"]["saves"] == 4
+    assert advice["recommended"]["resume_from"] == {"interruption": "host"}
+    assert advice["recommended"]["lost_fraction"] <= advice["current"]["lost_fraction"]
+
+    status, out, err = run_cli(capsys, "-c", str(config), "advise", "--interruptions-per-day", "2",
+                               "--blocked", "30", "--every-steps", "1000")  # a slow save: save less often than now
+    assert status == 0, err
+    assert "now: save_every_steps = 1000" in out and "recommended: save_every_steps = " in out
+
+
+def test_advise_without_records_or_with_a_broken_line_says_what_to_do(tmp_path, shm_dir, capsys):
+    config = write_config(tmp_path, shm_dir)
+    status, _, err = run_cli(capsys, "-c", str(config), "advise", "--interruptions-per-day", "1")
+    assert status == 2 and "events_log" in err and "--durable TIER=SECONDS" in err
+    status, out, err = run_cli(capsys, "-c", str(config), "advise", "--interruptions-per-day", "1", "--blocked", "1",
+                               "--step-seconds", "0.5", "--durable", "host=0.2", "--durable", "disk=3")
+    assert status == 0 and "recommended: save_every_steps" in out, err
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"event": "save"}\nnot json\n')
+    status, _, err = run_cli(capsys, "-c", str(config), "advise", "--interruptions-per-day", "1", "--events",
+                             str(broken))
+    assert status == 2 and f"{broken}:2: not a JSON line" in err
