@@ -25,7 +25,7 @@ from ..manifest import Manifest
 from ..storage.index import Index
 from ..storage.tier_io import ReadLog, TierIO
 from .broadcast import Holdings, tiers_for
-from .reads import part_read
+from .parts import part_read
 
 log = logging.getLogger(__name__)
 CACHE_KINDS = ("memory", "redis")

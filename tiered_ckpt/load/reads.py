@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from .broadcast import read_with_broadcast
+from .parts import part_read
 from ..distributed.coordinator import Coordinator
 from ..distributed.dtensor import local_box, local_tensor
 from ..errors import TierError
-from ..layout import PartKey, checkpoint_prefix, parse_key
+from ..layout import checkpoint_prefix, parse_key
 from ..manifest import Manifest
 from ..buffers import tensor_bytes
 from ..storage.tier_io import Fallback, PartRead, ReadLog, TierIO
@@ -224,15 +225,6 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
     if end > pos:
         views.append(memoryview(bytearray(end - pos)))
     return (views, tuple(targets), tuple(starts), tuple(wanted)) if wanted else None
-
-
-def part_read(manifest: Manifest, rank: int, p: int, views: list[memoryview], targets: tuple[str, ...] = (),
-              starts: tuple[int, ...] = (), spans: tuple[tuple[int, int], ...] = ()) -> PartRead:
-    """Part `p` of saved rank `rank`, read into `views`: its key, length and checksums, from the manifest."""
-    key = PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path
-    return PartRead(key, views, manifest.part_length(rank, p), manifest.ranks[rank].checksums[p], targets,
-                    bounce=True, algorithm=manifest.checksum, chunk_size=manifest.chunk_size,
-                    chunk_sums=manifest.chunk_sums_of(rank, p), target_starts=starts, spans=spans)
 
 
 def parts_to_read(manifest: Manifest, reads: Reads, only: set[tuple[int, int]] | None = None,
