@@ -161,12 +161,16 @@ def nothing_left(step: int, steps: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Ctrl-C anywhere ends without a traceback (exit status 130, as a shell reports an interrupt)."""
+    """Ctrl-C anywhere ends without a traceback (exit status 130, as a shell reports an interrupt); so does an
+    error of the library (one line naming it, status 1)."""
     try:
         return train(argv)
     except KeyboardInterrupt:  # before training started, or a second Ctrl-C while saves were finishing
         print("\ninterrupted: the next run resumes from the newest complete checkpoint", flush=True)
         return 130
+    except tc.TieredCkptError as e:  # e.g. another trainer of this job runs (WriterConflict, at open): one line
+        print(f"train_gpt.py: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 def train(argv: list[str] | None) -> int:

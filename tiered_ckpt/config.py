@@ -61,8 +61,9 @@ class EngineConfig:
     save_on_sigterm: bool = False
     # after a load, rewrite in the background the cache copies (memory tier, peer ring) that node loss took
     heal: bool = True
-    # "writer": open() makes this process the job's writer (a second trainer fails there, in one line); "reader":
-    # it never saves nor fences (an evaluator beside the trainer); "auto": a reader until its first save
+    # "writer": open() makes this process the job's writer (a second trainer fails there, naming the holder);
+    # "reader": it never saves, deletes nor fences (an evaluator beside the trainer); "auto": a reader until its
+    # first save
     role: str = "auto"
     # observability (observe/, docs/operations.md): every save, load and removal appended to this file as one line
     # of JSON ("{rank}" in the path: the rank)

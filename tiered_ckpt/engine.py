@@ -119,9 +119,9 @@ class Engine:
         self._parts = (writer, removal, saver, loader)
         self._state = "open"
         try:
+            await self._open_sinks()  # first: a bad events_log fails before anything is fenced or cleaned up
             if engine.role == "writer":  # a second trainer, or a tier it can never write, fails here, not at a save
                 await writer.become()
-            await self._open_sinks()
         except BaseException:
             await self.close(raise_errors=False)
             raise
@@ -374,6 +374,10 @@ class Engine:
     async def delete(self, step: int) -> None:
         """Delete checkpoint `step` from every tier and the index (commit records first)."""
         writer, removal, _, _ = self._open_parts()
+        if self.config.engine.role == "reader":
+            raise ConfigError(f"job {self.config.engine.job!r}: this engine is a reader: it never deletes (nor "
+                              f"saves); `tiered-ckpt delete` removes a checkpoint beside a running trainer",
+                              key="engine.role", file=self.config.source)
         if not writer.may_delete:  # a writer's act (with several ranks, every rank calls delete)
             await writer.become()
         await removal.delete(step)

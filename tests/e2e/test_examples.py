@@ -193,3 +193,17 @@ def test_ctrl_c_stops_train_gpt_cleanly_naming_the_newest_complete_step(tmp_path
     assert newest % 5 == 0 and max(committed) <= newest <= stopped
     again = run(example, *common, "--steps", str(newest)).stdout
     assert f"resumed from step {newest}" in again and "nothing left to train" in again, again
+
+
+def test_a_second_trainer_of_the_job_stops_at_open_in_one_line(tmp_path, shm_dir):
+    """While one trainer holds the job (here an engine opened as its writer), the example started again fails at
+    open, before training a step, with one line naming the holder (a 49-line traceback before)."""
+    import tiered_ckpt as tc
+
+    config = toml(tmp_path, shm_dir)
+    with tc.Checkpointer.from_toml(config, job="gpt", role="writer"):
+        proc = run("examples/train_gpt.py", "--tiny", "--config", str(config), "--steps", "4", check=False)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "WriterConflict" in lines[0] and f"pid {os.getpid()}" in lines[0], proc.stderr
+    assert "step" not in proc.stdout, proc.stdout  # nothing was trained

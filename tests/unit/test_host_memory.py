@@ -88,7 +88,7 @@ def test_a_killed_trainers_staging_buffers_are_shown_by_ls_and_reclaimed_by_gc(t
     assert dead["staging_dead"] == dead["staging"] == live["staging"] > 0
     assert dead["nbytes"] == dead["checkpoints"] + dead["staging"] and dead["checkpoints"] > 0
     text = cli(config, "ls").stdout
-    assert "of processes that died (`tiered-ckpt gc` frees it)" in text and "RAM on this machine" in text
+    assert "left by processes that died: `tiered-ckpt gc` frees it" in text and "RAM on this machine" in text
     dry = cli(config, "gc", "--dry-run", "--json")
     doc = json.loads(dry.stdout)
     staging = [r for r in doc["removed"] if r["name"].startswith(".staging/cli-")]
@@ -174,9 +174,15 @@ def test_other_indexes_folders_of_a_live_writer_are_never_offered(tmp_path, shm_
         why = "its staging folder is locked" if stage_in_memory_tier else "the writer lease is held"
         assert all(why in k for k in kept), kept
         assert cli(a, "gc", "--other-indexes").returncode == 0
+        # a part of an earlier release's format (no incarnation folder) right in step 5's folder: its prefix is
+        # the whole step folder, B's live one included
+        legacy = shm_dir / "host" / "cli" / "step-000000000005" / "rank-00000" / "part-000000"
+        legacy.parent.mkdir(parents=True)
+        legacy.write_bytes(b"x" * 100)
         forced = cli(a, "free", "--force", "--yes")
         assert forced.returncode == 0 and "kept host step 5" in forced.stdout, forced
         assert shm_b <= set(files(shm_dir / "host")) and disk_b <= set(files(tmp_path / "disk"))
+        assert not legacy.exists()  # removed key by key
     finally:
         trainer.send_signal(signal.SIGKILL)
         stop(trainer)

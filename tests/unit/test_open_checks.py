@@ -57,7 +57,11 @@ async def test_a_reader_never_saves_nor_takes_the_lease(make_config):
             with pytest.raises(tc.ConfigError) as refused:
                 await evaluator.save(2, state(2.0))
             assert "engine.role" in str(refused.value)
+            with pytest.raises(tc.ConfigError, match="never deletes") as refused:  # it took the lease before
+                await evaluator.delete(1)
+            assert "engine.role" in str(refused.value)
         await (await trainer.save(2, state(2.0))).wait()
+        assert [s.step for s in await trainer.statuses()] == [1, 2]  # step 1 is still there
 
 
 def test_an_unknown_role_is_refused_naming_the_key(make_config):

@@ -40,18 +40,22 @@ async def cmd_free(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
             raise Refused("nothing freed") from None
         if not yes:
             raise Refused("nothing freed")
-    done = []
-    for job in jobs:  # again, holding the job's lease: a trainer may have started or saved meanwhile
-        plan = await _plan(checkpoints, job, args, hold=True)
-        try:
-            if plan.refused and not args.force:
-                plan.errors.append(plan.refused)
-            else:
-                await run_free(plan)
-        finally:
+    # again, holding each job's lease (a trainer may have started or saved meanwhile): every job is planned,
+    # and a refusal found now refuses the whole command, before anything is removed
+    plans, attached = [], []
+    try:
+        for job in jobs:
+            attached.append(job)
+            plans.append(await _plan(checkpoints, job, args, hold=True))
+        refused = [p.refused for p in plans if p.refused]
+        if refused and not args.force:
+            raise Refused("; ".join(refused) + "; nothing freed")
+        for plan in plans:
+            await run_free(plan)
+    finally:
+        for job in attached:
             await _detach(checkpoints, job)
-        done.append(plan)
-    return _report(done, args, dry_run=False)
+    return _report(plans, args, dry_run=False)
 
 
 async def _plan(checkpoints: Checkpoints, job: str, args: argparse.Namespace, *, hold: bool) -> FreePlan:

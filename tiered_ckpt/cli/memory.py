@@ -26,11 +26,12 @@ def print_host_memory(entries: list[dict[str, Any]], job: str) -> None:
         others = {j: n for j, n in e["other_jobs"].items() if n}
         if not e["nbytes"] and not others:
             continue
-        dead = (f", {format_size(e['staging_dead'])} of it of processes that died (`tiered-ckpt gc` frees it)"
+        dead = (f" ({format_size(e['staging_dead'])} left by processes that died: `tiered-ckpt gc` frees it)"
                 if e["staging_dead"] else "")
+        hint = "; `tiered-ckpt free` gives it back" if e["nbytes"] else ""
         print(f"RAM on this machine, memory tier {e['tier']} ({e['path']}): job {job!r} holds "
               f"{format_size(e['nbytes'])}: checkpoints {format_size(e['checkpoints'])}, staging buffers "
-              f"{format_size(e['staging'])}{dead}; `tiered-ckpt free` gives it back")
+              f"{format_size(e['staging'])}{dead}{hint}")
         if others:
             print(f"  other jobs there: {', '.join(f'{j} {format_size(n)}' for j, n in sorted(others.items()))} "
                   f"(`tiered-ckpt free --all-jobs` frees every job's)")

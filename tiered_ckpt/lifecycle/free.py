@@ -99,8 +99,10 @@ async def plan_free(job: str, index: Index, io: TierIO, removal: Removal, *, exc
                     continue
                 plan.removed.append(Freed(name, step, checkpoint_prefix(job, step, f), "not listed by this index",
                                           sum(by[f].values())))
-                plan.actions.append((f"{checkpoint_prefix(job, step, f)} on {name}",
-                                     lambda t=name, p=checkpoint_prefix(job, step, f): io.delete(t, p)))
+                # the folder-less keys of formats 1-2 ("") one by one: their prefix is the whole step folder,
+                # other runs' folders (live ones too) included
+                for prefix in (sorted(by[f]) if not f else [checkpoint_prefix(job, step, f)]):
+                    plan.actions.append((f"{prefix} on {name}", lambda t=name, p=prefix: io.delete(t, p)))
         _staging(plan, io, name, root)
     newest = max((s for s in statuses.values() if s.is_complete), key=lambda s: s.step, default=None)
     if newest is not None and not newest.complete - memory and newest.step in plan.dropped:

@@ -18,6 +18,8 @@ name says so (`remove_dead`).
 from __future__ import annotations
 
 import fcntl
+import logging
+import sys
 import os
 import re
 import shutil
@@ -30,6 +32,9 @@ from ..storage.tiers.memory import MemoryTier
 
 if TYPE_CHECKING:
     from ..storage.tier_io import TierIO
+
+log = logging.getLogger(__name__)
+_ONEXC = sys.version_info >= (3, 12)  # shutil.rmtree's onerror is deprecated there
 
 STAGING_DIR = ".staging"  # at the memory tier's root, beside the jobs' folders
 LOCK_FILE = ".owner"  # in a process's staging folder, flock-ed while it lives
@@ -147,7 +152,15 @@ def remove_dead(folder: Path) -> int | None:
             except BlockingIOError:
                 return None  # its process is alive
         nbytes = folder_bytes(folder)
-        shutil.rmtree(folder, ignore_errors=True)
+        failed: list[str] = []
+        if _ONEXC:
+            shutil.rmtree(folder, onexc=lambda _, path, e: failed.append(f"{path}: {e}"))
+        else:
+            shutil.rmtree(folder, onerror=lambda _, path, info: failed.append(f"{path}: {info[1]}"))
+        if failed:  # what stays is still RAM: not reported freed (a file system refusing removals, say)
+            log.warning("could not remove all of the dead process's staging folder %s (%d error(s), first: %s)",
+                        folder, len(failed), failed[0])
+            return nbytes - folder_bytes(folder)
         return nbytes
     finally:
         if fd is not None:

@@ -25,6 +25,9 @@ from .removal import Removal
 log = logging.getLogger(__name__)
 
 
+PROBE_TIMEOUT = 20.0  # seconds a writer's probe of one tier may take (no retries): well inside collective_timeout
+
+
 class Writer:
     def __init__(self, job: str, index: Index, coordinator: Coordinator, removal: Removal):
         self.job = job
@@ -71,17 +74,19 @@ class Writer:
         answers = [t for t in io.names if rank == 0 or (io.file_tier(t) is not None and self.coordinator.lists_for_node())]
         key = probe_key(self.job, self.coordinator.session, rank)
 
-        async def probe(tier: str) -> BaseException | None:
+        async def probe(tier: str) -> BaseException | None:  # never raises: every rank must reach agree()
             try:
-                await io.write(tier, key, memoryview(b"probe"), f"write a probe value ({key})")
-                await io.delete(tier, key)
+                await io.probe(tier, key, PROBE_TIMEOUT)
             except TierFull:
                 return None  # full now: retention makes room for a save, not for a probe
             except TierError as e:
-                if e.retryable:
+                if e.retryable:  # unreachable or slow now (a timeout too): not a reason to refuse the writer
                     log.warning("tier %s cannot be reached now (%s); saves will try it", tier, e)
                     return None
                 return TierError(f"this process cannot write tier {tier!r} ({e}); nothing was saved", tier=tier)
+            except Exception as e:
+                return TierError(f"this process cannot write tier {tier!r} ({type(e).__name__}: {e}); nothing was "
+                                 f"saved", tier=tier)
             return None
 
         failed = [e for e in await asyncio.gather(*map(probe, answers)) if e is not None]

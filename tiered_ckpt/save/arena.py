@@ -98,7 +98,8 @@ class Arena:
                 self._lock_fd = fd
                 return
             os.close(fd)
-        raise OSError(f"cannot claim the staging folder {self.home}: its lock file kept being replaced")
+        raise OSError(f"cannot claim the staging folder {self.home}: for {CLAIM_TRIES} tries its lock stayed held "
+                      f"(a cleaner removing it) or its lock file was replaced")
 
     def release_claim(self) -> None:
         if self._lock_fd is not None:

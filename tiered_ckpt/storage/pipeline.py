@@ -104,6 +104,17 @@ class TierPipeline:
         finally:
             await self._budget.release(nbytes)
 
+    async def once(self, op: Callable[[], Awaitable[T]], what: str, timeout: float) -> T:
+        """Run `op` one time within `timeout` (a check, not work to get done: no retries, no budget)."""
+        try:
+            return await asyncio.wait_for(op(), timeout)
+        except asyncio.TimeoutError as e:
+            if isinstance(e, TierError):
+                raise
+            raise TierTimeout(f"{what} took longer than {timeout}s", tier=self.name) from None
+        except OSError as e:
+            raise TierError(f"{what}: {e}", tier=self.name) from e
+
     async def attempt(self, op: Callable[[], Awaitable[T]], what: str) -> T:
         """Run `op` with this tier's timeout and retries, outside the budget (for work already counted in
         another pipeline's budget)."""

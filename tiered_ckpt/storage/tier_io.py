@@ -230,6 +230,16 @@ class TierIO:
                 await self._drivers[tier].write(key, data)
         await self._pipelines[tier].submit(nbytes, op, what)
 
+    async def probe(self, tier: str, key: str, timeout: float) -> None:
+        """Write a small value under `key` and remove it, once, within `timeout`: whether this process can write
+        the tier at all (a writer's start), not a write to get done (no retries)."""
+        driver = self._drivers[tier]
+
+        async def op() -> None:
+            await driver.write(key, memoryview(b"probe"))
+            await driver.delete(key)
+        await self._pipelines[tier].once(op, f"write a probe value ({key})", timeout)
+
     async def read(self, tier: str, key: str) -> bytes:
         """A whole small value (a manifest, a record). TierNotFound when absent."""
         return await self._pipelines[tier].attempt(lambda: self._drivers[tier].read(key), f"read {key}")
