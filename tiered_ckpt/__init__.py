@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .load.reads import LoadInfo
     from .observe.events import LoadEvent, RemovalEvent, SaveEvent, TierEvent
     from .save.handle import SaveHandle, TierDone
+    from .save.reserve import Reservation
     from .state import PerRank
     from .storage.index import CheckpointStatus
     from .storage.tier_io import Fallback
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 __all__ = [
-    "Engine", "Checkpointer", "TrainState", "PerRank", "SaveHandle", "SyncSaveHandle", "TierDone", "LoadInfo",
+    "Engine", "Checkpointer", "TrainState", "PerRank", "SaveHandle", "SyncSaveHandle", "TierDone", "Reservation", "LoadInfo",
     "HealReport", "Fallback", "CheckpointStatus", "SaveEvent", "TierEvent", "LoadEvent", "RemovalEvent",
     "Config", "EngineConfig", "TierConfig", "load_config", "advise", "SaveCosts", "FailureRates", "Advice",
     "TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable", "TierTimeout",
@@ -41,7 +42,7 @@ _ERRORS = ("TieredCkptError", "ConfigError", "StateError", "TierError", "TierNot
 _EVENTS = ("SaveEvent", "TierEvent", "LoadEvent", "RemovalEvent")
 _MODULE_OF = {  # public name → the module that defines it
     "Engine": ".engine", "Checkpointer": ".sync", "SyncSaveHandle": ".sync", "TrainState": ".train_state",
-    "PerRank": ".state", "SaveHandle": ".save.handle", "TierDone": ".save.handle",
+    "PerRank": ".state", "SaveHandle": ".save.handle", "TierDone": ".save.handle", "Reservation": ".save.reserve",
     "LoadInfo": ".load.reads", "HealReport": ".load.heal", "Fallback": ".storage.tier_io",
     "CheckpointStatus": ".storage.index", "Config": ".config", "EngineConfig": ".config", "TierConfig": ".config",
     "load_config": ".config", **dict.fromkeys(("advise", "SaveCosts", "FailureRates", "Advice"), ".interval"), **dict.fromkeys(_EVENTS, ".observe.events"), **dict.fromkeys(_ERRORS, ".errors"),

@@ -35,6 +35,7 @@ from .observe.events import EventCallback, Events
 from .observe.jsonl import JsonLinesFile, log_path
 from .save.arena import Arena
 from .save.commit import Committer
+from .save.reserve import Reservation
 from .save.handle import SaveHandle
 from .save.job import SaveServices
 from .save.mapped import supported as mapped_supported
@@ -267,6 +268,17 @@ class Engine:
         if self.policy.last_save_due:  # should_save said yes for a SIGTERM: this was the last save
             await self._finish(handle)
         return handle
+
+    async def reserve(self, state: Any) -> Reservation:
+        """Make now, before training, every staging buffer the saves of `state` will use: max_inflight, and with
+        the memory tier staging its own files also the checkpoints it keeps (keep_last + keep_best + 1), each
+        allocated and populated. The first saves then block only for their copy. Checked first, on every rank at
+        once: the memory tier's `capacity`, and the free space of the file system under it for this machine's
+        ranks together (`TierFull` naming the tier, the bytes needed and free). Call it on every rank with the
+        state you will save (a collective, as save()); it makes this engine the writer, as a save would. Returns
+        what it made and the host memory the staging holds from now on."""
+        _, _, saver, _ = self._open_parts()
+        return await saver.reserve(state)
 
     async def should_save(self, step: int) -> bool:
         """Whether the loop should save `step` now, by the `[engine]` rules: `save_every_steps` (step divisible),

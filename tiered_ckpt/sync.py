@@ -21,6 +21,7 @@ from .storage.index import CheckpointStatus
 from .load.heal import HealReport
 from .load.reads import LoadInfo
 from .manifest import Manifest
+from .save.reserve import Reservation
 from .save.handle import SaveHandle, TierDone
 from .save.copy import producer_events
 
@@ -107,6 +108,10 @@ class Checkpointer:
         events = producer_events()  # here, in the training thread, whose streams produce the tensors
         return SyncSaveHandle(self._run(self.engine.save(step, state, lazy=lazy, metadata=metadata,
                                                          ready_events=events)), self)
+
+    def reserve(self, state: Any) -> Reservation:
+        """Engine.reserve, blocking: every staging buffer the saves will use, made and checked now."""
+        return self._run(self.engine.reserve(state))
 
     def should_save(self, step: int) -> bool:
         """Engine.should_save, blocking: whether to save `step` now by the [engine] rules (the same answer on

@@ -187,3 +187,20 @@ def test_a_tier_skipping_saves_on_one_rank_skips_them_on_every_rank(tmp_path):
     assert skipped, "the slow rank never fell behind: the test proves nothing"
     assert all("disk" not in results[0]["complete"].get(step, []) for step in skipped)
     assert results[0]["complete"][12] == ["disk", "host"] and results[0]["loaded"] == (12, True)
+
+
+async def _reserve_then_save(rank: int, world: int, root: str) -> dict:
+    async with tc.Engine(config(root)) as engine:
+        reserved = await engine.reserve(replicated_state(0.0))
+        made = {id(b) for b in engine.pool.free}
+        for step in (1, 2):
+            await (await engine.save(step, replicated_state(float(step)))).wait()
+        mine = {id(b) for b in (*engine.pool.free, *engine.pool.retained.values())}
+        return {"host": reserved.host_bytes, "machine": reserved.machine_bytes, "made": reserved.made,
+                "own": mine <= made}
+
+
+def test_reserve_counts_every_rank_of_the_machine_and_the_saves_use_its_buffers(tmp_path):
+    results = run_ranks(_reserve_then_save, 2, str(tmp_path))
+    assert all(r["own"] and r["made"] > 0 for r in results), results
+    assert all(r["machine"] == sum(x["host"] for x in results) for r in results), results  # one machine here

@@ -101,6 +101,40 @@ class StagingPool:
                             "memory tier gets its own copy", e)
         return StagingBuffer(nbytes, self.pin)
 
+    def missing(self) -> int:
+        """How many more buffers the saves to come will use: max_inflight, and with the memory tier's files
+        also the checkpoints it keeps (keep_last + keep_best). The checkpoint that retention retires only after
+        the next commit needs none of its own: the next save's buffer is the one it gives back (prepare_next
+        makes no more either)."""
+        most = self.max_inflight + (self.arena.held if self.arena is not None else 0)
+        return max(0, most - self._count - len(self._retained))
+
+    async def reserve(self, nbytes: int, count: int) -> None:
+        """Make `count` buffers of `nbytes` now, populated, as free buffers (Engine.reserve): the first saves then
+        take them instead of allocating while training waits. Unlike a save's own buffer, one that cannot be made
+        in the memory tier's files (its tmpfs full) raises instead of falling back to anonymous memory. A buffer
+        beyond max_inflight is used once: retention hands back each retired one and the pool keeps at most
+        max_inflight free, as without a reservation."""
+        for _ in range(count):
+            async with self._cond:
+                self._count += 1
+            try:
+                buf = await asyncio.to_thread(self._make, nbytes)
+            except BaseException:
+                async with self._cond:
+                    self._count -= 1
+                    self._cond.notify()
+                raise
+            async with self._cond:
+                self._free.append(buf)
+                self._cond.notify()
+
+    def _make(self, nbytes: int) -> StagingBuffer:
+        if self.arena is None:
+            return StagingBuffer(nbytes, self.pin)
+        self.arena.check_fits(nbytes, self.max_inflight)
+        return self.arena.new(nbytes, self.pin)
+
     async def release(self, buf: StagingBuffer) -> None:
         """A save is done with `buf` (a retained buffer stays with its checkpoint until `reclaim`)."""
         buf.in_use = False

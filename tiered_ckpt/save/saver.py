@@ -18,6 +18,7 @@ from ..lifecycle.busy import BusySteps
 from ..lifecycle.writer import Writer
 from ..state import flatten
 from .copy import producer_events
+from .reserve import Reservation, room_error
 from .handle import SaveHandle
 from .job import SaveJob, SaveServices
 from .plan import Planner
@@ -94,6 +95,41 @@ class Saver:
         if not lazy:
             await handle.staged()
         return handle
+
+    async def reserve(self, state: Any) -> Reservation:
+        """Engine.reserve (collective, like a save: every rank calls it with its state)."""
+        engine, coordinator = self.config.engine, self.coordinator
+        if engine.role == "reader":
+            raise ConfigError(f"job {self.job!r}: this engine is a reader: it never saves, so it reserves nothing",
+                              key="engine.role", file=self.config.source)
+        await self.writer.become()  # as a save's start: the lease, the probes, the leftovers
+        try:
+            flat = await asyncio.to_thread(flatten, state, allow_pickle=engine.allow_pickle, rank=coordinator.rank)
+        except Exception as e:
+            if coordinator.distributed:
+                await self.planner.join_failed(e)  # the others wait in the plan gather: RankFailed on every rank
+            raise
+        plan = await self.planner.plan(flat.paths, flat.tensors)  # cached: the first save plans nothing more
+        pool = self.services.pool
+        count = pool.missing()
+        arena = pool.arena
+        held = pool.buffers + len(pool.retained) + count
+        machine = [(coordinator.host, count * plan.nbytes, held * plan.nbytes)]
+        if coordinator.distributed:
+            machine = [m for m in await coordinator.all_gather_object(machine[0]) if m[0] == coordinator.host]
+        error: BaseException | None = None
+        if arena is not None and count:
+            try:
+                arena.check_fits(plan.nbytes, pool.max_inflight)
+            except ConfigError as e:
+                error = e
+            if error is None:
+                folder = next(p for p in (arena.home, *arena.home.parents) if p.exists())
+                error = room_error(arena.name, str(folder), sum(need for _, need, _ in machine), len(machine))
+        await coordinator.agree(error)  # the same error on every rank, before any rank makes a buffer
+        await pool.reserve(plan.nbytes, count)
+        return Reservation(plan.nbytes, count, held, held * plan.nbytes, sum(total for _, _, total in machine),
+                           arena.name if arena is not None else None)
 
     def _check_new(self, step: int) -> None:
         if step in self.services.committed:
