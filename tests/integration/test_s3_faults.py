@@ -11,7 +11,8 @@ from .fault_proxy import FaultProxy
 
 def stack(tmp_path, endpoint, bucket, **s3):
     return parse_config({
-        "engine": {"job": "faults", "index": f"file://{tmp_path}/index", "part_size": "64KiB"},
+        "engine": {"job": "faults", "index": f"file://{tmp_path}/index", "part_size": "64KiB",
+                   "role": "writer"},  # its probe writes are done at open, before a test injects faults
         "tiers": [
             {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")},
             {"name": "s3", "kind": "s3", "bucket": bucket, "endpoint_url": endpoint, "retries": 4,

@@ -108,9 +108,9 @@ class TierPipeline:
         """Run `op` one time within `timeout` (a check, not work to get done: no retries, no budget)."""
         try:
             return await asyncio.wait_for(op(), timeout)
-        except asyncio.TimeoutError as e:
-            if isinstance(e, TierError):
-                raise
+        except TierError:  # the driver's own (an OSError too): full, retryable or not, as it said
+            raise
+        except asyncio.TimeoutError:
             raise TierTimeout(f"{what} took longer than {timeout}s", tier=self.name) from None
         except OSError as e:
             raise TierError(f"{what}: {e}", tier=self.name) from e
