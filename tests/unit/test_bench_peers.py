@@ -26,17 +26,17 @@ def test_the_harness_runs_each_library_in_fresh_processes_and_reports_verified_f
     out = tmp_path / "peers.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tiered_ckpt.bench.peers", "--size", "4MiB", "--repeats", "2", "--first-saves", "3",
-         "--libraries", "raw,torch_save,tiered_ckpt", "--dir", str(tmp_path / "work"), "--shm", str(shm_dir),
+         "--libraries", "raw,torch_save,tiered_ckpt,tiered_ckpt_reserved", "--dir", str(tmp_path / "work"), "--shm", str(shm_dir),
          "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=590)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(out.read_text())
     [size] = results["sizes"]
     assert size["problems"] == {} and size["saves"] == 3
-    assert sorted(size["runs"]) == ["raw", "tiered_ckpt", "torch_save"]
+    assert sorted(size["runs"]) == ["raw", "tiered_ckpt", "tiered_ckpt_reserved", "torch_save"]
     assert all(len(runs) == 2 for runs in size["runs"].values())  # one fresh process per repetition
     for raw in size["runs"]["raw"]:
         assert min(raw["memcpy"], raw["raw_write"], raw["raw_read"]) > 0
-    for name in ("torch_save", "tiered_ckpt"):
+    for name in ("torch_save", "tiered_ckpt", "tiered_ckpt_reserved"):
         for run in size["runs"][name]:
             assert run["verified"] is True and 0.99 * (4 << 20) <= run["bytes"] <= 4 << 20
             assert len(run["saves"]) == 3 and run["cold_load"] > 0
@@ -44,6 +44,8 @@ def test_the_harness_runs_each_library_in_fresh_processes_and_reports_verified_f
                 # (durable may come before the caller is resumed: a small state commits in the meantime)
                 assert 0 < save["returned"] <= save["blocked"] and save["durable"] > 0
     assert all(run["memory_load"] > 0 for run in size["runs"]["tiered_ckpt"])  # only tiered_ckpt loads from memory
+    assert all(run["prepare"] > 0 for run in size["runs"]["tiered_ckpt_reserved"])  # engine.reserve, timed apart
+    assert all("prepare" not in run for run in size["runs"]["tiered_ckpt"])
 
     lines = [cells(line) for line in proc.stdout.splitlines() if line.startswith("| ")]
     headers = [line for line in lines if line[0] == "library"]
@@ -58,6 +60,8 @@ def test_the_harness_runs_each_library_in_fresh_processes_and_reports_verified_f
         assert abs(float(row[6]) - statistics.median(r["cold_load"] for r in runs)) < 1e-4
         assert float(row[3]) > 0 and float(row[5]) > 0 and float(row[7]) > 0
     assert rows["tiered_ckpt / best peer"][3] == "best peer s"
+    assert rows["blocked"][3].endswith("(torch.save)")  # the best peer is a peer, never tiered_ckpt+reserve
+    assert "tiered_ckpt+reserve: its set-up before save 1 took" in proc.stdout
     assert {"blocked", "durable on disk", "cold load"} <= set(rows)
     assert rows["cold load"][3].endswith("(torch.save)")  # the only peer measured here
     assert "Not measured" not in proc.stdout

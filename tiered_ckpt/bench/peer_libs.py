@@ -91,6 +91,11 @@ class Library:
     async def open(self) -> None:
         pass
 
+    async def prepare(self, state: State) -> bool:
+        """Set-up a library offers before the first save (untimed in the saves; reported on its own): whether
+        there was any."""
+        return False
+
     async def save(self, step: int, state: State, started: float) -> Pending:
         raise NotImplementedError
 
@@ -309,6 +314,16 @@ class TieredCkpt(Library):
         await self.engine.__aexit__(None, None, None)
 
 
+class TieredCkptReserved(TieredCkpt):
+    """The same, with `engine.reserve(state)` at set-up: every staging buffer made before the first save."""
+
+    name = "tiered_ckpt+reserve"
+
+    async def prepare(self, state: State) -> bool:
+        await self.engine.reserve(state)
+        return True
+
+
 class DiskCommit(Pending):
     """tiered_ckpt stamps each tier's commit itself (seconds from when the handle was made, inside `save()`)."""
 
@@ -324,4 +339,4 @@ class DiskCommit(Pending):
 LIBRARIES: dict[str, type[Library]] = {
     "torch_save": TorchSave, "dcp_async": DcpAsync, "torch_checkpointing": TorchCheckpointing,
     "torchsnapshot_async": TorchSnapshot, "torchsnapshot_take": TorchSnapshotTake, "dlrover": Dlrover,
-    "tiered_ckpt": TieredCkpt}
+    "tiered_ckpt": TieredCkpt, "tiered_ckpt_reserved": TieredCkptReserved}

@@ -27,6 +27,8 @@ def medians(size: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if "memory_load" in runs[0]:
             row["memory_load"] = med(r["memory_load"] for r in runs)
         row["first_saves"] = [med(r["saves"][i]["blocked"] for r in runs) for i in range(len(runs[0]["saves"]))]
+        if "prepare" in runs[0]:
+            row["prepare"] = med(r["prepare"] for r in runs)
         out[name] = row
     return out
 
@@ -56,7 +58,7 @@ def _library_rows(rows: dict[str, dict[str, Any]], raw: dict[str, float]) -> lis
 
 def _against_best_peer(rows: dict[str, dict[str, Any]]) -> list[str]:
     ours = rows.get(OURS)
-    peers = {n: r for n, r in rows.items() if n != OURS}
+    peers = {n: r for n, r in rows.items() if not n.startswith(OURS)}
     if not ours or not peers:
         return []
     lines = ["", f"| {OURS} / best peer | ratio | {OURS} s | best peer s |", "|---|---:|---:|---|"]
@@ -75,6 +77,8 @@ def _first_saves(rows: dict[str, dict[str, Any]]) -> list[str]:
              "|---|" + "---:|" * n]
     for r in rows.values():
         lines.append(f"| {r['library']} | " + " | ".join(_s(x) for x in r["first_saves"]) + " |")
+    lines += [f"\n{r['library']}: its set-up before save 1 took {_s(r['prepare'])} s (not in the saves)"
+              for r in rows.values() if "prepare" in r]
     return lines
 
 

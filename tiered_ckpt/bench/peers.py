@@ -32,7 +32,7 @@ from .peer_libs import LIBRARIES, RAW, Library, State
 from .peer_report import report
 
 ORDER = [RAW, "torch_save", "dcp_async", "torch_checkpointing", "torchsnapshot_async", "torchsnapshot_take",
-         "dlrover", "tiered_ckpt"]
+         "dlrover", "tiered_ckpt", "tiered_ckpt_reserved"]
 RESULT = "TIERED_CKPT_PEER_RESULT "  # marks the child's JSON line among whatever a library prints
 
 
@@ -75,6 +75,9 @@ def measure_raw(state: State, folder: Path) -> dict[str, Any]:
 async def measure_library(lib: Library, state: State, saves: int) -> dict[str, Any]:
     out: dict[str, Any] = {"saves": []}
     expected: State = {}
+    started = time.perf_counter()
+    if await lib.prepare(state):
+        out["prepare"] = time.perf_counter() - started
     for step in range(1, saves + 1):
         if step == saves:  # untimed: the bytes the load must give back
             expected = {k: v.clone() for k, v in state.items()}
