@@ -92,6 +92,17 @@ MUTANTS = {
     "background-failure-lost-at-next-save": (
         "tiered_ckpt/save/saver.py", "        self.raise_unobserved()\n        if step in", "        if step in",
         ["tests/unit/test_save_semantics.py", "-k", "nobody_waited"]),
+    "writer-never-probes-its-tiers": (  # a path it can never write fails only in the background, at saves
+        "tiered_ckpt/lifecycle/writer.py", "        await self.coordinator.agree(await self._probe())\n", "",
+        ["tests/unit/test_open_checks.py", "-k", "never_be_written"]),
+    "reader-deletes": ("tiered_ckpt/engine.py", 'if self.config.engine.role == "reader":', "if False:",
+                       ["tests/unit/test_open_checks.py", "-k", "reader_never_saves"]),
+    "free-deletes-the-step-folder": (  # an earlier format's keys removed by their prefix: the whole step folder
+        "tiered_ckpt/lifecycle/free.py", "for prefix in (sorted(by[f]) if not f else [checkpoint_prefix(job, step, f)]):",
+        "for prefix in [checkpoint_prefix(job, step, f)]:",
+        ["tests/unit/test_host_memory.py", "-k", "live_writer"]),
+    "reserve-makes-nothing": ("tiered_ckpt/save/pool.py", "return max(0, most - self._count - len(self._retained))",
+                              "return 0", ["tests/unit/test_reserve.py"]),
 }
 
 
