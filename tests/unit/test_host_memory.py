@@ -188,3 +188,10 @@ def test_other_indexes_folders_of_a_live_writer_are_never_offered(tmp_path, shm_
         stop(trainer)
     dry = json.loads(cli(a, "gc", "--other-indexes", "--dry-run", "--json").stdout)
     assert {r["step"] for r in dry["removed"] if r["tier"] is not None and r["step"] is not None} == {5, 6}, dry
+
+
+def test_free_of_a_job_without_host_memory_says_so_and_creates_nothing(tmp_path, shm_dir):
+    config = write_config(tmp_path, shm_dir, host_keep=2)
+    out = cli(config, "--job", "nosuch", "free", "--yes")
+    assert out.returncode == 0 and "job 'nosuch' holds no host memory" in out.stdout, out
+    assert not (tmp_path / "index" / "nosuch").exists()  # no lease file made for a job that is not there

@@ -20,9 +20,15 @@ async def cmd_free(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
     no memory tier, the newest checkpoint is only in memory without --force, or the question answered no."""
     if not memory_tiers(checkpoints.io):
         raise Refused("the tier stack has no memory tier: there is no host memory to free")
-    jobs = [checkpoints.job]
-    if args.all_jobs:
-        jobs = sorted({j for _, root in memory_tiers(checkpoints.io) for j in jobs_in(root)})
+    present = sorted({j for _, root in memory_tiers(checkpoints.io) for j in jobs_in(root)})
+    # a job with nothing in the memory tier here is not attached to (attaching makes its lease in a file index)
+    jobs = present if args.all_jobs else [checkpoints.job] if checkpoints.job in present else []
+    if not jobs:
+        if not args.json:
+            print(f"{'no job holds' if args.all_jobs else f'job {checkpoints.job!r} holds no'} host memory in the "
+                  f"memory tier on this machine: nothing to free")
+            return EXIT_OK
+        return _report([], args, dry_run=args.dry_run)
     ask = not (args.yes or args.dry_run) and sys.stdin is not None and sys.stdin.isatty()
     plans = [await _plan(checkpoints, job, args, hold=False) for job in jobs]
     refused = [p.refused for p in plans if p.refused]
