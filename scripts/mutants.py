@@ -90,7 +90,7 @@ MUTANTS = {
         "await self._drivers[tier].delete(prefix)",
         ["tests/unit/test_tier_io.py", "-k", "delete_hangs"]),
     "background-failure-lost-at-next-save": (
-        "tiered_ckpt/save/saver.py", "        self.raise_unobserved()\n        if step in", "        if step in",
+        "tiered_ckpt/save/saver.py", "        self.raise_unobserved()\n        engine, rank =", "        engine, rank =",
         ["tests/unit/test_save_semantics.py", "-k", "nobody_waited"]),
     "writer-never-probes-its-tiers": (  # a path it can never write fails only in the background, at saves
         "tiered_ckpt/lifecycle/writer.py", "        await self.coordinator.agree(await self._probe())\n", "",
