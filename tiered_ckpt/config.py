@@ -118,10 +118,16 @@ class Config:
         return dataclasses.replace(self, engine=engine)
 
 
+RESERVED_TIER_NAMES = ("index",)  # a status's `failed` names the index this way (an unreadable record)
+
+
 def validate_name(value: str, what: str) -> str:
     """Job and tier names become path components and key prefixes: no '/', no '..'."""
     if not isinstance(value, str) or not NAME.fullmatch(value) or ".." in value:
         raise ConfigError(f"{what} {value!r} must be 1-128 of [A-Za-z0-9._-], not starting with '.' or '-'")
+    if what == "tier name" and value in RESERVED_TIER_NAMES:
+        raise ConfigError(f"{what} {value!r} is reserved (a checkpoint's status names the index so); name the tier "
+                          f"otherwise")
     return value
 
 

@@ -280,3 +280,13 @@ keep_every = 1000
                                               if "=" in line)}
     assert (keys["keep_best"], keys["best_metric"], keys["best_mode"], keys["keep_every"]) == ("3", "val_loss", "min",
                                                                                               "1000")
+
+
+def test_a_tier_named_index_is_refused_naming_the_key():
+    from tiered_ckpt.config import parse_config
+    from tiered_ckpt.errors import ConfigError
+
+    # a checkpoint's status lists an unreadable index record under "index" in `failed`: no tier may be called so
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"engine": {}, "tiers": [{"name": "index", "kind": "local", "path": "/tmp/x"}]})
+    assert "reserved" in str(refused.value) and "tiers.index.name" in str(refused.value)
