@@ -52,7 +52,7 @@ GRACE = 3600.0  # seconds: a save that began longer ago is taken for dead when a
 
 
 @dataclass(frozen=True)
-class Removal:
+class Removed:
     """One thing gc removed (or, in a dry run, would remove)."""
 
     tier: str | None  # None: an index record only
@@ -67,7 +67,7 @@ class GcReport:
     dry_run: bool
     exclusive: bool  # no writer of the job could run meanwhile
     grace: float
-    removed: list[Removal] = field(default_factory=list)
+    removed: list[Removed] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)  # steps removed from the index altogether
     kept: list[str] = field(default_factory=list)  # what looked like garbage but stays, and why
     errors: list[str] = field(default_factory=list)
@@ -206,7 +206,7 @@ async def collect(scope: GcScope, dry_run: bool = False, *, grace: float = GRACE
             continue
         for item, nbytes in debris:
             what = "empty folder" if item.endswith("/") else "temp file of a write cut short"
-            report.removed.append(Removal(name, _step_of(item), item, what, nbytes))
+            report.removed.append(Removed(name, _step_of(item), item, what, nbytes))
         if debris:
             names = [item for item, _ in debris]
             plan.add(f"debris on {name}", lambda t=name, n=names: io.remove_debris(t, n, grace))
@@ -230,7 +230,7 @@ def _dead_staging(plan: _Plan) -> None:
         for folder in staging_folders(root, plan.job):
             if folder.alive:
                 continue
-            plan.report.removed.append(Removal(name, None, folder.name, f"staging buffers of a process that died "
+            plan.report.removed.append(Removed(name, None, folder.name, f"staging buffers of a process that died "
                                                                         f"({folder.who()})", folder.nbytes))
             plan.add(f"staging folder {folder.name} on {name}",
                      lambda f=folder: plan.scope.io.run_blocking(remove_dead, f.path))
@@ -350,7 +350,7 @@ def _remove_checkpoint(plan: _Plan, tiers: list[_Tier], step: int, mine: str, wh
     finish), the index record, every folder of this index on every tier, then the tombstone."""
     plan.report.checkpoints.append(step)
     if in_index:
-        plan.report.removed.append(Removal(None, step, "index record", what, None))
+        plan.report.removed.append(Removed(None, step, "index record", what, None))
     with plan.checkpoint(step, bury=not buried, forget=in_index):
         for t in tiers:
             _remove_folders(plan, t, step, _mine(t, step, mine), what)
@@ -358,7 +358,7 @@ def _remove_checkpoint(plan: _Plan, tiers: list[_Tier], step: int, mine: str, wh
 
 def _unmark(plan: _Plan, step: int, tier: str) -> None:
     index, job = plan.scope.index, plan.job
-    plan.report.removed.append(Removal(None, step, f"index record of tier {tier}", "never completed there", None))
+    plan.report.removed.append(Removed(None, step, f"index record of tier {tier}", "never completed there", None))
     plan.add(f"unmark {step} on {tier}", lambda: index.unmark(job, step, tier))
 
 
@@ -375,7 +375,7 @@ def _remove_folders(plan: _Plan, t: _Tier, step: int, folders: list[str], what: 
         sizes = list(keys.values())
         nbytes = None if any(n is None for n in sizes) else sum(n or 0 for n in sizes)
         name = checkpoint_prefix(plan.job, step, f) if f else f"{step_prefix(plan.job, step)} ({len(keys)} keys)"
-        plan.report.removed.append(Removal(t.name, step, name, what, nbytes))
+        plan.report.removed.append(Removed(t.name, step, name, what, nbytes))
     io = plan.scope.io
 
     def delete(prefix: str) -> None:
