@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from ..errors import IncompleteCheckpoint, IntegrityError, TierError
-from ..layout import checkpoint_prefix, index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
+from ..layout import checkpoint_prefix, index_dir, job_prefix, manifest_key, parse_key, parse_step_dir, rank_meta_key,
+                      step_prefix
 from ..manifest import Manifest
 from ..storage.index import CheckpointStatus, Index
 from ..storage.tier_io import TierIO
@@ -439,10 +440,9 @@ async def _manifest(plan: _Plan, data: bytes, source: str) -> Manifest:
 
 
 def _step_of(name: str) -> int | None:
+    """The step of `<job>/step-…/…` (layout.py reads the folder name), else None."""
     parts = name.split("/")
-    if len(parts) > 1 and parts[1].startswith("step-") and parts[1][5:].isdigit():
-        return int(parts[1][5:])
-    return None
+    return parse_step_dir(parts[1]) if len(parts) > 1 else None
 
 
 def _age(seconds: float) -> str:
