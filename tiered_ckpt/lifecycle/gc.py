@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from ..errors import IncompleteCheckpoint, IntegrityError, TierError
-from ..layout import checkpoint_prefix, index_dir, job_prefix, manifest_key, parse_key, parse_step_dir, rank_meta_key,
-                      step_prefix
+from ..layout import (checkpoint_prefix, index_dir, job_prefix, manifest_key, parse_key, parse_step_dir,
+                      rank_meta_key, step_prefix)
 from ..manifest import Manifest
 from ..storage.index import CheckpointStatus, Index
 from ..storage.tier_io import TierIO
