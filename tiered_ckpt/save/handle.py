@@ -107,6 +107,10 @@ class SaveHandle:
             self.staged_at = time.perf_counter() - self.started
         _resolve(self._staged, error)
 
+    def settled(self, tier: str) -> None:
+        """(The engine's) `tier` is durable, skipped or failed now: `durable_at[tier]`, seconds from save()."""
+        self.durable_at[tier] = time.perf_counter() - self.started
+
     def set_done(self, tier: str, error: BaseException | None = None) -> None:
         """(The engine's) `tier` is done, or failed with `error`."""
         _resolve(self._done[tier], error)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Callable
 
 from ..errors import IndexUnavailable, TierError, TierFull, TierNotFound
@@ -84,7 +83,7 @@ class TierWrite:
 
     def _skip(self, newer: int) -> None:
         self.source.settled_all(self.tier, ok=False)
-        self.handle.durable_at[self.tier] = time.perf_counter() - self.handle.started
+        self.handle.settled(self.tier)
         self.handle.set_skipped(self.tier, newer)
 
     async def _write(self, give_turn: Callable[[], None]) -> None:
@@ -117,7 +116,7 @@ class TierWrite:
             if in_place:
                 await source.retain()  # the buffer stays with the tier's checkpoint
         except Superseded as e:  # another rank skipped the tier for this step while this rank wrote it
-            self.handle.durable_at[tier] = time.perf_counter() - self.handle.started
+            self.handle.settled(tier)
             self.handle.set_skipped(tier, e.newer)
             return
         except Exception as e:  # recorded for every rank, and reported by the handle
@@ -126,7 +125,7 @@ class TierWrite:
                 # another rank's marker may still complete the tier with these very files: they stay, with the
                 # buffer, until retention retires the step
                 await source.retain()
-        self.handle.durable_at[tier] = time.perf_counter() - self.handle.started
+        self.handle.settled(tier)
         if self.error is None:
             await self.retention.apply(tier, finishing=self.step)
             self.handle.set_done(tier)
