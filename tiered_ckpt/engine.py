@@ -270,13 +270,14 @@ class Engine:
         return handle
 
     async def reserve(self, state: Any) -> Reservation:
-        """Make now, before training, every staging buffer the saves of `state` will use: max_inflight, and with
-        the memory tier staging its own files also the checkpoints it keeps (keep_last + keep_best + 1), each
-        allocated and populated. The first saves then block only for their copy. Checked first, on every rank at
-        once: the memory tier's `capacity`, and the free space of the file system under it for this machine's
-        ranks together (`TierFull` naming the tier, the bytes needed and free). Call it on every rank with the
-        state you will save (a collective, as save()); it makes this engine the writer, as a save would. Returns
-        what it made and the host memory the staging holds from now on."""
+        """Make now, before training, the staging buffers the saves of `state` will use: max_inflight, and with
+        the memory tier staging its own files also one per checkpoint it keeps (keep_last + keep_best), each
+        allocated and populated (free buffers made for a state of another size are dropped first). The first
+        saves then block only for their copy. With the memory tier staging, checked first on every rank at once:
+        its `capacity` (ConfigError), and the free space of the file system under it for this machine's ranks
+        together (`TierFull` naming the tier, the bytes needed and free). Call it on every rank with the state
+        you will save (a collective, as save()); it makes this engine the writer, as a save would. Returns what
+        it made and the host memory the staging holds from now on."""
         _, _, saver, _ = self._open_parts()
         return await saver.reserve(state)
 

@@ -84,6 +84,7 @@ class Advice:
     costs: SaveCosts
     failures: FailureRates
     survivors: dict[str, tuple[str, ...]] = field(default_factory=dict)  # failure kind -> tiers that survive it
+    capped_days: float | None = None  # the optimum lies beyond the longest interval searched (max_days): this
 
     def summary(self) -> str:
         """A few lines for a person: what to set, and what it buys."""
@@ -103,8 +104,15 @@ class Advice:
             lines.append(f"{name}: save_every_steps = {plan.save_every_steps} ({every}): "
                          f"{100 * plan.lost_fraction:.3g}% of training time lost "
                          f"({100 * plan.blocked_fraction:.3g}% waiting in saves)")
+        if self.capped_days is not None:
+            lines.append(f"(the longest interval looked at, {self.capped_days:g} days: failures this rare put the "
+                         f"optimum beyond it)")
         if rec.restart_fraction:
             lines.append(f"plus {100 * rec.restart_fraction:.3g}% in restarts, whatever the interval")
+        unmeasured = [t for t in self.survivors.get("interruption", ()) if t not in c.durable_seconds]
+        if unmeasured:
+            lines.append(f"not in the model: {', '.join(unmeasured)} (no time to durable known: no committed save in "
+                         f"the records)")
         return "\n".join(lines)
 
     def as_json(self) -> dict[str, object]:
@@ -116,11 +124,12 @@ class Advice:
         return {"recommended": plan(self.recommended), "current": plan(self.current),
                 "costs": {"blocked_seconds": self.costs.blocked_seconds,
                           "seconds_per_step": self.costs.seconds_per_step,
-                          "durable_seconds": dict(self.costs.durable_seconds), "saves": self.costs.saves},
+                          "durable_seconds": dict(self.costs.durable_seconds), "saves": self.costs.saves,
+                          "save_every_steps": self.costs.save_every_steps},
                 "failures": {"interruptions_per_day": self.failures.interruptions_per_day,
                              "node_losses_per_day": self.failures.node_losses_per_day,
                              "restart_seconds": self.failures.restart_seconds},
-                "survivors": {k: list(v) for k, v in self.survivors.items()}}
+                "survivors": {k: list(v) for k, v in self.survivors.items()}, "capped_days": self.capped_days}
 
 
 def survivors(config: Config) -> dict[str, tuple[str, ...]]:
@@ -165,25 +174,34 @@ def advise(config: Config, costs: SaveCosts, failures: FailureRates, *, current_
     model in this module's docstring; with `current_every_steps` (or the config's `save_every_steps`), the
     same figures for the configuration as it is."""
     _check(costs, failures, config)
+    if current_every_steps is not None and current_every_steps < 1:
+        raise ValueError(f"current_every_steps must be a whole number of steps >= 1, got {current_every_steps!r}")
     alive = survivors(config)
     if failures.node_losses_per_day > 0 and not alive["node_loss"]:
         raise ConfigError("no tier survives a node loss (memory and local tiers die with their machine): add an "
                           "S3 tier or a Redis peer ring of two or more servers, or give node_losses_per_day = 0",
                           file=config.source)
+    for kind, rate in failures.rates().items():
+        if rate > 0 and not any(t in costs.durable_seconds for t in alive[kind]):
+            raise ValueError(f"no time to durable is known for the tiers a {kind.replace('_', ' ')} leaves "
+                             f"({', '.join(alive[kind])}): the records hold no committed save there; give it "
+                             f"(--durable {alive[kind][0]}=SECONDS)")
     longest = max(1, int(max_days * DAY / costs.seconds_per_step))
 
     def loss(steps: int) -> float:
         return plan_at(steps, costs, failures, alive).lost_fraction
 
-    # convex in the interval between the points where some tier's every steps up: a log-spaced scan, then
-    # every whole step around the best point of the scan
+    # convex in the interval between the points where some tier's every steps up: a log-spaced scan, then up to
+    # ~400 whole steps around the best point of the scan (every one where the stretch is that short)
     scan = sorted({min(longest, round(math.exp(x / 64))) for x in range(int(64 * math.log(longest)) + 2)})
     near = min(scan, key=loss)
-    best = min(range(max(1, int(near / 1.04) - 1), min(longest, int(near * 1.04) + 2) + 1), key=lambda s: (loss(s), s))
+    low, high = max(1, int(near / 1.04) - 1), min(longest, int(near * 1.04) + 2)
+    best = min(range(low, high + 1, max(1, (high - low) // 400)), key=lambda s: (loss(s), s))
     steps_now = current_every_steps or config.engine.save_every_steps or costs.save_every_steps
     current = None if not steps_now else plan_at(steps_now, costs, failures, alive,
                                                  {t.name: t.every for t in config.tiers})
-    return Advice(plan_at(best, costs, failures, alive), current, costs, failures, alive)
+    return Advice(plan_at(best, costs, failures, alive), current, costs, failures, alive,
+                  capped_days=max_days if best >= longest else None)
 
 
 def _check(costs: SaveCosts, failures: FailureRates, config: Config) -> None:
@@ -193,8 +211,8 @@ def _check(costs: SaveCosts, failures: FailureRates, config: Config) -> None:
                         ("restart_seconds", failures.restart_seconds), *costs.durable_seconds.items()):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    if costs.seconds_per_step <= 0:
-        raise ValueError("seconds_per_step must be > 0")
+    if costs.seconds_per_step < 1e-6:
+        raise ValueError(f"seconds_per_step must be at least a microsecond, got {costs.seconds_per_step!r}")
     if failures.interruptions_per_day + failures.node_losses_per_day <= 0:
         raise ValueError("give a failure rate (interruptions_per_day or node_losses_per_day > 0): without "
                          "failures the best interval is never to save")
@@ -210,8 +228,14 @@ def costs_from_events(records: Iterable[Mapping[str, object]], *, rank: int = 0)
     save is left out when there are others (it allocates its staging buffers); medians resist a
     stalled save. The training time per step comes from consecutive saves: (their starts' distance less the
     first one's blocked time) over their steps' distance."""
-    saves = sorted((r for r in records if r.get("event") == "save" and r.get("rank", 0) == rank),
-                   key=lambda r: int(r["step"]))  # type: ignore[call-overload]
+    try:
+        saves = sorted((r for r in records if r.get("event") == "save" and r.get("rank", 0) == rank),
+                       key=lambda r: int(r["step"]))  # type: ignore[call-overload]
+        for r in saves:
+            float(r["blocked_seconds"]), float(r["time"])  # type: ignore[arg-type]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"a save record that cannot be read ({type(e).__name__}: {e}): not a tiered_ckpt "
+                         f"events log?") from None
     if len(saves) < 2:
         raise ValueError(f"{len(saves)} save record(s) of rank {rank}: at least 2 are needed (a step's time comes "
                          f"from the distance between saves)")
@@ -228,28 +252,33 @@ def costs_from_events(records: Iterable[Mapping[str, object]], *, rank: int = 0)
     if not per_step:
         raise ValueError("the save records give no time between saves (steps or times out of order)")
     gaps = [int(b["step"]) - int(a["step"]) for a, b in zip(saves, saves[1:])]  # type: ignore[call-overload]
+    gaps = [g for g in gaps if g > 0] or [0]  # a step saved again (a rerun after a restart) is no interval
     return SaveCosts(blocked, statistics.median(per_step), {t: statistics.median(v) for t, v in durable.items()},
-                 saves=len(saves), save_every_steps=int(statistics.median(gaps)))
+                 saves=len(saves), save_every_steps=int(statistics.median(gaps)) or None)
 
 
 def _start(record: Mapping[str, object]) -> float:
     """When save() was called: the record is written as the last tier finishes, its seconds after the call."""
     tiers = dict(record.get("tiers") or {})  # type: ignore[call-overload]
     spans = [float(t["seconds"]) for t in tiers.values() if t.get("seconds") is not None]
-    return float(record["time"]) - max(spans, default=float(record.get("blocked_seconds") or 0.0))  # type: ignore[arg-type]
+    blocked = float(record.get("blocked_seconds") or 0.0)  # type: ignore[arg-type]
+    return float(record["time"]) - max(spans, default=blocked)  # type: ignore[arg-type]
 
 
 def read_events(path: str | Path) -> list[dict[str, object]]:
     """The records of a JSON-lines events log; lines that are not JSON objects are named in the error."""
     out = []
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not a JSON line ({e.msg})") from None
-            if isinstance(record, dict):
-                out.append(record)
+        lines = f.read().split("\n")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # the last line, not ended yet: a log still being written
+                break
+            raise ValueError(f"line {number} is not JSON ({e.msg})") from None
+        if isinstance(record, dict):
+            out.append(record)
     return out

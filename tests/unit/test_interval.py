@@ -61,6 +61,12 @@ def test_node_losses_with_only_node_local_tiers_are_refused_naming_the_fix():
         tc.advise(stack(HOST, DISK), costs, tc.FailureRates())
     with pytest.raises(ValueError, match="names tiers the configuration lacks: \\['nvme'\\]"):
         tc.advise(stack(HOST), tc.SaveCosts(0.3, 1.0, {"nvme": 1.0}), tc.FailureRates(1))
+    # S3 survives a node loss, but no save of it committed: its time to durable is unknown (it said "every step"
+    # and an infinite loss before)
+    with pytest.raises(ValueError, match="no time to durable is known .* node loss leaves \\(s3\\)"):
+        tc.advise(stack(HOST, DISK, S3), costs, tc.FailureRates(node_losses_per_day=1))
+    with pytest.raises(ValueError, match="current_every_steps"):
+        tc.advise(stack(HOST, DISK), costs, tc.FailureRates(1), current_every_steps=-3)
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -117,4 +123,11 @@ def test_advise_without_records_or_with_a_broken_line_says_what_to_do(tmp_path, 
     broken.write_text('{"event": "save"}\nnot json\n')
     status, _, err = run_cli(capsys, "-c", str(config), "advise", "--interruptions-per-day", "1", "--events",
                              str(broken))
-    assert status == 2 and f"{broken}:2: not a JSON line" in err
+    assert status == 2 and f"{broken}: line 2 is not JSON" in err
+    broken.write_text('{"event": "save", "rank": 0, "step": null, "blocked_seconds": 1, "time": 1}\n' * 3)
+    status, _, err = run_cli(capsys, "-c", str(config), "advise", "--interruptions-per-day", "1", "--events",
+                             str(broken))
+    assert status == 2 and "a save record that cannot be read" in err  # a TypeError traceback before
+    status, _, err = run_cli(capsys, "-c", str(config), "advise", "--interruptions-per-day", "1", "--every-steps",
+                             "-5", "--blocked", "1", "--step-seconds", "1", "--durable", "host=1")
+    assert status == 2 and "--every-steps" in err

@@ -86,5 +86,18 @@ def test_a_tmpfs_too_small_for_the_buffers_is_refused_at_reserve_naming_tier_and
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     out = run.stdout.strip()
-    assert out.startswith("TierFull") and "tier 'host'" in out and "needs 3.43 MiB" in out and "3.00 MiB free" in out, out
+    assert out.startswith("TierFull") and "tier 'host'" in out and "needs 3.45 MiB" in out and "3.00 MiB free" in out, out
     assert out.endswith("files: 0"), out  # no buffer was made
+
+
+async def test_a_state_of_another_size_gets_buffers_of_its_own_size(make_config):
+    async with tc.Engine(make_config(tiers=[{"keep_last": 2}], max_inflight=1)) as engine:
+        small = await engine.reserve(state(0.0))
+        bigger = {"w": torch.full((600_000,), 0.0), "b": torch.full((1000,), 0.0)}
+        reserved = await engine.reserve(bigger)
+        assert reserved.made == small.made == 3 and reserved.state_bytes > small.state_bytes
+        assert reserved.host_bytes == 3 * reserved.state_bytes  # the small ones are gone, not counted
+        assert all(b.capacity == reserved.state_bytes for b in engine.pool.free)
+        made = {id(b) for b in engine.pool.free}
+        await (await engine.save(1, bigger)).wait()
+        assert {id(b) for b in engine.pool.retained.values()} <= made  # save 1 took a reserved buffer

@@ -21,13 +21,23 @@ def add_arguments(p: argparse.ArgumentParser, duration: object) -> None:
     p.add_argument("--events", metavar="FILE", help="the save records (JSON lines) to measure; default: the "
                    "config's [engine] events_log of --rank")
     p.add_argument("--rank", type=int, default=0, help="whose records to read (default 0)")
-    p.add_argument("--every-steps", type=int, metavar="N", help="the interval now (default: [engine] "
+    p.add_argument("--every-steps", type=_steps, metavar="N", help="the interval now (default: [engine] "
                    "save_every_steps, else the one the records show)")
     p.add_argument("--blocked", type=duration, metavar="SECONDS", help="save()'s blocked time, instead of measured")
     p.add_argument("--step-seconds", type=duration, metavar="SECONDS", help="a training step's time, instead of "
                    "measured")
     p.add_argument("--durable", action="append", default=[], metavar="TIER=SECONDS",
                    help="a tier's time to durable, instead of measured (repeat per tier)")
+
+
+def _steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of steps >= 1, got {text!r}")
+    return value
 
 
 def cmd_advise(config: Config, args: argparse.Namespace) -> int:

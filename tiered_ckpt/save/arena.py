@@ -135,6 +135,13 @@ class Arena:
                               f"{capacity}: raise capacity, or lower keep_last{', keep_best' if best else ''} or "
                               f"max_inflight", key=f"tiers.{self.name}.capacity")
 
+    def file_bytes(self, nbytes: int) -> int:
+        """What one buffer of `nbytes` takes of the tmpfs: each part file rounded up to whole pages, and its
+        folder."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        parts = -(-nbytes // self.part_size) if nbytes else 1
+        return sum(-(-min(self.part_size, nbytes - i * self.part_size) // page) * page for i in range(parts)) + page
+
     def new(self, nbytes: int, pin: bool) -> StagingBuffer:
         self.start()
         folder = self.home / f"buf-{next(self._ids)}"

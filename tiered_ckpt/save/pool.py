@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _fits(buf: StagingBuffer, nbytes: int) -> bool:
+    """Whether a save of `nbytes` can take `buf` (acquire's rule: a mapped buffer must be exactly that size)."""
+    return buf.capacity >= nbytes and (buf.files is None or buf.files.nbytes == nbytes)
+
+
 class StagingPool:
     def __init__(self, max_inflight: int, *, pin: bool | None = None, arena: Arena | None = None):
         self.max_inflight = max_inflight
@@ -56,8 +61,7 @@ class StagingPool:
                                           and (self._free or self._count < self.max_inflight))
             finally:
                 self.waiting -= 1
-            buf = next((b for b in self._free if b.capacity >= nbytes and (b.files is None or
-                                                                            b.files.nbytes == nbytes)), None)
+            buf = next((b for b in self._free if _fits(b, nbytes)), None)
             if buf is not None:
                 self._free.remove(buf)
                 buf.in_use = True
@@ -101,13 +105,24 @@ class StagingPool:
                             "memory tier gets its own copy", e)
         return StagingBuffer(nbytes, self.pin)
 
-    def missing(self) -> int:
-        """How many more buffers the saves to come will use: max_inflight, and with the memory tier's files
-        also the checkpoints it keeps (keep_last + keep_best). The checkpoint that retention retires only after
-        the next commit needs none of its own: the next save's buffer is the one it gives back (prepare_next
-        makes no more either)."""
+    def missing(self, nbytes: int) -> int:
+        """How many more buffers of `nbytes` the saves to come will use: max_inflight, and with the memory tier's
+        files also the checkpoints it keeps (keep_last + keep_best). The checkpoint that retention retires only
+        after the next commit needs none of its own: the next save's buffer is the one it gives back
+        (prepare_next makes no more either). Free buffers of another size do not count (drop_unfit)."""
         most = self.max_inflight + (self.arena.held if self.arena is not None else 0)
-        return max(0, most - self._count - len(self._retained))
+        unfit = sum(not _fits(b, nbytes) for b in self._free)
+        return max(0, most - (self._count - unfit) - len(self._retained))
+
+    async def drop_unfit(self, nbytes: int) -> None:
+        """Drop the free buffers that cannot take a state of `nbytes` (the state changed size since)."""
+        async with self._cond:
+            unfit = [b for b in self._free if not _fits(b, nbytes)]
+            self._free = [b for b in self._free if _fits(b, nbytes)]
+            self._count -= len(unfit)
+            self._cond.notify()
+        for buf in unfit:
+            await self._discard(buf)
 
     async def reserve(self, nbytes: int, count: int) -> None:
         """Make `count` buffers of `nbytes` now, populated, as free buffers (Engine.reserve): the first saves then
@@ -128,6 +143,11 @@ class StagingPool:
             async with self._cond:
                 self._free.append(buf)
                 self._cond.notify()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the free buffers and of those holding the memory tier's checkpoints."""
+        return sum(b.capacity for b in (*self._free, *self._retained.values()))
 
     def _make(self, nbytes: int) -> StagingBuffer:
         if self.arena is None:

@@ -13,7 +13,7 @@ import msgpack
 
 from ..config import Config
 from ..distributed.coordinator import Coordinator
-from ..errors import CheckpointExists, ConfigError, RankFailed, SaveError, StateError
+from ..errors import CheckpointExists, ConfigError, RankFailed, SaveError, StateError, TierError, TierFull
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.writer import Writer
 from ..state import flatten
@@ -111,10 +111,11 @@ class Saver:
             raise
         plan = await self.planner.plan(flat.paths, flat.tensors)  # cached: the first save plans nothing more
         pool = self.services.pool
-        count = pool.missing()
-        arena = pool.arena
-        held = pool.buffers + len(pool.retained) + count
-        machine = [(coordinator.host, count * plan.nbytes, held * plan.nbytes)]
+        await pool.drop_unfit(plan.nbytes)  # made for a state of another size
+        count, arena = pool.missing(plan.nbytes), pool.arena
+        need = count * (plan.nbytes if arena is None else arena.file_bytes(plan.nbytes))
+        after = pool.staging_bytes + count * plan.nbytes
+        machine = [(coordinator.host, need, after)]
         if coordinator.distributed:
             machine = [m for m in await coordinator.all_gather_object(machine[0]) if m[0] == coordinator.host]
         error: BaseException | None = None
@@ -127,9 +128,14 @@ class Saver:
                 folder = next(p for p in (arena.home, *arena.home.parents) if p.exists())
                 error = room_error(arena.name, str(folder), sum(need for _, need, _ in machine), len(machine))
         await coordinator.agree(error)  # the same error on every rank, before any rank makes a buffer
-        await pool.reserve(plan.nbytes, count)
-        return Reservation(plan.nbytes, count, held, held * plan.nbytes, sum(total for _, _, total in machine),
-                           arena.name if arena is not None else None)
+        try:
+            await pool.reserve(plan.nbytes, count)
+        except OSError as e:  # the tmpfs filled meanwhile (another process): what was made stays, and is used
+            if arena is None or isinstance(e, TierError):
+                raise
+            raise TierFull(f"reserving staging buffers on {arena.home}: {e}", tier=arena.name) from e
+        return Reservation(plan.nbytes, count, len(pool.free) + len(pool.retained), pool.staging_bytes,
+                           sum(total for _, _, total in machine), arena.name if arena is not None else None)
 
     def _check_new(self, step: int) -> None:
         if step in self.services.committed:
