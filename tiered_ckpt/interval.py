@@ -196,7 +196,7 @@ def advise(config: Config, costs: SaveCosts, failures: FailureRates, *, current_
     scan = sorted({min(longest, round(math.exp(x / 64))) for x in range(int(64 * math.log(longest)) + 2)})
     near = min(scan, key=loss)
     low, high = max(1, int(near / 1.04) - 1), min(longest, int(near * 1.04) + 2)
-    best = min(range(low, high + 1, max(1, (high - low) // 400)), key=lambda s: (loss(s), s))
+    best = min({near, *range(low, high + 1, max(1, (high - low) // 400))}, key=lambda s: (loss(s), s))
     steps_now = current_every_steps or config.engine.save_every_steps or costs.save_every_steps
     current = None if not steps_now else plan_at(steps_now, costs, failures, alive,
                                                  {t.name: t.every for t in config.tiers})
