@@ -101,7 +101,7 @@ MUTANTS = {
         "tiered_ckpt/lifecycle/free.py", "for prefix in (sorted(by[f]) if not f else [checkpoint_prefix(job, step, f)]):",
         "for prefix in [checkpoint_prefix(job, step, f)]:",
         ["tests/unit/test_host_memory.py", "-k", "live_writer"]),
-    "reserve-makes-nothing": ("tiered_ckpt/save/pool.py", "return max(0, most - (self._count - unfit) - len(self._retained))",
+    "reserve-makes-nothing": ("tiered_ckpt/save/pool.py", "return max(0, most - (self._count - unfit) - fitting_retained)",
                               "return 0", ["tests/unit/test_reserve.py"]),
 }
 

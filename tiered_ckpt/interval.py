@@ -11,9 +11,9 @@ fraction of training time lost, for a save every `T` seconds of training, is
 
 (the time training waits in each save, plus, per failure, the age of the newest checkpoint on the best
 surviving tier: half its interval on average, plus the delay before it is durable there), where
-every_i = max(1, ceil(d_i / T)). `advise` finds the `T` that minimises it (exactly, over whole steps) and
-each tier's `every`. The restart itself (a new allocation, the load) costs the same whatever `T` is, so it is
-reported beside the fraction, not optimised.
+every_i = max(1, ceil(d_i / T)). `advise` finds the `T` that minimises it (a log-spaced scan, then whole
+steps around its best, at most ~400 of them) and each tier's `every`. The restart itself (a new
+allocation, the load) costs the same whatever `T` is, so it is reported beside the fraction, not optimised.
 
 Which tiers survive what (from each tier's kind): a job interruption (the processes end, their machines
 stay: a crash, a preemption, a hang killed by the launcher) keeps every tier, host memory included; a node
@@ -84,7 +84,7 @@ class Advice:
     costs: SaveCosts
     failures: FailureRates
     survivors: dict[str, tuple[str, ...]] = field(default_factory=dict)  # failure kind -> tiers that survive it
-    capped_days: float | None = None  # the optimum lies beyond the longest interval searched (max_days): this
+    capped_days: float | None = None  # the longest interval searched (max_days), when the optimum lies beyond it
 
     def summary(self) -> str:
         """A few lines for a person: what to set, and what it buys."""
@@ -201,7 +201,7 @@ def advise(config: Config, costs: SaveCosts, failures: FailureRates, *, current_
     current = None if not steps_now else plan_at(steps_now, costs, failures, alive,
                                                  {t.name: t.every for t in config.tiers})
     return Advice(plan_at(best, costs, failures, alive), current, costs, failures, alive,
-                  capped_days=max_days if best >= longest else None)
+                  capped_days=max_days if best >= longest > 1 else None)
 
 
 def _check(costs: SaveCosts, failures: FailureRates, config: Config) -> None:

@@ -110,7 +110,8 @@ class Checkpointer:
                                                          ready_events=events)), self)
 
     def reserve(self, state: Any) -> Reservation:
-        """Engine.reserve, blocking: every staging buffer the saves will use, made and checked now."""
+        """Engine.reserve, blocking: the staging buffers the saves will use, made now (and checked first, with the
+        memory tier staging)."""
         return self._run(self.engine.reserve(state))
 
     def should_save(self, step: int) -> bool:

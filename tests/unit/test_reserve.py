@@ -101,3 +101,14 @@ async def test_a_state_of_another_size_gets_buffers_of_its_own_size(make_config)
         made = {id(b) for b in engine.pool.free}
         await (await engine.save(1, bigger)).wait()
         assert {id(b) for b in engine.pool.retained.values()} <= made  # save 1 took a reserved buffer
+
+
+async def test_checkpoints_of_the_old_size_do_not_count_as_buffers_for_a_new_one(make_config):
+    async with tc.Engine(make_config(tiers=[{"keep_last": 2}], max_inflight=1)) as engine:
+        for step in (1, 2):
+            await (await engine.save(step, state(float(step)))).wait()
+        assert len(engine.pool.retained) == 2
+        bigger = {"w": torch.full((600_000,), 0.0), "b": torch.full((1000,), 0.0)}
+        reserved = await engine.reserve(bigger)
+        assert reserved.made == 3  # keep_last + max_inflight of the new size: the retained small ones cannot serve
+        assert sum(b.capacity == reserved.state_bytes for b in engine.pool.free) == 3

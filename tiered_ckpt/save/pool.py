@@ -112,7 +112,13 @@ class StagingPool:
         (prepare_next makes no more either). Free buffers of another size do not count (drop_unfit)."""
         most = self.max_inflight + (self.arena.held if self.arena is not None else 0)
         unfit = sum(not _fits(b, nbytes) for b in self._free)
-        return max(0, most - (self._count - unfit) - len(self._retained))
+        fitting_retained = sum(_fits(b, nbytes) for b in self._retained.values())
+        return max(0, most - (self._count - unfit) - fitting_retained)
+
+    async def settle(self) -> None:
+        """Wait for the buffer being made ahead (prepare_next), if any: it is in `free` then."""
+        if self._preparing is not None:
+            await asyncio.wait([self._preparing])
 
     async def drop_unfit(self, nbytes: int) -> None:
         """Drop the free buffers that cannot take a state of `nbytes` (the state changed size since)."""
@@ -144,10 +150,13 @@ class StagingPool:
                 self._free.append(buf)
                 self._cond.notify()
 
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes of the free buffers and of those holding the memory tier's checkpoints."""
-        return sum(b.capacity for b in (*self._free, *self._retained.values()))
+    def staging_bytes(self, nbytes: int) -> int:
+        """Bytes of the buffers a state of `nbytes` keeps: free ones that fit it (drop_unfit drops the others),
+        those holding the memory tier's checkpoints, and those held by saves in flight (`nbytes` each: the pool
+        keeps no list of them)."""
+        held = self._count - len(self._free)
+        free = sum(b.capacity for b in self._free if _fits(b, nbytes))
+        return free + sum(b.capacity for b in self._retained.values()) + held * nbytes
 
     def _make(self, nbytes: int) -> StagingBuffer:
         if self.arena is None:

@@ -22,8 +22,7 @@ class Reservation:
     state_bytes: int  # this rank's bytes of one checkpoint (one staging buffer)
     made: int  # buffers made now (0: they existed already)
     buffers: int  # staging buffers this rank holds now, free and holding checkpoints
-    host_bytes: int  # their bytes: this rank's staging RAM from now on (with the memory tier staging, its
-    # checkpoints' copies are these buffers; without, a memory tier's own copies come on top)
+    host_bytes: int  # their bytes: this rank's staging RAM from now on (memory-tier staging: its copies too)
     machine_bytes: int  # the same for every rank on this machine
     tier: str | None  # the memory tier whose files are the buffers (None: anonymous host memory)
 

@@ -4,6 +4,7 @@ the next `save()`, as well as at `close()`: an error is never lost."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 import warnings
@@ -111,30 +112,32 @@ class Saver:
             raise
         plan = await self.planner.plan(flat.paths, flat.tensors)  # cached: the first save plans nothing more
         pool = self.services.pool
-        await pool.drop_unfit(plan.nbytes)  # made for a state of another size
+        await pool.settle()  # a buffer being made ahead counts once it is there
         count, arena = pool.missing(plan.nbytes), pool.arena
         need = count * (plan.nbytes if arena is None else arena.file_bytes(plan.nbytes))
-        after = pool.staging_bytes + count * plan.nbytes
-        machine = [(coordinator.host, need, after)]
+        machine = [(coordinator.host, need, pool.staging_bytes(plan.nbytes) + count * plan.nbytes)]
         if coordinator.distributed:
             machine = [m for m in await coordinator.all_gather_object(machine[0]) if m[0] == coordinator.host]
         error: BaseException | None = None
         if arena is not None and count:
-            try:
+            try:  # whatever fails here on one rank fails the reservation on every rank, at agree()
                 arena.check_fits(plan.nbytes, pool.max_inflight)
-            except ConfigError as e:
-                error = e
-            if error is None:
                 folder = next(p for p in (arena.home, *arena.home.parents) if p.exists())
                 error = room_error(arena.name, str(folder), sum(need for _, need, _ in machine), len(machine))
+            except Exception as e:
+                error = e
         await coordinator.agree(error)  # the same error on every rank, before any rank makes a buffer
+        error = None
         try:
+            await pool.drop_unfit(plan.nbytes)  # free buffers made for a state of another size
             await pool.reserve(plan.nbytes, count)
-        except OSError as e:  # the tmpfs filled meanwhile (another process): what was made stays, and is used
-            if arena is None or isinstance(e, TierError):
-                raise
-            raise TierFull(f"reserving staging buffers on {arena.home}: {e}", tier=arena.name) from e
-        return Reservation(plan.nbytes, count, len(pool.free) + len(pool.retained), pool.staging_bytes,
+        except Exception as e:
+            error = e
+            if arena is not None and isinstance(e, OSError) and not isinstance(e, TierError) \
+                    and e.errno in (errno.ENOSPC, errno.ENOMEM):  # the tmpfs filled meanwhile (another process)
+                error = TierFull(f"reserving staging buffers on {arena.home}: {e}", tier=arena.name)
+        await coordinator.agree(error)  # what was made stays, and is used by the saves
+        return Reservation(plan.nbytes, count, pool.buffers + len(pool.retained), pool.staging_bytes(plan.nbytes),
                            sum(total for _, _, total in machine), arena.name if arena is not None else None)
 
     def _check_new(self, step: int) -> None:
