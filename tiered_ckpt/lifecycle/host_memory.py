@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..storage.files import locked_elsewhere
 from ..storage.tiers.memory import MemoryTier
 
 if TYPE_CHECKING:
@@ -101,10 +102,7 @@ def lock_held(folder: Path) -> bool:
         except FileNotFoundError:
             return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
+        return locked_elsewhere(fd)
     finally:
         os.close(fd)
 

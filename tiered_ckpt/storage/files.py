@@ -1,10 +1,22 @@
 """File-system steps that the file-backed parts (the local and memory tiers, the file index, export) share."""
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import stat
 from pathlib import Path
+
+
+def locked_elsewhere(fd: int) -> bool:
+    """Whether another process holds an exclusive flock on `fd`'s file (a live owner: the kernel drops the
+    lock when a process dies, however it dies). Tested with a shared lock that is not waited for; taken, it
+    goes when `fd` is closed."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
 
 
 def fsync_dir(path: Path, *, missing_ok: bool = False) -> None:

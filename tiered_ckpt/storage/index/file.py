@@ -31,7 +31,7 @@ import msgpack
 from ...checksum import seal, unseal
 from ...errors import IncompleteCheckpoint, IntegrityError, TieredCkptError, WriterConflict
 from ...layout import parse_step_dir, step_dir
-from ..files import check_creatable, fsync_dir, make_folders
+from ..files import check_creatable, fsync_dir, locked_elsewhere, make_folders
 from .base import CheckpointStatus, TierState
 
 T = TypeVar("T")
@@ -317,10 +317,7 @@ def _lease_free(path: Path) -> bool:
     except FileNotFoundError:
         return True
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
+        return not locked_elsewhere(fd)
     finally:
         os.close(fd)  # drops the shared lock, if taken
 
@@ -335,9 +332,8 @@ def lease_holder(root: Path, job: str) -> str | None:
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return None
-    except BlockingIOError:
+        if not locked_elsewhere(fd):
+            return None
         return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
     finally:
         os.close(fd)
