@@ -112,7 +112,7 @@ class TierPipeline:
             raise
         except asyncio.TimeoutError:
             raise TierTimeout(f"{what} took longer than {timeout}s", tier=self.name) from None
-        except OSError as e:
+        except OSError as e:  # a driver's raw OS error (EROFS, EACCES, EIO...) leaves TierIO as a TierError
             raise TierError(f"{what}: {e}", tier=self.name) from e
 
     async def attempt(self, op: Callable[[], Awaitable[T]], what: str) -> T:
@@ -121,19 +121,15 @@ class TierPipeline:
         attempt = 0
         while True:
             try:
-                return await asyncio.wait_for(op(), self.timeout)
-            except (asyncio.TimeoutError, TierError) as e:
-                if isinstance(e, asyncio.TimeoutError) and not isinstance(e, TierError):
-                    e = TierTimeout(f"{what} took longer than {self.timeout}s", tier=self.name)
-                if not getattr(e, "retryable", False) or attempt >= self.retries:
+                return await self.once(op, what, self.timeout)
+            except TierError as e:  # (once: a timeout, or a driver's raw OS error, as a TierError)
+                if not e.retryable or attempt >= self.retries:
                     if attempt:
                         e.add_note(f"gave up after {attempt + 1} attempts")
-                    raise e
+                    raise
                 attempt += 1
                 self.retried += 1
                 delay = min(self.max_backoff, self.backoff * 2 ** (attempt - 1)) * _jitter.uniform(0.5, 1.5)
                 log.warning("tier %s: %s failed (%s); retry %d/%d in %.2fs", self.name, what, e, attempt,
                             self.retries, delay)
                 await asyncio.sleep(delay)
-            except OSError as e:  # a driver's raw OS error (EROFS, EACCES, EIO...) leaves TierIO as a TierError
-                raise TierError(f"{what}: {e}", tier=self.name) from e
