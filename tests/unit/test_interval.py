@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt import cli
 from tiered_ckpt.config import parse_config
 from tiered_ckpt.interval import costs_from_events, plan_at, read_events, survivors
 
 from .test_cli import write_config
+from .test_cli_scripts import run_cli
 
 
 def stack(*tiers: dict) -> tc.Config:
@@ -67,15 +67,6 @@ def test_node_losses_with_only_node_local_tiers_are_refused_naming_the_fix():
         tc.advise(stack(HOST, DISK, S3), costs, tc.FailureRates(node_losses_per_day=1))
     with pytest.raises(ValueError, match="current_every_steps"):
         tc.advise(stack(HOST, DISK), costs, tc.FailureRates(1), current_every_steps=-3)
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        status = cli.main(list(argv))
-    except SystemExit as e:
-        status = e.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def test_costs_come_from_a_real_engines_save_records_and_advise_reads_them(tmp_path, shm_dir, capsys):
