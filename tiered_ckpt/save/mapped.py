@@ -56,12 +56,32 @@ def _round_up(n: int) -> int:
 
 
 def _register(address: int, length: int) -> bool:
-    cudart = torch.cuda.cudart()
-    status = cudart.cudaHostRegister(address, length, 0)
+    status = torch.cuda.cudart().cudaHostRegister(address, length, 0)
     if int(getattr(status, "value", status)) != 0:
-        cudart.cudaGetLastError()  # clear it, so it does not surface at an unrelated CUDA call
+        clear_cuda_error()
         return False
     return True
+
+
+def clear_cuda_error() -> None:
+    """Take a failed CUDA runtime call's error off this thread: left there, the next kernel launch's check
+    reports it as its own. torch binds no cudaGetLastError, so it is called in the CUDA runtime library the
+    process has loaded (found in /proc/self/maps)."""
+    clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if clear is None:
+        library = _loaded_cudart()
+        clear = library.cudaGetLastError if library is not None else None
+    if clear is not None:
+        clear()
+
+
+def _loaded_cudart() -> ctypes.CDLL | None:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = [line.split()[-1] for line in maps if "libcudart" in line]
+    except OSError:
+        return None
+    return ctypes.CDLL(paths[0]) if paths else None
 
 
 def _unmap(libc: ctypes.CDLL, address: int, length: int, pinned: bool) -> None:
