@@ -29,6 +29,26 @@ def test_each_device_waits_for_its_producer_before_any_copy_and_syncs_after_all(
     assert [s[1] for s in steps if s[0] == "copy"] == list(range(5))  # every source copied once, in order
 
 
+def test_a_side_stream_is_selected_once_per_run_of_copies_from_its_device():
+    """Selecting a stream costs more than copying a small tensor: a state of thousands of tensors on one GPU
+    selects its side stream once, and every CUDA copy runs while its own device's stream is selected."""
+    devices = [CUDA0, CUDA0, None, CUDA0, CUDA1, CUDA1, CUDA0]
+    steps = list(stream_steps(devices, {}))
+    assert [s for s in steps if s[0] == "select"] == [("select", CUDA0), ("select", CUDA1), ("select", CUDA0)]
+    selected = None
+    for s in steps:
+        if s[0] == "select":
+            selected = s[1]
+        elif s[0] == "deselect":
+            selected = None
+        elif s[0] == "copy" and s[2] is not None:
+            assert selected == s[2]
+    deselect = steps.index(("deselect",))
+    assert deselect > max(i for i, s in enumerate(steps) if s[0] == "copy")
+    assert deselect < min(i for i, s in enumerate(steps) if s[0] == "synchronize")
+    assert list(stream_steps([CUDA0] * 1000, {})).count(("select", CUDA0)) == 1
+
+
 def test_cpu_only_sources_need_no_stream_operation():
     assert list(stream_steps([None, None], {})) == [("copy", 0, None), ("copy", 1, None)]
 

@@ -74,16 +74,28 @@ class Reads:
     keep: list[torch.Tensor] = field(default_factory=list)  # scratch buffers the views point into
 
     def finish(self) -> None:
+        """Scratch → targets. A GPU target is copied from pinned scratch without waiting copy by copy; each
+        device's stream is synchronized at the end, so the targets hold their values when this returns."""
+        devices = set()
         with torch.no_grad():
             for src, dst in self.copies:
-                dst.copy_(src)
+                if dst.is_cuda and src.is_pinned():
+                    dst.copy_(src, non_blocking=True)
+                    devices.add(dst.device)
+                else:
+                    dst.copy_(src)
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
 
     def release(self) -> None:
         """Drop the scratch buffers (call it in a thread: freeing large buffers takes milliseconds)."""
         self.dests.clear()
         self.subs.clear()
         self.copies.clear()
+        pinned = any(t.is_pinned() for t in self.keep)
         self.keep.clear()
+        if pinned:  # else CUDA's host allocator keeps the pinned scratch cached for the rest of the process
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
 
 
 def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]]) -> Reads:
@@ -100,6 +112,7 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
         _, box_offsets, box_sizes = local_box(target)
         dtype = meta.torch_dtype
         direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == dtype
+        pin = local.is_cuda  # scratch for a GPU target is pinned: the copy to the device runs at DMA speed
         for chunk in meta.chunks:
             if chunk.nbytes == 0:
                 continue
@@ -123,13 +136,13 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
                 reads.subs.setdefault(key, []).append((start * dst.element_size(), tensor_bytes(dst), where))
                 continue
             if start is not None and dst.numel():  # one stretch of the chunk: read just it, then copy it over
-                piece = torch.empty(dst.numel() * dtype.itemsize, dtype=torch.uint8)
+                piece = torch.empty(dst.numel() * dtype.itemsize, dtype=torch.uint8, pin_memory=pin)
                 reads.keep.append(piece)
                 reads.subs.setdefault(key, []).append((start * dtype.itemsize, tensor_bytes(piece), None))
                 reads.copies.append((piece.view(dtype).view(dst.shape), dst))
                 continue
             if key not in scratch:
-                scratch[key] = torch.empty(chunk.nbytes, dtype=torch.uint8)
+                scratch[key] = torch.empty(chunk.nbytes, dtype=torch.uint8, pin_memory=pin)
                 reads.dests[key] = tensor_bytes(scratch[key])
                 reads.keep.append(scratch[key])
             src = scratch[key].view(dtype).view(chunk.sizes)

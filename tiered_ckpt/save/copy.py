@@ -33,15 +33,22 @@ def producer_events(tensors: Sequence[torch.Tensor] | None = None) -> dict[torch
 def stream_steps(devices: Sequence[torch.device | None], events: Mapping[torch.device, Any]) -> Iterator[tuple[Any, ...]]:
     """The order of operations that copies sources on `devices` (None for a CPU source) to host memory:
     for each CUDA device, a side stream that first waits for the producer (its event, or else the current
-    stream of the copying thread), then the copies (CUDA ones on their device's side stream), then every
-    side stream synchronized, so the buffer holds the data when staging returns. Kept apart from the CUDA
-    calls so that a CPU test can check the ordering. A generator: no list of a step per tensor to build."""
+    stream of the copying thread), then the copies (CUDA ones on their device's side stream, selected once
+    per run of copies from that device: selecting a stream costs more than a small copy), then every side
+    stream synchronized, so the buffer holds the data when staging returns. Kept apart from the CUDA calls so
+    that a CPU test can check the ordering. A generator: no list of a step per tensor to build."""
     cuda_devices = sorted({d for d in devices if d is not None}, key=str)
     for d in cuda_devices:
         yield "stream", d
         yield ("wait_event", d, events[d]) if d in events else ("wait_stream", d)
+    selected = None
     for i, d in enumerate(devices):
+        if d is not None and d != selected:
+            yield "select", d
+            selected = d
         yield "copy", i, d
+    if selected is not None:
+        yield ("deselect",)
     for d in cuda_devices:
         yield "synchronize", d
 
@@ -69,7 +76,8 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
     """Copy this rank's boxes into `buf` at the plan's offsets. Runs in a worker thread (copy_ drops the
     GIL). CUDA tensors are copied on side streams ordered after `events` (see stream_steps).
     `staged_up_to(n)`: the first n bytes of the buffer hold their final bytes (called as CPU copies progress,
-    so parts can be checksummed while later ones are still being copied; once more at the end)."""
+    so parts can be checksummed while later ones are still being copied; once more at the end). Never called
+    when a source is on a GPU or the plan is out of buffer order: nothing is known until the end then."""
     in_order = all(a.offset <= b.offset for a, b in zip(plan.local, plan.local[1:]))
     report = staged_up_to if in_order else None
     sources = []
@@ -78,27 +86,38 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
         sources.append(src if c.dim0 is None else src.narrow(0, *c.dim0))
     views = buf.views_for(plan)
     streams: dict[torch.device, Any] = {}
+    selected: list[Any] = []  # the side stream's context while it is the current stream
     with torch.no_grad():
-        for step in stream_steps([s.device if s.is_cuda else None for s in sources], events or {}):
-            op, *args = step
-            if op == "stream":
-                streams[args[0]] = torch.cuda.Stream(device=args[0])
-            elif op == "wait_event":
-                streams[args[0]].wait_event(args[1])
-            elif op == "wait_stream":
-                streams[args[0]].wait_stream(torch.cuda.current_stream(args[0]))
-            elif op == "copy":
-                index, device = args
-                src, dst = sources[index], views[index]
-                if device is None:
-                    if report is not None and not streams:
+        try:
+            for step in stream_steps([s.device if s.is_cuda else None for s in sources], events or {}):
+                op, *args = step
+                if op == "stream":
+                    streams[args[0]] = torch.cuda.Stream(device=args[0])
+                elif op == "wait_event":
+                    streams[args[0]].wait_event(args[1])
+                elif op == "wait_stream":
+                    streams[args[0]].wait_stream(torch.cuda.current_stream(args[0]))
+                elif op in ("select", "deselect"):
+                    if selected:
+                        selected.pop().__exit__(None, None, None)
+                    if op == "select":
+                        selected.append(torch.cuda.stream(streams[args[0]]))
+                        selected[0].__enter__()
+                elif op == "copy":
+                    index, device = args
+                    src, dst = sources[index], views[index]
+                    if device is not None:
+                        dst.copy_(src, non_blocking=True)  # on the selected side stream
+                    elif report is not None and not streams:
                         _copy_reporting(src, dst, plan.local[index].offset, report)
                     else:
                         dst.copy_(src)
-                else:
-                    with torch.cuda.stream(streams[device]):
-                        dst.copy_(src, non_blocking=True)
-            else:  # synchronize
-                streams[args[0]].synchronize()
-    if staged_up_to is not None:
-        staged_up_to(buf.view.nbytes)
+                else:  # synchronize
+                    streams[args[0]].synchronize()
+        finally:
+            if selected:
+                selected.pop().__exit__(None, None, None)
+    # hashed behind the copy only where the copy reported its progress; else every part is hashed at once,
+    # each in a thread of its own (faster than one stream over the whole buffer)
+    if report is not None and not streams:
+        report(buf.view.nbytes)
