@@ -85,6 +85,17 @@ def copy_baselines(state: dict[str, torch.Tensor], device: torch.device, repeats
            "h2d_pinned": _timed(lambda: flat.copy_(pinned, non_blocking=pin), device, repeats),
            "h2d_pageable": _timed(lambda: flat.copy_(pageable), device, repeats)}
     del flat, pinned, pageable, views
+    if pin:  # what pinning costs: one allocation per tensor, or one for all (the host allocator emptied after each)
+        empty_cache = getattr(torch._C, "_host_emptyCache", lambda: None)
+
+        def allocate(sizes: list[int]) -> None:
+            held = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
+            del held
+            empty_cache()
+
+        sizes = [t.numel() * t.element_size() for t in state.values()]
+        out["pin_alloc_per_tensor"] = _timed(lambda: allocate(sizes), device, 1)
+        out["pin_alloc_one"] = _timed(lambda: allocate([nbytes]), device, 1)
     return out
 
 
@@ -317,6 +328,9 @@ def report(r: dict[str, Any]) -> str:
     for name, s in (("pinned cudaMemcpy, one flat copy", r["h2d_pinned"]), ("pageable", r["h2d_pageable"]),
                     (f"tiered_ckpt load from the memory tier (bit-exact: {r['load_exact']})", r["load_host"])):
         lines.append(f"| {name} | {s:.4f} | {gib / s:.1f} | {s / r['h2d_pinned']:.2f} |")
+    if "pin_alloc_one" in r:
+        lines += ["", f"pinning {format_size(r['bytes'])}: {r['pin_alloc_one']:.3f} s in one allocation, "
+                      f"{r['pin_alloc_per_tensor']:.3f} s in one per tensor"]
     lines += ["", f"ordering behind queued kernels: {r['ordering']}"]
     if "loop" in r:
         lp = r["loop"]
