@@ -1,8 +1,9 @@
 """Reading a checkpoint back into the caller's tensors, resharding where the layouts differ.
 
-`plan_reads` decides where each needed saved chunk goes: a chunk whose box is exactly a contiguous CPU
-target's box is read with one scatter call straight into the target's memory; any other needed chunk
-(resharding, non-contiguous or non-CPU targets) is read into a scratch buffer and its overlap copied over.
+`plan_reads` decides where each needed saved chunk goes: a chunk whose box is exactly a contiguous target's
+box (or one contiguous stretch of it) is read with one scatter call straight into the target's memory (a GPU
+target's through `DeviceBytes`: a host → device copy per verified chunk); any other needed chunk (resharding
+across boxes, non-contiguous targets, a dtype cast) is read into a scratch buffer and its overlap copied over.
 `read_parts` then reads every needed part through `TierIO.read_verified` (checksum over exactly the bytes
 read; a missing, short or corrupt part is read again from the next tier), with several ranks through the
 broadcast reader, so each part is read once per replica group.
@@ -23,7 +24,7 @@ from ..distributed.dtensor import local_box, local_tensor
 from ..errors import TierError
 from ..layout import checkpoint_prefix, parse_key
 from ..manifest import Manifest
-from ..buffers import tensor_bytes
+from ..buffers import DeviceBytes, as_byte_tensor, tensor_bytes
 from ..storage.tier_io import Fallback, PartRead, ReadLog, TierIO
 
 if TYPE_CHECKING:
@@ -57,44 +58,6 @@ class LoadInfo:
         return self.reads.bytes_received
 
 
-class Scratch:
-    """Memory for chunks that cannot be read straight into their target. For a GPU target it is pinned, so
-    the copy to the device runs at DMA speed, and carved out of a few large allocations: a pinned
-    allocation costs about the same whatever its size up to megabytes, so one per chunk made a load of
-    1 GiB in 1,726 tensors take a second on an H200 (docs/benchmarks.md, GPU)."""
-
-    ALIGN = 64  # every piece starts here: a view as any dtype is aligned
-    SLAB = 64 << 20  # the largest pinned allocation made for several pieces (a larger piece gets its own)
-
-    def __init__(self) -> None:
-        self.held: list[torch.Tensor] = []  # every allocation, pinned or not: the views point into them
-        self._slab: torch.Tensor | None = None
-        self._used = 0
-        self._pinned = 0
-
-    def take(self, nbytes: int, pin: bool) -> torch.Tensor:
-        if not pin:
-            self.held.append(torch.empty(nbytes, dtype=torch.uint8))
-            return self.held[-1]
-        if self._slab is None or self._used + nbytes > self._slab.numel():
-            # doubling from 1 MiB: a small load pins little, a large one makes few allocations
-            size = max(nbytes, min(self.SLAB, max(1 << 20, self._pinned)))
-            self._slab, self._used = self._allocate_pinned(size), 0
-            self._pinned += size
-            self.held.append(self._slab)
-        piece = self._slab[self._used:self._used + nbytes]
-        self._used += -(-nbytes // self.ALIGN) * self.ALIGN
-        return piece
-
-    @property
-    def pinned(self) -> bool:
-        return self._pinned > 0
-
-    @staticmethod
-    def _allocate_pinned(nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
 @dataclass
 class Reads:
     """What one load reads: `dests` maps a saved chunk (rank, byte offset) to the bytes it fills, either
@@ -109,36 +72,25 @@ class Reads:
     direct: dict[tuple[int, int], str] = field(default_factory=dict)  # dests that are a target's memory: its key
     subs: dict[tuple[int, int], list[tuple[int, memoryview, str | None]]] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    scratch: Scratch = field(default_factory=Scratch)  # the memory that views into scratch point into
+    keep: list[torch.Tensor] = field(default_factory=list)  # scratch buffers the views point into
 
     def finish(self) -> None:
-        """Scratch → targets. A GPU target is copied from pinned scratch without waiting copy by copy; each
-        device's stream is synchronized at the end, so the targets hold their values when this returns."""
-        devices = set()
         with torch.no_grad():
             for src, dst in self.copies:
-                if dst.is_cuda and src.is_pinned():
-                    dst.copy_(src, non_blocking=True)
-                    devices.add(dst.device)
-                else:
-                    dst.copy_(src)
-        for device in devices:
-            torch.cuda.current_stream(device).synchronize()
+                dst.copy_(src)
 
     def release(self) -> None:
         """Drop the scratch buffers (call it in a thread: freeing large buffers takes milliseconds)."""
         self.dests.clear()
         self.subs.clear()
         self.copies.clear()
-        pinned, self.scratch = self.scratch.pinned, Scratch()
-        if pinned:  # else CUDA's host allocator keeps the pinned scratch cached for the rest of the process
-            getattr(torch._C, "_host_emptyCache", lambda: None)()
+        self.keep.clear()
 
 
 def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]]) -> Reads:
     """Where each saved chunk that overlaps a target goes. A chunk that lies wholly inside a contiguous CPU
-    target of its dtype, on a contiguous stretch of it (the same box, a Shard(0) piece of a full tensor, any
-    piece of a 1-d one), is read straight into that memory; so is the part of a chunk that such a target
+    or GPU target of its dtype, on a contiguous stretch of it (the same box, a Shard(0) piece of a full tensor,
+    any piece of a 1-d one), is read straight into that memory; so is the part of a chunk that such a target
     holds when it is one contiguous stretch of both (a saved dim-0 shard split over several ranks); any other
     into scratch, then copied."""
     reads = Reads()
@@ -148,14 +100,16 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
         local = local_tensor(target)
         _, box_offsets, box_sizes = local_box(target)
         dtype = meta.torch_dtype
-        direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == dtype
-        pin = local.is_cuda  # scratch for a GPU target is pinned: the copy to the device runs at DMA speed
+        # the target's own memory takes the bytes: a CPU tensor's directly, a GPU tensor's by a copy from the
+        # read buffer, chunk by chunk (no host copy of it in between)
+        direct = local.device.type in ("cpu", "cuda") and local.is_contiguous() and local.dtype == dtype
+        sink = tensor_bytes if local.device.type == "cpu" else DeviceBytes
         for chunk in meta.chunks:
             if chunk.nbytes == 0:
                 continue
             key = (chunk.rank, chunk.byte_offset)
             if direct and chunk.sizes == box_sizes and chunk.offsets == box_offsets:  # the same box: the most common
-                reads.dests[key] = tensor_bytes(local)
+                reads.dests[key] = sink(local)
                 reads.direct[key] = where
                 continue
             overlap = _intersect(chunk.offsets, chunk.sizes, box_offsets, box_sizes)
@@ -165,29 +119,31 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
             dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box_offsets))]
             inside = lo == tuple(chunk.offsets) and hi == tuple(o + n for o, n in zip(chunk.offsets, chunk.sizes))
             if direct and inside and dst.is_contiguous():
-                reads.dests[key] = tensor_bytes(dst)
+                reads.dests[key] = sink(dst)
                 reads.direct[key] = where
                 continue
             start = _contiguous_start(chunk.offsets, chunk.sizes, lo, hi)
             if direct and start is not None and dst.is_contiguous() and dst.numel():
-                reads.subs.setdefault(key, []).append((start * dst.element_size(), tensor_bytes(dst), where))
+                reads.subs.setdefault(key, []).append((start * dst.element_size(), sink(dst), where))
                 continue
             if start is not None and dst.numel():  # one stretch of the chunk: read just it, then copy it over
-                piece = reads.scratch.take(dst.numel() * dtype.itemsize, pin)
+                piece = torch.empty(dst.numel() * dtype.itemsize, dtype=torch.uint8)
+                reads.keep.append(piece)
                 reads.subs.setdefault(key, []).append((start * dtype.itemsize, tensor_bytes(piece), None))
                 reads.copies.append((piece.view(dtype).view(dst.shape), dst))
                 continue
             if key not in scratch:
-                scratch[key] = reads.scratch.take(chunk.nbytes, pin)
+                scratch[key] = torch.empty(chunk.nbytes, dtype=torch.uint8)
                 reads.dests[key] = tensor_bytes(scratch[key])
+                reads.keep.append(scratch[key])
             src = scratch[key].view(dtype).view(chunk.sizes)
             src = src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, chunk.offsets))]
             reads.copies.append((src, dst))
     first: list[tuple[torch.Tensor, torch.Tensor]] = []
     for key in [k for k in reads.subs if k in reads.dests]:  # the chunk is read whole anyway: copy the pieces
-        whole = torch.frombuffer(reads.dests[key], dtype=torch.uint8) if key not in scratch else scratch[key]
+        whole = as_byte_tensor(reads.dests[key]) if key not in scratch else scratch[key]
         for start, view, _ in reads.subs.pop(key):
-            first.append((whole[start:start + len(view)], torch.frombuffer(view, dtype=torch.uint8)))
+            first.append((whole[start:start + len(view)], as_byte_tensor(view)))
     reads.copies[:0] = first  # before the copies out of the pieces
     for pieces in reads.subs.values():
         pieces.sort(key=lambda s: s[0])
