@@ -50,6 +50,9 @@ MUTANTS = {
     "gpu-target-bytes-misplaced": (  # a load's write into a GPU target lands at the slice's start, not its own
         "tiered_ckpt/buffers.py", "        return self.start + lo, self.start + max(hi, lo)",
         "        return lo, max(hi, lo)", ["tests/unit/test_device_bytes.py"]),
+    "decision-errors-become-rankfailed": (  # "no checkpoint to load" on rank 0 reads as a failure elsewhere
+        "tiered_ckpt/distributed/coordinator.py", "        if same is not None:\n            raise same(outcome[2])\n",
+        "", ["tests/multirank/test_coordinator.py"]),
     "collectives-out-of-step": (  # a rank that failed locally skips the load's read collectives
         "tiered_ckpt/load/loader.py", "                await read_parts(self.io,", "                if error is None: await read_parts(self.io,",
         ["tests/multirank/test_rank_state.py", "-k", "one_rank_failing"]),
@@ -64,9 +67,9 @@ MUTANTS = {
         ["tests/integration/test_corruption.py", "-k", "follows_from_its_chunk_digests"]),
     "no-dtype-cast": ("tiered_ckpt/load/reads.py", " and local.dtype == dtype\n", "\n",
                       ["tests/unit/test_state_rules.py", "-k", "cast"]),
-    "ties-written-twice": ("tiered_ckpt/state.py", "earlier = seen.get(ptr)\n", "earlier = None\n",
+    "ties-written-twice": ("tiered_ckpt/state/flatten.py", "earlier = seen.get(ptr)\n", "earlier = None\n",
                            ["tests/unit/test_state_rules.py", "-k", "tied"]),
-    "module-keys-unchecked": ("tiered_ckpt/state.py", "        if not left:\n            return None",
+    "module-keys-unchecked": ("tiered_ckpt/state/match.py", "        if not left:\n            return None",
                               "        return None",
                               ["tests/integration/test_corruption.py", "-k", "module_missing"]),
     "zombie-shares-keys": ("tiered_ckpt/save/commit.py", "self.incarnation = incarnation_dir(index.identity, session)",

@@ -1,10 +1,11 @@
-"""Engine: the facade. It builds the parts of the save path, the load path, the lifecycle and the storage,
-wires them together at `open()`, and hands each call to the part that does it; it does no I/O itself.
+"""Engine: the facade. It opens the job's store (job_store.py: tiers, index, catalog, removal, writer role,
+shared with the command line), adds the save and load paths at `open()`, and hands each call to the part
+that does it; it does no I/O itself.
 
-Lifecycle: `async with Engine(config) as engine` opens the tiers and the index; `save` goes to the Saver
-(save/saver.py), `load` to the Loader (load/loader.py), `list`/`status`/`read_manifest` to the Catalog,
-`delete` and `gc` to the lifecycle (removal.py, gc.py) once this engine holds the writer role (writer.py);
-`close` waits for every save in flight, then re-raises a background error that no one observed.
+Lifecycle: `async with Engine(config) as engine` opens the store; `save` goes to the Saver (save/saver.py),
+`load` to the Loader (load/loader.py), `list`/`status`/`read_manifest`/`export`/`delete`/`gc` to the store
+once this engine holds the role they need (writer.py); `close` waits for every save in flight, then re-raises
+a background error that no one observed.
 """
 from __future__ import annotations
 
@@ -12,21 +13,18 @@ import asyncio
 import logging
 import os
 import time
+from enum import Enum
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from .checksum import resolve as resolve_checksum
 from .config import Config, check_config, load_config
 from .distributed.coordinator import Coordinator
 from .errors import ConfigError, TieredCkptError
-from .lifecycle.busy import BusySteps
-from .lifecycle.gc import GRACE, GcReport, GcScope, collect
-from .lifecycle.removal import Removal
+from .job_store import JobStore
+from .lifecycle.gc import GRACE, GcReport
 from .lifecycle.retention import Retention
-from .lifecycle.rules import Best, Rules
-from .lifecycle.writer import Writer
-from .load.catalog import Catalog
+from .lifecycle.rules import Rules
 from .load.export import ExportInfo
-from .load.export import export as export_checkpoint
 from .load.heal import HealReport
 from .load.loader import Loader
 from .load.reads import LoadInfo
@@ -43,11 +41,19 @@ from .save.plan import Planner
 from .save.policy import SavePolicy
 from .save.pool import StagingPool
 from .save.saver import Saver
-from .storage.index import CheckpointStatus, Index, open_index
-from .storage.tier_io import TierIO
+from .storage.index import CheckpointStatus
 
 
 log = logging.getLogger(__name__)
+
+
+class EngineState(Enum):
+    """Where an engine is in its life: only an open one saves and loads; a closing one finishes its saves."""
+
+    NEW = "new"
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
 
 
 class Engine:
@@ -66,16 +72,13 @@ class Engine:
         if on_event is not None:
             self.events.subscribe(on_event)
         self.coordinator = Coordinator()  # replaced at open() when a process group exists
-        self.io = TierIO(config.tiers, config.engine.io_threads, background_nice=config.engine.background_nice)
-        self.index: Index = open_index(config.engine.index)
-        self.catalog = Catalog(self.job, self.index, self.io, adopt=config.engine.adopt)
+        self.store = JobStore(config)  # the job's tiers, index, catalog, removal and writer role
         self.pool = StagingPool(config.engine.max_inflight)
         self.planner = Planner(config.engine.part_size, self.coordinator)
-        self.busy = BusySteps()
         self.policy = SavePolicy.of(config.engine)  # should_save: when to save (save/policy.py)
-        self.committed: set[int] = set()  # steps complete on some tier, as far as this process knows
-        self._parts: tuple[Writer, Removal, Saver, Loader] | None = None  # built at open(): they need the rank
-        self._state = "new"
+        self._saver: Saver | None = None  # built at open(): they need the rank
+        self._loader: Loader | None = None
+        self._state = EngineState.NEW
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> "Engine":
@@ -85,44 +88,39 @@ class Engine:
     # -- lifecycle -------------------------------------------------------------------------------
     async def open(self) -> "Engine":
         """Start the tiers and the index and (with a process group) join the other ranks; returns self."""
-        if self._state != "new":
-            raise RuntimeError(f"engine is {self._state}; open it once")
+        if self._state is not EngineState.NEW:
+            raise RuntimeError(f"engine is {self._state.value}; open it once")
         engine = self.config.engine
         if engine.distributed:  # one rank of the default process group's world, when there is one
             self.coordinator = await Coordinator.create(engine.collective_timeout)
         # else (distributed = false) the single-rank Coordinator from __init__: no process group, no collectives
         self.planner.coordinator = self.policy.coordinator = self.coordinator
         self.policy.arm()  # save_on_sigterm: the SIGTERM handler (from the main thread; tc.Checkpointer arms it)
-        node, num_nodes = await self.coordinator.node()
-        for name in self.io:  # a file tier's capacity bounds this job's bytes, not those of others sharing its folder
-            tier = self.io.file_tier(name)
+        store = self.store
+        for name in store.io:  # a file tier's capacity bounds this job's bytes, not those of others sharing its folder
+            tier = store.io.file_tier(name)
             if tier is not None:
                 tier.count_only(Arena.owned_by(self.job))
-        await self.io.open(rank=self.rank, world_size=self.world_size, node=node, num_nodes=num_nodes)
-        await self.index.open()
+        await store.open(self.coordinator, reclaim=self._removing)
         self.pool.arena = self._arena()
-        self.committed.update(s.step for s in await self.catalog.statuses() if s.is_complete)
+        store.committed.update(s.step for s in await store.statuses() if s.is_complete)
         self.events.rank = self.rank
-        removal = Removal(self.job, self.index, self.io, self.busy, self.committed, rank=self.rank,
-                          world_size=self.world_size, reclaim=self._removing)
         rules = {t.name: Rules.of(t) for t in self.config.tiers}
-        retention = Retention(self.job, self.index, removal, self.busy, rules)
-        writer = Writer(self.job, self.index, self.coordinator, removal)
-        commit = Committer(self.index, self.job, rank=self.rank, world_size=self.world_size,
+        retention = Retention(self.job, store.index, store.removal, store.busy, rules)
+        commit = Committer(store.index, self.job, rank=self.rank, world_size=self.world_size,
                            session=self.coordinator.session, timeout=engine.commit_timeout)
         # one algorithm for every rank ("auto" could resolve differently where xxhash is missing on a rank)
         algorithm = await self.coordinator.broadcast_object(resolve_checksum(engine.checksum))
-        services = SaveServices(self.io, commit, retention, removal, self.pool, self.committed, algorithm)
-        saver = Saver(self.config, self.coordinator, self.planner, writer, self.busy, services,
-                      is_open=lambda: self._state == "open")
-        loader = Loader(self.io, self.catalog, self.coordinator, self.busy, allow_pickle=engine.allow_pickle,
-                        heal=engine.heal)
-        self._parts = (writer, removal, saver, loader)
-        self._state = "open"
+        services = SaveServices(store.io, commit, retention, store.removal, self.pool, store.committed, algorithm)
+        self._saver = Saver(self.config, self.coordinator, self.planner, store.writer, store.busy, services,
+                            is_open=lambda: self._state is EngineState.OPEN)
+        self._loader = Loader(store.io, store.catalog, self.coordinator, store.busy,
+                              allow_pickle=engine.allow_pickle, heal=engine.heal)
+        self._state = EngineState.OPEN
         try:
             await self._open_sinks()  # first: a bad events_log fails before anything is fenced or cleaned up
             if engine.role == "writer":  # a second trainer, or a tier it can never write, fails here, not at a save
-                await writer.become()
+                await store.writer.become()
         except BaseException:
             await self.close(raise_errors=False)
             raise
@@ -163,7 +161,7 @@ class Engine:
         """Stage straight into the memory tier's files when it is first in the stack and keeps every save
         (every = 1) with a bounded keep_last; else anonymous staging buffers."""
         first, engine = self.config.tiers[0], self.config.engine
-        tier = self.io.file_tier(first.name)
+        tier = self.store.io.file_tier(first.name)
         if not (engine.stage_in_memory_tier and first.kind == "memory" and tier is not None and first.every == 1
                 and first.keep_last is not None and mapped_supported(engine.part_size)):
             return None
@@ -172,20 +170,19 @@ class Engine:
 
     async def close(self, *, raise_errors: bool = True) -> None:
         """Wait for every save in flight, close tiers and index; raise an unobserved background error."""
-        if self._state != "open":
-            self._state = "closed"
+        if self._state is not EngineState.OPEN:
+            self._state = EngineState.CLOSED
             return
-        self._state = "closing"
-        _, _, saver, _ = self._open_parts()
+        self._state = EngineState.CLOSING
+        saver, loader = self._save_path(), self._load_path()
         self.policy.disarm()
         await saver.wait_all()
-        await self._parts[3].wait_healed(timeout=self.config.engine.commit_timeout)  # then cancelled
-        await self.io.close()
-        await self.index.close()
+        await loader.wait_healed(timeout=self.config.engine.commit_timeout)  # then cancelled
+        await self.store.close()
         await self.coordinator.destroy()
         await self.pool.clear()
         await self._close_sinks()
-        self._state = "closed"
+        self._state = EngineState.CLOSED
         if raise_errors:
             saver.raise_unobserved()
 
@@ -210,13 +207,24 @@ class Engine:
 
     async def wait_all(self) -> None:
         """Wait until every save in flight has finished on every tier (errors stay in the handles)."""
-        if self._parts is not None:
-            await self._parts[2].wait_all()
+        if self._saver is not None:
+            await self._saver.wait_all()
 
-    def _open_parts(self) -> tuple[Writer, Removal, Saver, Loader]:
-        if self._state not in ("open", "closing") or self._parts is None:
-            raise RuntimeError(f"engine is {self._state}: use `async with Engine(...)` or `await engine.open()`")
-        return self._parts
+    def _check_open(self) -> None:
+        if self._state not in (EngineState.OPEN, EngineState.CLOSING) or self._saver is None:
+            raise RuntimeError(f"engine is {self._state.value}: use `async with Engine(...)` or "
+                               f"`await engine.open()`")
+
+    def _save_path(self) -> Saver:
+        self._check_open()
+        assert self._saver is not None
+        return self._saver
+
+    def _load_path(self) -> Loader:
+        self._check_open()
+        assert self._loader is not None
+        return self._loader
+
 
     @property
     def rank(self) -> int:
@@ -236,17 +244,17 @@ class Engine:
     @property
     def incarnation(self) -> str:
         """The folder (inside each step's) that this engine's saves write under: no other opening shares it."""
-        return self._open_parts()[2].services.commit.incarnation
+        return self._save_path().services.commit.incarnation
 
     @property
     def is_writer(self) -> bool:
         """This engine is the job's writer (it saved, or deleted): it fenced earlier incarnations."""
-        return self._parts is not None and self._parts[0].is_writer
+        return self._saver is not None and self.store.writer.is_writer
 
     @property
     def saves_in_flight(self) -> int:
         """Saves not yet finished on every tier they target."""
-        return len(self._parts[2].jobs) if self._parts is not None else 0
+        return len(self._saver.jobs) if self._saver is not None else 0
 
     # -- save / load -----------------------------------------------------------------------------
     async def save(self, step: int, state: Any, *, lazy: bool = False, metadata: dict[str, Any] | None = None,
@@ -261,8 +269,7 @@ class Engine:
         they are recorded here, on the calling thread's current streams. A failure of an earlier save that no
         one waited for is raised here (once), and this save is not started. The save after should_save() said
         yes for a SIGTERM is the last: it waits for every tier, and then the process ends (should_save)."""
-        _, _, saver, _ = self._open_parts()
-        handle = await saver.save(step, state, lazy=lazy, metadata=metadata, ready_events=ready_events)
+        handle = await self._save_path().save(step, state, lazy=lazy, metadata=metadata, ready_events=ready_events)
         self.events.watch_save(handle, time.perf_counter() - handle.started)  # records it as its tiers finish
         self.policy.saved()
         if self.policy.last_save_due:  # should_save said yes for a SIGTERM: this was the last save
@@ -278,8 +285,7 @@ class Engine:
         together (`TierFull` naming the tier, the bytes needed and free). Call it on every rank with the state
         you will save (a collective, as save()); it makes this engine the writer, as a save would. Returns what
         it made and the host memory the staging holds from now on."""
-        _, _, saver, _ = self._open_parts()
-        return await saver.reserve(state)
+        return await self._save_path().reserve(state)
 
     async def should_save(self, step: int) -> bool:
         """Whether the loop should save `step` now, by the `[engine]` rules: `save_every_steps` (step divisible),
@@ -288,7 +294,7 @@ class Engine:
         With several ranks and a time or signal rule it is a collective (one small all_reduce). After a SIGTERM,
         the save() that follows waits until the checkpoint is done on every tier it targets, then the process
         ends as the signal would have ended it (the previous SIGTERM handler gets it). See docs/operations.md."""
-        self._open_parts()
+        self._check_open()
         return await self.policy.should_save(step)
 
     async def _finish(self, handle: SaveHandle) -> None:
@@ -314,12 +320,12 @@ class Engine:
         Reads each part from the fastest tier on which the checkpoint is complete; a missing part, a
         short read or a checksum mismatch falls back to the next tier (LoadInfo.fallbacks says which).
         `tiers` restricts which tiers may serve, in speed order. A load never changes the index."""
-        _, _, _, loader = self._open_parts()
+        loader = self._load_path()
         if best and step is not None:
             raise ValueError(f"load(best=True) picks the step itself: give step={step} or best=True, not both")
         started = time.perf_counter()
         try:
-            info = await loader.load(state, step=step, tiers=tiers, best=self._best_rule() if best else None)
+            info = await loader.load(state, step=step, tiers=tiers, best=self.store.best_rule() if best else None)
         except Exception as e:
             self.events.load_failed(step, time.perf_counter() - started, e)
             raise
@@ -331,44 +337,40 @@ class Engine:
         since the last call). After a load, every rank puts back in the background the copies of its saved
         rank that the memory tier and the peer ring lost (a replaced node), so a second failure still resumes
         from them; `[engine] heal = false` turns it off. close() waits for them too, up to `commit_timeout`."""
-        return await self._open_parts()[3].wait_healed()
+        return await self._load_path().wait_healed()
 
     async def best(self, tiers: Sequence[str] | None = None) -> CheckpointStatus:
         """The checkpoint load(best=True) takes: the best by the tiers' `best_metric` (lowest with best_mode
         "min", highest with "max") of save()'s metadata, among those complete on `tiers` (default: every
         tier) that can be loaded. IncompleteCheckpoint when none carries the metric; ConfigError when no tier
         names one. No collective: it reads the index (and the tiers' listings) on this process."""
-        self._open_parts()
-        allowed = self.io.names if tiers is None else list(tiers)
-        return await self.catalog.pick(None, allowed, self._best_rule())
-
-    def _best_rule(self) -> Best:
-        return Best.required(self.config)
+        self._check_open()
+        allowed = self.store.io.names if tiers is None else list(tiers)
+        return await self.store.catalog.pick(None, allowed, self.store.best_rule())
 
     # -- what exists -----------------------------------------------------------------------------
     async def statuses(self) -> list[CheckpointStatus]:
         """Every checkpoint of the job: from the index, or, when the index is unreachable, from the
         manifests on the tiers."""
-        return await self.catalog.statuses()
+        return await self.store.statuses()
 
     async def read_manifest(self, step: int, tiers: Sequence[str] | None = None) -> Manifest:
         """The manifest with every rank's checksums: from the index, or else from the first of `tiers`
         (default: every configured tier, fastest first) with a valid copy."""
-        return await self.catalog.read_manifest(step, self.io.names if tiers is None else self.io.order(tiers))
+        return await self.store.read_manifest(step, tiers)
 
     async def list(self) -> AsyncIterator[CheckpointStatus]:
         """Every checkpoint of this job, oldest first, with the tiers it targets and those it is complete on,
         its size (`nbytes`) and the `metadata` given to save(): both recorded at begin, so no manifest is read
         (but once per checkpoint saved by an earlier release, from the index)."""
-        self._open_parts()
-        for status in await self.catalog.with_sizes(await self.statuses()):
+        self._check_open()
+        for status in await self.store.list():
             yield status
 
     async def status(self, step: int) -> CheckpointStatus | None:
         """The index's record of checkpoint `step`, or None."""
-        self._open_parts()
-        found = [s for s in await self.statuses() if s.step == step]
-        return (await self.catalog.with_sizes(found))[0] if found else None
+        self._check_open()
+        return await self.store.status(step)
 
     async def export(self, path: str | os.PathLike[str], *, to: str, step: int | None = None,
                      select: str | None = None, force: bool = False,
@@ -379,21 +381,22 @@ class Engine:
         deletes, so it may run beside a trainer; it uses no collectives (call it on one rank). An existing
         `path` is replaced only with force=True. `progress(done, total)` gets bytes of tensor data.
         Returns what was written (tensors, bytes, plain values, what was left out). See docs/export.md."""
-        self._open_parts()
-        return await export_checkpoint(self.catalog, self.io, self.busy.loading, path, to=to, step=step,
-                                       select=select, force=force, progress=progress)
+        self._check_open()
+        return await self.store.export(os.fspath(path), to=to, step=step, select=select, force=force,
+                                       progress=progress)
 
     # -- changing what exists --------------------------------------------------------------------
     async def delete(self, step: int) -> None:
         """Delete checkpoint `step` from every tier and the index (commit records first)."""
-        writer, removal, _, _ = self._open_parts()
+        self._check_open()
+        writer = self.store.writer
         if self.config.engine.role == "reader":
             raise ConfigError(f"job {self.config.engine.job!r}: this engine is a reader: it never deletes (nor "
                               f"saves); `tiered-ckpt delete` removes a checkpoint beside a running trainer",
                               key="engine.role", file=self.config.source)
         if not writer.may_delete:  # a writer's act (with several ranks, every rank calls delete)
             await writer.become()
-        await removal.delete(step)
+        await self.store.delete(step)
 
     async def attach(self, *, hold: bool = True) -> bool:
         """Become a cleaner of the job without starting a new incarnation: `delete` and `gc` then change the
@@ -402,14 +405,14 @@ class Engine:
         writer of the job can run meanwhile: this engine is the writer, or the file index's writer lease was
         free (with `hold`, it is held until detach() or close, and a writer's first save waits for it; without,
         only tested). False when one may be running (the lease is held elsewhere; with Redis, always)."""
-        writer, _, _, _ = self._open_parts()
-        return await writer.attach(hold=hold)
+        self._check_open()
+        return await self.store.attach(hold=hold)
 
     async def detach(self) -> None:
         """The cleaning is done: release what attach() holds (the file index's lease), so a trainer's first
         save does not wait for this engine to close. A writer keeps its lease."""
-        writer, _, _, _ = self._open_parts()
-        await writer.detach()
+        self._check_open()
+        await self.store.detach()
 
     async def gc(self, *, dry_run: bool = False, grace: float = GRACE, other_indexes: bool = False,
                  progress: Callable[[int, int], None] | None = None) -> GcReport:
@@ -419,11 +422,5 @@ class Engine:
         index's lease held), incomplete saves only once they began more than `grace` ago. dry_run reports the
         same and changes nothing. No collectives: call it on one process (once per node for node-local
         tiers). See docs/operations.md."""
-        writer, _, _, _ = self._open_parts()
-        attached = writer.is_cleaner  # a caller's own attach() stays; one taken for this gc ends with it
-        try:
-            return await collect(GcScope(self.job, self.index, self.io, self.busy, writer), dry_run, grace=grace,
-                                 other_indexes=other_indexes, progress=progress)
-        finally:
-            if not attached:
-                await writer.detach()
+        self._check_open()  # a caller's own attach() stays; one taken for this gc ends with it
+        return await self.store.gc(dry_run=dry_run, grace=grace, other_indexes=other_indexes, progress=progress)

@@ -10,7 +10,7 @@ from tiered_ckpt.layout import PartKey, manifest_key
 
 
 def part_file(engine, tier, index):
-    return Path(engine.io.driver(tier).root) / PartKey("test", 1, 0, index, engine.incarnation).path
+    return Path(engine.store.io.driver(tier).root) / PartKey("test", 1, 0, index, engine.incarnation).path
 
 
 async def saved(engine):
@@ -126,7 +126,7 @@ async def test_bit_flips_in_metadata_never_load_wrong_data(engine, tmp_path):
 async def test_no_intact_manifest_anywhere_is_an_error_naming_every_copy(engine, tmp_path):
     state = await saved(engine)
     copies = [next((tmp_path / "index").rglob("manifest"))] + [
-        Path(engine.io.driver(t).root) / manifest_key("test", 1, engine.incarnation) for t in ("host", "disk")]
+        Path(engine.store.io.driver(t).root) / manifest_key("test", 1, engine.incarnation) for t in ("host", "disk")]
     for path in copies:
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x10
@@ -139,11 +139,11 @@ async def test_verify_reports_a_corrupt_manifest_copy(engine):
     from tiered_ckpt.load.verify import verify
 
     await saved(engine)
-    path = Path(engine.io.driver("disk").root) / manifest_key("test", 1, engine.incarnation)
+    path = Path(engine.store.io.driver("disk").root) / manifest_key("test", 1, engine.incarnation)
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01
     path.write_bytes(bytes(data))
-    reports = {r.tier: r for r in await verify(engine.io, await engine.status(1), await engine.read_manifest(1))}
+    reports = {r.tier: r for r in await verify(engine.store.io, await engine.status(1), await engine.read_manifest(1))}
     assert reports["host"].ok and not reports["disk"].ok
     assert len(reports["disk"].bad) == 1 and "manifest.msgpack" in reports["disk"].bad[0] and "corrupt" in reports["disk"].bad[0]
 
@@ -159,7 +159,7 @@ async def test_verify_holds_a_few_parts_in_memory_not_the_checkpoint(make_config
         status, manifest = await engine.status(1), await engine.read_manifest(1)
         tracemalloc.start()
         try:
-            reports = await verify(engine.io, status, manifest)
+            reports = await verify(engine.store.io, status, manifest)
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
@@ -180,7 +180,7 @@ async def test_a_sealed_manifest_with_impossible_fields_is_an_integrity_error(en
     from tiered_ckpt.manifest import Manifest
 
     await saved(engine)
-    data = await engine.index.get_manifest("test", 1)
+    data = await engine.store.index.get_manifest("test", 1)
     body = msgpack.unpackb(unseal(data, "m"), strict_map_key=False)
     body[field] = value
     with pytest.raises(tc.IntegrityError, match="not a valid manifest"):
@@ -238,7 +238,7 @@ async def test_verify_checks_that_a_parts_checksum_follows_from_its_chunk_digest
         await engine.load(out)
         assert all(torch.equal(out[k], state[k]) for k in state)
         status = [c async for c in engine.list()][0]
-        reports = await verify(engine.io, status, manifest)
+        reports = await verify(engine.store.io, status, manifest)
         assert [r.tier for r in reports] == ["host", "disk"]
         for report in reports:
             assert len(report.bad) == len(manifest.ranks[0].checksums)

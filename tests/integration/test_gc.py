@@ -124,10 +124,11 @@ async def test_gc_and_delete_beside_a_running_trainer_on_the_redis_index(tmp_pat
             await (await trainer.save(step, state(step))).wait()
         # an earlier run's save, cut short two hours ago by the index server's clock (begin() stamps the server's
         # time, which a test cannot turn back: the record is written as begin() would have written it then)
-        await trainer.index._hset("crash", 5, "created", repr(await trainer.index.now() - 7200), "target:disk", "0")
-        old_session = incarnation_dir(trainer.index.identity, new_session())
-        await trainer.io.driver("disk").write(PartKey("crash", 5, 0, 0, old_session).path, memoryview(bytes(5000)))
-        disk, release = trainer.io.driver("disk"), asyncio.Event()
+        index = trainer.store.index
+        await index._hset("crash", 5, "created", repr(await index.now() - 7200), "target:disk", "0")
+        old_session = incarnation_dir(index.identity, new_session())
+        disk, release = trainer.store.io.driver("disk"), asyncio.Event()
+        await disk.write(PartKey("crash", 5, 0, 0, old_session).path, memoryview(bytes(5000)))
         real_write = disk.write
 
         async def held(key, data):
@@ -137,7 +138,7 @@ async def test_gc_and_delete_beside_a_running_trainer_on_the_redis_index(tmp_pat
 
         monkeypatch.setattr(disk, "write", held)
         in_flight = await trainer.save(2, state(2))
-        while 2 not in [s.step for s in await trainer.index.list("crash")]:
+        while 2 not in [s.step for s in await trainer.store.index.list("crash")]:
             await asyncio.sleep(0.01)  # begun in the index; its parts are held
 
         before = (redis_dump(server.url), tree(tmp_path / "disk"))

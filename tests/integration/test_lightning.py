@@ -164,7 +164,7 @@ def test_remove_and_resave_while_saves_are_in_flight(tmp_path, shm_dir, monkeypa
     config = write_toml(tmp_path, shm_dir)
     ckpt_dir = Path(os.path.realpath(tmp_path / "ckpt"))
     io = TieredCheckpointIO(config)
-    disk = io.checkpointer.engine.io.driver("disk")
+    disk = io.checkpointer.engine.store.io.driver("disk")
     write = disk.write
 
     async def slow_write(key: str, data: Any) -> Any:

@@ -48,7 +48,7 @@ async def test_a_zombie_from_an_earlier_incarnation_cannot_commit_or_delete(tmp_
         out = state(0.0)
         assert (await restarted.load(out)).step == 1  # resuming reads: it fences no one yet
         await (await restarted.save(2, state(2.0))).wait()  # the first save starts a new epoch
-        assert restarted.index.epoch > zombie.index.epoch
+        assert restarted.store.index.epoch > zombie.store.index.epoch
         handle = await zombie.save(3, state(3.0))
         with pytest.raises(tc.SaveError, match="earlier incarnation"):
             await handle.wait()
@@ -116,7 +116,7 @@ async def test_readers_beside_a_trainer_fence_nothing_and_delete_nothing(tmp_pat
     url = redis_server().url
     async with tc.Engine(stack(tmp_path, shm_dir, url)) as trainer:
         await (await trainer.save(1, state(1.0))).wait()
-        disk = trainer.io.driver("disk")
+        disk = trainer.store.io.driver("disk")
         real_write, release = disk.write, asyncio.Event()
 
         async def held(key, data):
@@ -190,7 +190,7 @@ async def test_a_zombie_writer_never_overwrites_what_the_new_incarnation_committ
     url = redis_server().url
     async with tc.Engine(stack(tmp_path, shm_dir, url, role="writer")) as zombie:  # its probe writes done at open
         release = asyncio.Event()
-        for tier in map(zombie.io.driver, zombie.io.names):
+        for tier in map(zombie.store.io.driver, zombie.store.io.names):
             async def held(key, data, real_write=tier.write):
                 await release.wait()
                 return await real_write(key, data)

@@ -84,7 +84,7 @@ async def test_evicting_server_falls_back_per_part(tmp_path, shm_dir, redis_serv
 async def test_server_restarted_empty_mid_save_never_commits_that_tier(tmp_path, shm_dir, redis_server, monkeypatch):
     server = redis_server()
     async with tc.Engine(stack(tmp_path, shm_dir, [server.url], workers=1)) as engine:
-        peer = engine.io.driver("peer")
+        peer = engine.store.io.driver("peer")
         write, calls = peer.write, []
 
         async def write_then_restart(key, data):

@@ -34,7 +34,7 @@ async def test_retries_recover_from_503_bursts_and_resets(tmp_path, s3_bucket):
             await (await engine.save(1, state(1.0))).wait()
             assert proxy.hits == {"slowdown": 3, "drop": 2}
             # every SlowDown is retried by the pipeline (a reset on a pooled connection may be retried below it)
-            assert engine.io.retried("s3") >= proxy.hits["slowdown"]
+            assert engine.store.io.retried("s3") >= proxy.hits["slowdown"]
             out = state(0.0)
             info = await engine.load(out, tiers=["s3"])
             assert info.tier == "s3" and torch.all(out["w"] == 1.0)
@@ -53,7 +53,7 @@ async def test_persistent_throttling_fails_within_bounds_and_commits_nothing(tmp
             assert "gave up after 5 attempts" in "".join(getattr(err.value, "__notes__", []))
             status = await engine.status(1)
             assert status.complete == {"disk"} and "s3" in status.failed
-            keys = await engine.io.driver("s3").list("faults/")
+            keys = await engine.store.io.driver("s3").list("faults/")
             assert not [k for k in keys if k.endswith("manifest.msgpack")]  # never looks complete on S3
 
 

@@ -43,7 +43,7 @@ async def test_a_half_written_checkpoint_on_s3_is_not_complete(tmp_path, s3_buck
     async with tc.Engine(stack(tmp_path, tmp_path / "index", *s3_bucket, local=False)) as engine:
         await (await engine.save(1, state(1.0))).wait()
         await (await engine.save(2, state(2.0))).wait()
-        s3 = engine.io.driver("s3")
+        s3 = engine.store.io.driver("s3")
         await s3.delete(rank_meta_key("gpt", 2, 0, engine.incarnation))  # as if the writer died before it
     async with tc.Engine(stack(tmp_path, tmp_path / "fresh-index", *s3_bucket, local=False, adopt=True)) as engine:
         out = state(0.0)
@@ -58,7 +58,7 @@ async def test_an_s3_only_restore_passes_over_a_newest_step_whose_record_is_corr
     async with tc.Engine(stack(tmp_path, tmp_path / "index", *s3_bucket, local=False)) as engine:
         await (await engine.save(1, state(1.0))).wait()
         await (await engine.save(2, state(2.0))).wait()
-        s3, key = engine.io.driver("s3"), rank_meta_key("gpt", 2, 0, engine.incarnation)
+        s3, key = engine.store.io.driver("s3"), rank_meta_key("gpt", 2, 0, engine.incarnation)
         record = bytearray(await s3.read(key))
         record[-1] ^= 0x01
         await s3.write(key, memoryview(bytes(record)))

@@ -163,7 +163,7 @@ async def _burst_with_one_slow_rank(rank: int, world: int, root: str) -> dict:
     cfg = config(root, commit_timeout=60.0)
     async with tc.Engine(cfg) as engine:
         if rank == 1:  # only this rank's disk is slow: only it decides to skip
-            disk = engine.io.driver("disk")
+            disk = engine.store.io.driver("disk")
 
             async def slow_write(key, data, real_write=disk.write):
                 await asyncio.sleep(0.02)

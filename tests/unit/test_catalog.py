@@ -12,8 +12,8 @@ from .common import load_values, state_of
 
 async def test_incomplete_checkpoint_is_listed_but_never_loaded(engine):
     await (await engine.save(1, state_of(1.0))).wait()
-    await engine.index.begin("test", 2, ["host", "disk"])  # a save that never finished
-    await engine.io.driver("host").write(PartKey("test", 2, 0, 0).path, memoryview(b"junk"))
+    await engine.store.index.begin("test", 2, ["host", "disk"])  # a save that never finished
+    await engine.store.io.driver("host").write(PartKey("test", 2, 0, 0).path, memoryview(b"junk"))
     listing = [c async for c in engine.list()]
     assert [(c.step, c.is_complete) for c in listing] == [(1, True), (2, False)]
     info, _ = await load_values(engine)
@@ -50,7 +50,7 @@ async def test_a_lost_or_garbled_newest_record_never_hides_the_newest_committed_
 
     for step in (1, 2, 3):
         await (await engine.save(step, state_of(float(step)))).wait()
-    await engine.index.delete(engine.job, 3)  # the newest record lost
+    await engine.store.index.delete(engine.job, 3)  # the newest record lost
     (tmp_path / "index" / "test" / "step-000000000002" / "begun").write_bytes(b"\x00garbage")  # one garbled
     caplog.set_level(logging.WARNING)
     info, out = await load_values(engine)

@@ -58,7 +58,7 @@ def test_ls_shows_size_and_local_time_with_its_zone(tmp_path, shm_dir, capsys, m
 
         async def crashed_save():  # begun, never written: its size is not known
             async with tc.Engine.from_toml(config) as engine:
-                await engine.index.begin("cli", 3, ["host", "disk"])
+                await engine.store.index.begin("cli", 3, ["host", "disk"])
 
         asyncio.run(crashed_save())
         assert cli.main(["-c", str(config), "ls"]) == 0

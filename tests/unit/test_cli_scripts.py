@@ -44,7 +44,7 @@ def strict_json(text: str):
 def begin_a_save_that_crashed(config: Path, step: int) -> None:
     async def run():
         async with tc.Engine.from_toml(config) as engine:
-            await engine.index.begin("cli", step, ["host", "disk"])
+            await engine.store.index.begin("cli", step, ["host", "disk"])
 
     asyncio.run(run())
 

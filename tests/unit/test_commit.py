@@ -44,7 +44,7 @@ async def test_a_commit_whose_reply_was_lost_keeps_its_parts(make_config, monkey
     from tiered_ckpt.errors import IndexUnavailable
 
     async with tc.Engine(make_config(stage_in_memory_tier=False)) as engine:
-        real = engine.index.mark_durable
+        real = engine.store.index.mark_durable
 
         async def reply_lost(job, step, tier, *args):
             await real(job, step, tier, *args)
@@ -52,7 +52,7 @@ async def test_a_commit_whose_reply_was_lost_keeps_its_parts(make_config, monkey
                 raise IndexUnavailable("connection reset after the commit ran")
             return True
 
-        monkeypatch.setattr(engine.index, "mark_durable", reply_lost)
+        monkeypatch.setattr(engine.store.index, "mark_durable", reply_lost)
         with pytest.raises(tc.SaveError, match="disk"):
             await (await engine.save(1, state_of(1.0))).wait()
         assert [sorted(c.complete) for c in await engine.statuses()] == [["disk", "host"]]

@@ -82,7 +82,7 @@ async def test_save_load_verify_and_export_of_64_mib_parts_never_block_the_loop(
         out = {k: torch.empty_like(v) for k, v in state.items()}
         await engine.load(out, tiers=["disk"])
         await engine.load(out, tiers=["host"])
-        reports = await verify(engine.io, await engine.status(2), await engine.read_manifest(2))
+        reports = await verify(engine.store.io, await engine.status(2), await engine.read_manifest(2))
         await engine.export(tmp_path / "out.safetensors", to="safetensors")
         loop_cpu.stop()
         assert all(r.ok for r in reports) and torch.equal(out["b"], state["b"])

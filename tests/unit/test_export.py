@@ -243,7 +243,7 @@ async def test_export_is_read_only_beside_a_writer(make_config, tmp_path):
 
 
 def part_files(engine, tier: str, step: int) -> list[Path]:
-    root = Path(engine.io.driver(tier).root)
+    root = Path(engine.store.io.driver(tier).root)
     return sorted(p for p in root.rglob("part-*") if f"step-{step:012d}" in str(p))
 
 

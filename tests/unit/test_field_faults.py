@@ -36,8 +36,8 @@ async def test_a_crash_between_retentions_unmark_and_the_removal_leaves_nothing_
         for step in (1, 2, 3, 4):
             await (await engine.save(step, state_of(float(step)))).wait()
         for tier in ("host", "disk"):  # what drop_tier does before the data goes: the index first
-            await engine.index.unmark(engine.job, 2, tier)
-        await engine.index.delete(engine.job, 1)
+            await engine.store.index.unmark(engine.job, 2, tier)
+        await engine.store.index.delete(engine.job, 1)
     config = make_config(tiers=[{"keep_last": 2}, {"keep_last": 2}])
     held = lambda root: sorted(p.name for p in (root / "test").iterdir() if p.name.startswith("step-"))  # noqa: E731
     async with tc.Engine(config) as engine:

@@ -44,10 +44,10 @@ async def test_an_old_format_checkpoint_loads_verifies_and_deletes(old_checkpoin
         assert out["extra"] == {"lr": 0.5}
         manifest = await engine.read_manifest(3)
         assert manifest.version == int(old_checkpoint.name[-1]) and manifest.incarnation == ""
-        assert all(r.ok for r in await verify(engine.io, await engine.status(3), manifest))
+        assert all(r.ok for r in await verify(engine.store.io, await engine.status(3), manifest))
         await (await engine.save(4, saved_state())).wait()  # new saves beside it use the new layout
         await engine.delete(3)
-        assert not [k for k in await engine.io.driver("disk").list("old/") if "step-000000000003" in k]
+        assert not [k for k in await engine.store.io.driver("disk").list("old/") if "step-000000000003" in k]
         assert [c.step async for c in engine.list()] == [4]
 
 
@@ -70,7 +70,7 @@ async def test_a_format_3_checkpoint_loads_and_verifies_without_chunk_digests(tm
         assert torch.equal(out["w"], saved_state()["w"]) and out["extra"] == {"lr": 0.5}
         manifest = await engine.read_manifest(3)
         assert manifest.version == 3 and manifest.chunk_size == 0 and manifest.incarnation
-        assert all(r.ok for r in await verify(engine.io, await engine.status(3), manifest))
+        assert all(r.ok for r in await verify(engine.store.io, await engine.status(3), manifest))
         await (await engine.save(4, saved_state())).wait()
         new = await engine.read_manifest(4)
         assert new.version == 4 and new.chunk_size == 64 * 1024 and len(new.ranks[0].chunk_sums) == 3 * 8

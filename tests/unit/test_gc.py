@@ -52,13 +52,13 @@ async def test_gc_removes_zombie_folders_old_temp_files_and_empty_folders_and_dr
     async with tc.Engine(make_config()) as engine:
         for step in (1, 2):
             await (await engine.save(step, state(step))).wait()
-        identity = engine.index.identity
+        identity = engine.store.index.identity
         zombie = incarnation_dir(identity, new_session())  # a fenced writer that kept writing step 1
         for tier, size in (("host", 3000), ("disk", 5000)):
-            await engine.io.driver(tier).write(PartKey("test", 1, 0, 0, zombie).path, memoryview(bytes(size)))
-            await engine.io.driver(tier).write(manifest_key("test", 1, zombie), memoryview(b"m" * 10))
+            await engine.store.io.driver(tier).write(PartKey("test", 1, 0, 0, zombie).path, memoryview(bytes(size)))
+            await engine.store.io.driver(tier).write(manifest_key("test", 1, zombie), memoryview(b"m" * 10))
         other = "ix-0badcafe/" + new_session()  # an unrelated run (its own index) sharing the path and job
-        await engine.io.driver("host").write(PartKey("test", 1, 0, 0, other).path, memoryview(bytes(700)))
+        await engine.store.io.driver("host").write(PartKey("test", 1, 0, 0, other).path, memoryview(bytes(700)))
     host, disk, index = shm_dir / "host", tmp_path / "disk", tmp_path / "index"
     committed = next(p for p in (host / "test" / step_dir(2)).rglob("part-000000"))
     old = time.time() - 7200
@@ -106,15 +106,16 @@ async def test_gc_finishes_removals_cut_short_removes_partial_orphans_and_keeps_
     async with tc.Engine(make_config()) as engine:
         for step in (1, 2, 3):
             await (await engine.save(step, state(step))).wait()
-        await engine.index.bury("test", 2)  # a delete that crashed after dropping the record, before the data
-        await engine.index.delete("test", 2)
-        await engine.index.delete("test", 3)  # a lost record: the tiers hold the only copy
-        lost = incarnation_dir(engine.index.identity, new_session())
-        await engine.io.driver("disk").write(PartKey("test", 7, 0, 0, lost).path, memoryview(bytes(321)))  # no manifest
+        await engine.store.index.bury("test", 2)  # a delete that crashed after dropping the record, before the data
+        await engine.store.index.delete("test", 2)
+        await engine.store.index.delete("test", 3)  # a lost record: the tiers hold the only copy
+        lost = incarnation_dir(engine.store.index.identity, new_session())
+        disk = engine.store.io.driver("disk")
+        await disk.write(PartKey("test", 7, 0, 0, lost).path, memoryview(bytes(321)))  # no manifest
         report = await engine.gc()  # this engine is the writer: no other writer can run
         assert report.exclusive and report.checkpoints == [2] and not report.errors
-        assert await engine.index.buried("test") == set()
-        keys = {t: await engine.io.driver(t).list("test/") for t in ("host", "disk")}
+        assert await engine.store.index.buried("test") == set()
+        keys = {t: await engine.store.io.driver(t).list("test/") for t in ("host", "disk")}
         assert not [k for ks in keys.values() for k in ks if step_dir(2) in k or step_dir(7) in k]
         assert [k for k in keys["disk"] if step_dir(3) in k]
         assert any("step 3" in line and "load(step=3)" in line for line in report.kept)
@@ -135,11 +136,11 @@ async def test_gc_beside_a_live_writer_keeps_its_save_in_flight_and_removes_old_
                       f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
     async with tc.Engine(make_config()) as writer:
         await (await writer.save(1, state(1))).wait()
-        await writer.index.begin("test", 5, ["host", "disk"])  # a save of an earlier run that crashed 2 h ago
+        await writer.store.index.begin("test", 5, ["host", "disk"])  # a save of an earlier run that crashed 2 h ago
         age_begun_record(tmp_path / "index", "test", 5, 7200)
-        crashed = incarnation_dir(writer.index.identity, new_session())
-        await writer.io.driver("host").write(PartKey("test", 5, 0, 0, crashed).path, memoryview(bytes(4096)))
-        disk, release = writer.io.driver("disk"), asyncio.Event()
+        crashed = incarnation_dir(writer.store.index.identity, new_session())
+        await writer.store.io.driver("host").write(PartKey("test", 5, 0, 0, crashed).path, memoryview(bytes(4096)))
+        disk, release = writer.store.io.driver("disk"), asyncio.Event()
         real_write = disk.write
 
         async def held(key, data):
@@ -157,7 +158,7 @@ async def test_gc_beside_a_live_writer_keeps_its_save_in_flight_and_removes_old_
         assert not report.exclusive and report.checkpoints == [5] and not report.errors
         assert any(line.startswith("step 2 on disk") for line in report.kept)
         assert all(r.step != 2 for r in report.removed)
-        assert not [k for k in await writer.io.driver("host").list("test/") if step_dir(5) in k]
+        assert not [k for k in await writer.store.io.driver("host").list("test/") if step_dir(5) in k]
         release.set()
         await in_flight.wait()
         await (await writer.save(3, state(3))).wait()
@@ -216,7 +217,7 @@ async def test_list_reports_each_checkpoints_size_and_metadata_without_reading_m
                 (tmp_path / "index" / "test" / step_dir(step) / "manifest").unlink()
         else:
             for step in (10, 20):
-                await engine.index._client.hdel(engine.index._k("test", "step", step), "manifest")
+                await engine.store.index._client.hdel(engine.store.index._k("test", "step", step), "manifest")
         listed = [(c.step, c.nbytes, c.metadata) async for c in engine.list()]
         assert listed == [(10, sizes[0], {"name": "warmup"}), (20, sizes[1], {"name": "best", "loss": 1.5})]
         assert sizes[0] == 200_000 and sizes[1] >= 204_000  # 50k float32; and 1k more (aligned)

@@ -21,7 +21,7 @@ def state_of(value: float) -> dict:
 async def test_a_load_from_the_memory_tier_reads_chunks_in_place_of_a_bounce_copy(make_config, monkeypatch):
     async with tc.Engine(make_config()) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
-        host = engine.io.driver("host")
+        host = engine.store.io.driver("host")
 
         async def no_copies(key, out):
             raise AssertionError(f"read_into({key}): the memory tier should be read chunk by chunk")
@@ -38,12 +38,12 @@ async def test_a_part_file_locked_by_its_staging_buffer_is_read_as_a_copy(make_c
     it chunk by chunk: it reads a copy, which its checksum then judges like any other read."""
     async with tc.Engine(make_config()) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
-        path = engine.io.driver("host").path_of(PartKey("test", 1, 0, 0, engine.incarnation).path)
+        path = engine.store.io.driver("host").path_of(PartKey("test", 1, 0, 0, engine.incarnation).path)
         fd = os.open(path, os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             length = os.path.getsize(path)
-            assert await engine.io.driver("host").read_chunks(PartKey("test", 1, 0, 0, engine.incarnation).path,
+            assert await engine.store.io.driver("host").read_chunks(PartKey("test", 1, 0, 0, engine.incarnation).path,
                                                               length, length, lambda chunk, at: True) is None
             out = state_of(0.0)
             info = await engine.load(out, tiers=["host"])
@@ -59,7 +59,7 @@ async def test_taking_back_a_retired_buffer_waits_for_a_reader_of_its_file(make_
     async with tc.Engine(make_config(tiers=[{"keep_last": 1}])) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
         key = PartKey("test", 1, 0, 0, engine.incarnation).path
-        host = engine.io.driver("host")
+        host = engine.store.io.driver("host")
         length = os.path.getsize(host.path_of(key))
         inside, leave, seen = threading.Event(), threading.Event(), []
 

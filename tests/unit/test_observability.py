@@ -90,7 +90,7 @@ async def test_a_part_read_from_a_slower_tier_counts_as_a_fallback(engine):
     records: list = []
     engine.on_event(records.append)
     await (await engine.save(1, state_of(1.0))).wait()
-    part = sorted(p for p in Path(engine.io.driver("host").root).rglob("part-*") if "step-000000000001" in str(p))[0]
+    part = sorted(p for p in Path(engine.store.io.driver("host").root).rglob("part-*") if "step-000000000001" in str(p))[0]
     data = bytearray(part.read_bytes())
     data[100] ^= 0x01
     part.write_bytes(bytes(data))

@@ -19,7 +19,7 @@ async def test_keep_last_and_every(make_config):
             await (await engine.save(step, state_of(float(step)))).wait()
         listing = {c.step: c.complete for c in [c async for c in engine.list()]}
         assert listing == {4: {"disk"}, 6: {"host", "disk"}, 7: {"host"}}
-        on_disk = sorted({k.split("/")[1] for k in await engine.io.driver("disk").list("test/")})
+        on_disk = sorted({k.split("/")[1] for k in await engine.store.io.driver("disk").list("test/")})
         assert on_disk == ["step-000000000004", "step-000000000006"]
 
 
@@ -28,7 +28,7 @@ async def test_retention_spares_a_checkpoint_being_loaded(make_config, monkeypat
     keep_last = 1: step 1 must survive until the load is done, and the load must return step 1 intact."""
     async with tc.Engine(make_config(tiers=[{"keep_last": 1}, {"keep_last": 1}])) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
-        host = engine.io.driver("host")
+        host = engine.store.io.driver("host")
         real_read, reading, release = host.read_chunks, asyncio.Event(), asyncio.Event()
 
         async def held_read(key, *args):  # the memory tier's load path: a chunk at a time, verified, copied once
@@ -56,7 +56,7 @@ async def test_a_tier_that_cannot_keep_up_skips_to_the_newest_and_retention_hold
     a newer one superseded while they waited (reported in the handle and in list()), jobs in flight stay
     bounded, and the disk never holds more than keep_last complete checkpoints plus those committing."""
     async with tc.Engine(make_config(tiers=[{"keep_last": 2}, {"keep_last": 2}])) as engine:
-        disk = engine.io.driver("disk")
+        disk = engine.store.io.driver("disk")
 
         async def slow_write(key, data, real_write=disk.write):
             await asyncio.sleep(0.01)
@@ -107,7 +107,7 @@ async def test_retention_never_removes_another_runs_write_in_progress(tmp_path, 
     which listings do not show, survives this run's retention of its own step 1."""
     other = make_config(index=f"file://{tmp_path}/other-index")
     async with tc.Engine(other) as engine:
-        theirs = engine.io.driver("host").path_of(f"test/{step_dir(1)}/{engine.incarnation}/rank-00000/.tmp-part-000000.x")
+        theirs = engine.store.io.driver("host").path_of(f"test/{step_dir(1)}/{engine.incarnation}/rank-00000/.tmp-part-000000.x")
     theirs.parent.mkdir(parents=True)
     theirs.write_bytes(b"half a part")
     async with tc.Engine(make_config(tiers=[{"keep_last": 1}])) as engine:
@@ -122,7 +122,7 @@ async def test_delete_removes_index_entry_and_tier_data(engine):
         await (await engine.save(step, state_of(float(step)))).wait()
     await engine.delete(2)
     assert [c.step async for c in engine.list()] == [1]
-    assert not [k for k in await engine.io.driver("disk").list("test/") if "step-000000000002" in k]
+    assert not [k for k in await engine.store.io.driver("disk").list("test/") if "step-000000000002" in k]
     with pytest.raises(tc.IncompleteCheckpoint):
         await engine.delete(2)
 
@@ -133,15 +133,15 @@ async def test_a_deletion_cut_short_never_brings_the_checkpoint_back_and_is_fini
     config = make_config()
     async with tc.Engine(config) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
-        await engine.index.bury(engine.job, 1)  # what delete() does first...
-        await engine.index.delete(engine.job, 1)  # ...and second; then the process dies
+        await engine.store.index.bury(engine.job, 1)  # what delete() does first...
+        await engine.store.index.delete(engine.job, 1)  # ...and second; then the process dies
     leftovers = lambda: sorted(p.name for p in (shm_dir / "host" / "test").iterdir())  # noqa: E731
     assert leftovers() == ["step-000000000001"]
     async with tc.Engine(config) as engine:
         with pytest.raises(tc.IncompleteCheckpoint):
             await load_values(engine)  # the manifests on the tiers are not taken: step 1 is buried
         await (await engine.save(2, state_of(2.0))).wait()  # the writer finishes the removal
-        assert leftovers() == ["step-000000000002"] and await engine.index.buried(engine.job) == set()
+        assert leftovers() == ["step-000000000002"] and await engine.store.index.buried(engine.job) == set()
         assert [c.step async for c in engine.list()] == [2]
 
 
@@ -234,7 +234,7 @@ async def test_a_best_checkpoint_the_index_forgot_stays_on_the_tier(make_config,
     async with tc.Engine(config) as engine:
         for step in (1, 2, 3):
             await (await engine.save(step, state_of(float(step)), metadata={"val_loss": float(step)})).wait()
-        await engine.index.delete(engine.job, 1)  # forgotten; its folders stay on the tiers
+        await engine.store.index.delete(engine.job, 1)  # forgotten; its folders stay on the tiers
         for step in (4, 5):
             await (await engine.save(step, state_of(float(step)), metadata={"val_loss": float(step)})).wait()
         assert held_steps(tmp_path / "disk") == [1, 2, 4, 5]

@@ -33,7 +33,7 @@ async def test_detached_save_reads_back_from_the_faster_tier(make_config, monkey
     """A slow disk does not hold the staging buffer hostage: once save 1's parts are on the memory tier,
     save 2 takes the buffer (after the one disk write in progress) and disk reads the rest from memory."""
     async with tc.Engine(make_config(max_inflight=1, tiers=[{}, {"workers": 1}], stage_in_memory_tier=False)) as engine:
-        disk, host = engine.io.driver("disk"), engine.io.driver("host")
+        disk, host = engine.store.io.driver("disk"), engine.store.io.driver("host")
         write, read_into = disk.write, host.read_into
         read_back = []
 
@@ -75,7 +75,7 @@ async def test_the_staging_buffer_is_the_memory_tier_copy_and_retired_checkpoint
     part files (no part is written there through the driver), and once retention retires a checkpoint its
     files (same inodes: pages already allocated) stage a later save. Three buffers in all, for ten saves."""
     async with tc.Engine(make_config(tiers=[{"keep_last": 2}])) as engine:
-        host = engine.io.driver("host")
+        host = engine.store.io.driver("host")
         writes = []
         real_write = host.write
 
@@ -117,7 +117,7 @@ async def test_max_inflight_backpressure_holds_the_next_save_until_a_buffer_free
     async with tc.Engine(make_config(max_inflight=1, role="writer")) as engine:  # the tiers' probe done at open
         release = asyncio.Event()
         for name in ("host", "disk"):
-            tier = engine.io.driver(name)
+            tier = engine.store.io.driver(name)
             real_write = tier.write
 
             async def held_write(key, data, real_write=real_write):
@@ -155,7 +155,7 @@ async def test_part_checksums_are_the_same_whether_hashed_during_or_after_the_co
     async with tc.Engine(make_config()) as engine:
         await (await engine.save(1, state)).wait()
         manifest = await engine.read_manifest(1)
-        host = engine.io.driver("host")
+        host = engine.store.io.driver("host")
         parts = [memoryview(await host.read(PartKey("test", 1, 0, p, engine.incarnation).path))
                  for p in range(len(manifest.ranks[0].checksums))]
         size = manifest.chunk_size
@@ -221,7 +221,7 @@ async def test_slower_tiers_start_once_the_staging_memory_tier_is_marked_durable
     the memory tier durable: a file index's fsyncs would otherwise queue behind the disk's writeback."""
     async with tc.Engine(make_config(role="writer")) as engine:  # the tiers' probe writes done at open
         order = []
-        real_mark, real_write = engine.index.mark_durable, engine.io.driver("disk").write
+        real_mark, real_write = engine.store.index.mark_durable, engine.store.io.driver("disk").write
 
         async def mark(job, step, tier, *args):
             order.append(f"mark {tier}")
@@ -231,8 +231,8 @@ async def test_slower_tiers_start_once_the_staging_memory_tier_is_marked_durable
             order.append("disk write")
             return await real_write(key, data)
 
-        monkeypatch.setattr(engine.index, "mark_durable", mark)
-        monkeypatch.setattr(engine.io.driver("disk"), "write", write)
+        monkeypatch.setattr(engine.store.index, "mark_durable", mark)
+        monkeypatch.setattr(engine.store.io.driver("disk"), "write", write)
         await (await engine.save(1, state_of(1.0))).wait()
         assert order.index("mark host") < order.index("disk write"), order
 

@@ -48,7 +48,7 @@ def test_checkpointer_from_toml_with_bad_file(tmp_path):
 def test_checkpointer_handles_report_skipped_tiers(make_config, monkeypatch):
     """A Checkpointer handle says which tiers skipped its save, as the async handle does."""
     with tc.Checkpointer(make_config()) as ckpt:
-        disk = ckpt.engine.io.driver("disk")
+        disk = ckpt.engine.store.io.driver("disk")
         real_write = disk.write
 
         async def slow(key, data):

@@ -28,7 +28,7 @@ async def test_a_tier_whose_delete_hangs_cannot_block_a_save(make_config, monkey
     caplog.set_level(logging.WARNING)
     async with tc.Engine(make_config(tiers=[{}, {"keep_last": 1, "timeout": 0.5, "retries": 0}])) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
-        monkeypatch.setattr(engine.io.driver("disk"), "delete", hang)
+        monkeypatch.setattr(engine.store.io.driver("disk"), "delete", hang)
         handle = await engine.save(2, state_of(2.0))
         await asyncio.wait_for(handle.wait(), 60)
         assert "TierTimeout" in caplog.text and "delete test/step-000000000001/" in caplog.text

@@ -344,11 +344,11 @@ def report(r: dict[str, Any]) -> str:
     lines += ["", f"ordering behind queued kernels: {r['ordering']}"]
     if "loop" in r:
         lp = r["loop"]
-        lines += ["", f"training loop: GPT of {lp['params'] / 1e6:.0f}M parameters, state {format_size(lp['state_bytes'])}"
-                  f" (weights + AdamW), {lp['steps']} steps per run at {1000 * lp['step_seconds']:.1f} ms/step, a "
-                  f"lazy save every {lp['every']} steps: slowdown {100 * lp['slowdown']:.2f}%, exposed "
-                  f"{1000 * lp['exposed_per_save']:.1f} ms per save, staged() waited {1000 * lp['staged_wait_median']:.1f}"
-                  f" ms (median); runs {lp['runs']}"]
+        lines += ["", f"training loop: GPT of {lp['params'] / 1e6:.0f}M parameters, state "
+                  f"{format_size(lp['state_bytes'])} (weights + AdamW), {lp['steps']} steps per run at "
+                  f"{1000 * lp['step_seconds']:.1f} ms/step, a lazy save every {lp['every']} steps: slowdown "
+                  f"{100 * lp['slowdown']:.2f}%, exposed {1000 * lp['exposed_per_save']:.1f} ms per save, staged() "
+                  f"waited {1000 * lp['staged_wait_median']:.1f} ms (median); runs {lp['runs']}"]
     return "\n".join(lines)
 
 

@@ -61,7 +61,7 @@ async def measure_small(count: int, disk: Path, shm: Path, *, automatic_gc: bool
             out["later_save_s"] = statistics.median(seconds for _, seconds, _ in later)
             out["later_save_stall_s"] = max(stall for _, _, stall in later)
             manifest = await engine.read_manifest(5)
-            out["manifest_bytes"] = len(await engine.index.get_manifest(engine.job, 5))
+            out["manifest_bytes"] = len(await engine.store.index.get_manifest(engine.job, 5))
             out["data_bytes"] = manifest.nbytes
             _, out["load_s"], out["load_stall_s"] = await _timed(engine.load(target))
     finally:

@@ -12,7 +12,7 @@ from ..errors import TierError, TieredCkptError
 from ..lifecycle.gc import GRACE, in_flight
 from ..sizes import format_size
 from ..storage.index import CheckpointStatus
-from .checkpoints import Checkpoints
+from ..job_store import JobStore
 from .memory import host_memory, print_host_memory
 from .text import KEY_WIDTH, age, local_time, plain_values, print_json, short, status_json
 
@@ -23,7 +23,7 @@ class Refused(Exception):
     """The command will not do what was asked (a step being saved, a question answered no): exit status 2."""
 
 
-async def cmd_ls(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
+async def cmd_ls(checkpoints: JobStore, args: argparse.Namespace) -> int:
     """A job without checkpoints is no error here (an empty list): a script may ask before the first save."""
     rows = await checkpoints.list()
     ram = host_memory(checkpoints)
@@ -50,7 +50,7 @@ async def cmd_ls(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def cmd_show(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
+async def cmd_show(checkpoints: JobStore, args: argparse.Namespace) -> int:
     best: dict[str, Any] | None = None
     if args.step == "best":  # the one load(best=True) takes
         status = await checkpoints.best()
@@ -110,7 +110,7 @@ async def cmd_show(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def cmd_verify(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
+async def cmd_verify(checkpoints: JobStore, args: argparse.Namespace) -> int:
     """Exit 0: every copy intact; 1: damage on a tier (or in the index) where the checkpoint is complete;
     2: nothing to verify (no such step, a job without checkpoints)."""
     statuses = await checkpoints.list()
@@ -133,7 +133,7 @@ async def cmd_verify(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_PROBLEM
 
 
-async def _verify_step(checkpoints: Checkpoints, status: CheckpointStatus) -> dict[str, Any]:
+async def _verify_step(checkpoints: JobStore, status: CheckpointStatus) -> dict[str, Any]:
     """Verify one checkpoint on its tiers and in the index: its entry of `verify --json`. It is "ok" unless a
     copy is damaged where the checkpoint is complete (bad parts where it is incomplete are only reported)."""
     from tqdm import tqdm
@@ -202,7 +202,7 @@ def _print_verified(entry: dict[str, Any]) -> None:
         print(f"    {line}")
 
 
-async def _jobs_hint(checkpoints: Checkpoints) -> str:
+async def _jobs_hint(checkpoints: JobStore) -> str:
     """"; jobs with checkpoints in <index>: a, b", so a mistyped job name shows; "" when the index can't say."""
     try:
         jobs = await checkpoints.index.jobs()
@@ -211,7 +211,7 @@ async def _jobs_hint(checkpoints: Checkpoints) -> str:
     return f"; jobs with checkpoints in {checkpoints.index.identity}: {', '.join(jobs) if jobs else 'none'}"
 
 
-async def cmd_export(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
+async def cmd_export(checkpoints: JobStore, args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     with tqdm(unit="B", unit_scale=True, desc="export", file=sys.stderr, disable=None) as bar:
@@ -240,7 +240,7 @@ async def cmd_export(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def cmd_delete(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
+async def cmd_delete(checkpoints: JobStore, args: argparse.Namespace) -> int:
     """Asks first when stdin is a terminal (not with --yes or --dry-run); a script's stdin is not one, so
     scripts are never asked. The writer lease is held only to delete: while a dry run looks or a person
     answers, a trainer's first save does not wait for it."""
@@ -267,7 +267,7 @@ async def cmd_delete(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _deletable(checkpoints: Checkpoints, step: int, *, hold: bool) -> CheckpointStatus:
+async def _deletable(checkpoints: JobStore, step: int, *, hold: bool) -> CheckpointStatus:
     """The checkpoint `delete STEP` may remove: it exists and no running save may still write it."""
     # first without the lease: taking it writes the job's lease file, which a step or job that does not exist
     # (a mistyped --job, the wrong folder) must not leave behind, as status 2 means nothing was done
@@ -283,13 +283,13 @@ async def _deletable(checkpoints: Checkpoints, step: int, *, hold: bool) -> Chec
     return status
 
 
-async def _no_checkpoint(checkpoints: Checkpoints, step: int) -> NoReturn:
+async def _no_checkpoint(checkpoints: JobStore, step: int) -> NoReturn:
     buried = step in await checkpoints.index.buried(checkpoints.job)
     hint = " (its removal was cut short: `tiered-ckpt gc` finishes it)" if buried else ""
     raise LookupError(f"job {checkpoints.job!r} has no checkpoint {step}{hint}")
 
 
-def _deletion(checkpoints: Checkpoints, status: CheckpointStatus) -> str:
+def _deletion(checkpoints: JobStore, status: CheckpointStatus) -> str:
     size = "" if status.nbytes is None else f", {format_size(status.nbytes)}"
     where = ", ".join(checkpoints.io.order(status.tiers)) or "no tier"
     return (f"step {status.step} of job {checkpoints.job!r} ({'complete' if status.is_complete else 'incomplete'}"
@@ -312,7 +312,7 @@ async def _confirm(question: str) -> bool:
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
-async def cmd_gc(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
+async def cmd_gc(checkpoints: JobStore, args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     with tqdm(unit="op", desc="gc", file=sys.stderr, disable=None, leave=False) as bar:  # a bar on a terminal only

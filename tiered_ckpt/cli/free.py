@@ -10,12 +10,12 @@ import sys
 from ..lifecycle.free import FreePlan, plan_free, run_free
 from ..lifecycle.host_memory import jobs_in, memory_tiers
 from ..sizes import format_size
-from .checkpoints import Checkpoints
+from ..job_store import JobStore
 from .commands import EXIT_OK, EXIT_PROBLEM, Refused, _confirm
 from .text import print_json
 
 
-async def cmd_free(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
+async def cmd_free(checkpoints: JobStore, args: argparse.Namespace) -> int:
     """Exit 0: done (what a live process holds is kept, and said); 1: a removal failed; 2 (Refused, raised):
     no memory tier, the newest checkpoint is only in memory without --force, or the question answered no."""
     if not memory_tiers(checkpoints.io):
@@ -64,7 +64,7 @@ async def cmd_free(checkpoints: Checkpoints, args: argparse.Namespace) -> int:
     return _report(plans, args, dry_run=False)
 
 
-async def _plan(checkpoints: Checkpoints, job: str, args: argparse.Namespace, *, hold: bool) -> FreePlan:
+async def _plan(checkpoints: JobStore, job: str, args: argparse.Namespace, *, hold: bool) -> FreePlan:
     c = checkpoints.for_job(job)
     exclusive = await c.attach(hold=hold)
     try:
@@ -74,7 +74,7 @@ async def _plan(checkpoints: Checkpoints, job: str, args: argparse.Namespace, *,
             await c.writer.detach()
 
 
-async def _detach(checkpoints: Checkpoints, job: str) -> None:
+async def _detach(checkpoints: JobStore, job: str) -> None:
     await checkpoints.for_job(job).writer.detach()
 
 

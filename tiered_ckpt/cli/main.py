@@ -13,7 +13,7 @@ from ..config import load_config
 from ..errors import ConfigError, TieredCkptError
 from ..lifecycle.gc import GRACE
 from ..storage.index import open_index
-from .checkpoints import Checkpoints
+from ..job_store import JobStore
 from .advise import add_arguments as advise_arguments, cmd_advise
 from .free import cmd_free
 from .commands import (EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, Refused, cmd_delete, cmd_export, cmd_gc, cmd_ls, cmd_show,
@@ -126,7 +126,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         out = Path(args.output)
         if out.exists() or out.is_symlink():
             raise Refused(f"{out} exists; pass --force to replace it")
-    commands: dict[str, Callable[[Checkpoints, argparse.Namespace], Awaitable[int]]] = {
+    commands: dict[str, Callable[[JobStore, argparse.Namespace], Awaitable[int]]] = {
         "ls": cmd_ls, "show": cmd_show, "verify": cmd_verify, "export": cmd_export, "delete": cmd_delete,
         "gc": cmd_gc, "free": cmd_free}
     return asyncio.run(_with_checkpoints(args, commands[args.command]))
@@ -146,10 +146,10 @@ def _reader_went_away() -> int:
 
 
 async def _with_checkpoints(args: argparse.Namespace,
-                            fn: Callable[[Checkpoints, argparse.Namespace], Awaitable[int]]) -> int:
+                            fn: Callable[[JobStore, argparse.Namespace], Awaitable[int]]) -> int:
     overrides: dict[str, Any] = {"job": args.job} if args.job else {}
     read_only = args.command in ("ls", "show", "verify", "export") or getattr(args, "dry_run", False)
-    async with Checkpoints(load_config(args.config, **overrides), read_only=read_only) as checkpoints:
+    async with JobStore(load_config(args.config, **overrides), read_only=read_only) as checkpoints:
         return await fn(checkpoints, args)
 
 

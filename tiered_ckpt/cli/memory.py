@@ -6,10 +6,10 @@ from typing import Any
 
 from ..lifecycle.host_memory import held, jobs_in, memory_tiers
 from ..sizes import format_size
-from .checkpoints import Checkpoints
+from ..job_store import JobStore
 
 
-def host_memory(checkpoints: Checkpoints) -> list[dict[str, Any]]:
+def host_memory(checkpoints: JobStore) -> list[dict[str, Any]]:
     """Per memory tier of the stack: the RAM the job holds there (HostMemory.as_json) and, under `other_jobs`,
     what every other job in that folder holds ({job: bytes}). Reads only."""
     out = []

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from ..distributed.coordinator import Coordinator
-from ..errors import IndexUnavailable, RankFailed, TierError, TierFull, TieredCkptError
+from ..errors import IndexUnavailable, TierError, TierFull, TieredCkptError
 from ..layout import probe_key
 from ..storage.index import Index
 from . import lineage
@@ -45,25 +44,21 @@ class Writer:
         if self.is_writer:
             return
         await self.coordinator.agree(await self._probe())
-        outcome: tuple[str, Any] = ("", None)
-        refused: BaseException | None = None
-        if self.coordinator.rank == 0:  # every rank must reach the broadcast below, whatever happens here
+
+        async def fence() -> tuple[int, list[int]] | None:
             try:
-                outcome = ("ok", await self.index.fence(self.job))
+                epoch = await self.index.fence(self.job)
             except IndexUnavailable as e:
                 log.warning("%s: not the job's writer yet; the next save tries again", e)
-                outcome = ("unavailable", str(e))
-            except TieredCkptError as e:  # WriterConflict, Fenced, AuthenticationError, ConfigError
-                refused, outcome = e, ("refused", f"{type(e).__name__}: {e}")
-            if outcome[0] == "ok":
-                self.index.epoch = outcome[1]
-                outcome = ("ok", outcome[1], await self._clean_leftovers())
-        outcome = await self.coordinator.broadcast_object(outcome)
-        if outcome[0] == "refused":
-            raise refused if refused is not None else RankFailed(f"rank 0 could not become the writer: {outcome[1]}")
-        if outcome[0] == "ok":
-            self.index.epoch, self.is_writer = outcome[1], True
-            self.removal.committed.update(outcome[2])  # listed again: saving those steps over is refused
+                return None
+            self.index.epoch = epoch
+            return epoch, await self._clean_leftovers()
+
+        # refused (WriterConflict, Fenced, AuthenticationError, ConfigError): rank 0 raises it, the others RankFailed
+        fenced = await self.coordinator.on_first(fence, "becoming the job's writer")
+        if fenced is not None:
+            self.index.epoch, self.is_writer = fenced[0], True
+            self.removal.committed.update(fenced[1])  # listed again: saving those steps over is refused
 
     async def _probe(self) -> BaseException | None:
         """Write and remove a small value on each tier this rank answers for (its node's file tiers; rank 0 also

@@ -16,7 +16,7 @@ import time
 from typing import Any, Sequence
 
 from ..distributed.coordinator import Coordinator
-from ..errors import CheckpointLost, IncompleteCheckpoint, RankFailed, TierError
+from ..errors import CheckpointLost, IncompleteCheckpoint, TierError
 from ..layout import job_prefix, parse_key
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.rules import Best
@@ -212,32 +212,14 @@ class Loader:
         """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error); with it, what
         rank 0 found each tier to hold of it (saved ranks per tier). Rank 0 judges node-local tiers from every
         node's listing (one rank per machine lists them), never from its own alone."""
-        if not self.coordinator.distributed:
-            status = await self.catalog.pick(step, allowed, best)
+        listings = await self._node_listings(allowed) if self.coordinator.distributed else None
+
+        async def pick() -> tuple[CheckpointStatus, dict[str, frozenset[int]]]:
+            status = await self.catalog.pick(step, allowed, best, listings)
             return status, self._held(status)
-        listings = await self._node_listings(allowed)
-        choice: tuple[Any, ...]
-        failure: BaseException | None = None
-        if self.coordinator.rank == 0:
-            try:
-                status = await self.catalog.pick(step, allowed, best, listings)
-                choice = ("ok", status, self._held(status))
-            except IncompleteCheckpoint as e:
-                choice = ("missing", str(e))
-            except CheckpointLost as e:
-                choice = ("lost", str(e))
-            except Exception as e:  # every rank must leave the broadcast below with the same answer
-                failure, choice = e, ("error", f"{type(e).__name__}: {e}")
-        choice = await self.coordinator.broadcast_object(choice if self.coordinator.rank == 0 else None)
-        if choice[0] == "missing":
-            raise IncompleteCheckpoint(choice[1])
-        if choice[0] == "lost":
-            raise CheckpointLost(choice[1])
-        if choice[0] == "error":
-            if failure is not None:  # rank 0 raises its own error, with its traceback
-                raise failure
-            raise RankFailed(f"rank 0 failed while picking the checkpoint to load: {choice[1]}")
-        return choice[1], choice[2]
+
+        return await self.coordinator.on_first(pick, "picking the checkpoint to load",
+                                               answers=(IncompleteCheckpoint, CheckpointLost))
 
     def _held(self, status: CheckpointStatus) -> dict[str, frozenset[int]]:
         held = self.catalog.held
