@@ -53,6 +53,9 @@ MUTANTS = {
     "decision-errors-become-rankfailed": (  # "no checkpoint to load" on rank 0 reads as a failure elsewhere
         "tiered_ckpt/distributed/coordinator.py", "        if same is not None:\n            raise same(outcome[2])\n",
         "", ["tests/multirank/test_coordinator.py"]),
+    "partial-copy-counts-as-whole": (  # the one "is this copy whole?" that the catalog, gc and loads ask
+        "tiered_ckpt/lifecycle/lineage.py", "        return len(self.ranks_held(manifest)) == len(manifest.ranks)",
+        "        return True", ["tests/unit/test_catalog.py", "tests/unit/test_gc.py", "tests/unit/test_field_faults.py"]),
     "collectives-out-of-step": (  # a rank that failed locally skips the load's read collectives
         "tiered_ckpt/load/loader.py", "                await read_parts(self.io,", "                if error is None: await read_parts(self.io,",
         ["tests/multirank/test_rank_state.py", "-k", "one_rank_failing"]),

@@ -84,3 +84,27 @@ async def test_an_index_lost_between_two_runs_loses_no_checkpoint(tmp_path, make
             await (await engine.save(1, state_of(9.0))).wait()
         info, out = await load_values(engine, step=1)
         assert torch.all(out["w"] == 1.0)
+
+
+async def test_a_copy_missing_a_ranks_record_is_whole_nowhere(engine):
+    """"Is this copy whole?" has one answer for the catalog, loads and gc: a tier whose copy lacks a rank's
+    checksum record (written only once that rank's parts are durable) does not hold the checkpoint whole. With
+    the index's record lost, the tiers' listing names only the tier whose copy is whole, a load reads from it,
+    and gc removes the partial copy while it keeps the whole one."""
+    from pathlib import Path
+
+    from tiered_ckpt.layout import rank_meta_key, step_dir
+
+    for step in (1, 2):
+        await (await engine.save(step, state_of(float(step)))).wait()
+    await engine.store.index.delete(engine.job, 2)  # the record lost: the tiers are all there is
+    host = engine.store.io.driver("host")
+    Path(host.path_of(rank_meta_key(engine.job, 2, 0, engine.incarnation))).unlink()
+    [status] = [s for s in await engine.store.catalog.statuses_from_tiers() if s.step == 2]
+    assert status.complete == frozenset({"disk"}) and set(status.tiers) == {"host", "disk"}
+    info, out = await load_values(engine, step=2)
+    assert info.tier == "disk" and torch.all(out["w"] == 2.0)
+    report = await engine.gc()
+    assert any(line.startswith("step 2 on disk: a whole checkpoint") for line in report.kept), report.kept
+    assert not [k for k in await host.list(f"{engine.job}/") if step_dir(2) in k]
+    assert [k for k in await engine.store.io.driver("disk").list(f"{engine.job}/") if step_dir(2) in k]

@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from ..errors import IncompleteCheckpoint, IntegrityError, TierError
-from ..layout import (checkpoint_prefix, index_dir, job_prefix, manifest_key, parse_key, parse_step_dir,
-                      rank_meta_key, step_prefix)
+from ..layout import checkpoint_prefix, index_dir, job_prefix, manifest_key, parse_key, parse_step_dir, step_prefix
 from ..manifest import Manifest
 from ..storage.index import CheckpointStatus, Index
 from ..storage.tier_io import TierIO
 from .busy import BusySteps
 from .host_memory import memory_tiers, remove_dead, staging_folders
+from .lineage import Copy
 from .live_holders import LiveHolders, live_holders
 from .removal import remove_checkpoint
 from .writer import Writer
@@ -319,8 +319,8 @@ async def _orphan(plan: _Plan, tiers: list[_Tier], step: int, mine: str, other_i
                     plan.report.kept.append(f"step {step} on {t.name}: keys of an earlier release's format that "
                                             f"the index does not list and no manifest of this index names")
                     continue
-            if manifest is not None and manifest.index == plan.scope.index.identity and all(
-                    rank_meta_key(plan.job, step, r.rank, folder) in folders[folder] for r in manifest.ranks):
+            if manifest is not None and manifest.index == plan.scope.index.identity and \
+                    Copy(plan.job, step, folder, set(folders[folder])).whole(manifest):
                 plan.report.kept.append(f"step {step} on {t.name}: a whole checkpoint of this index that the index "
                                         f"does not list (a lost record?); load(step={step}) can restore it")
                 continue

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Copy:
-    """One incarnation's keys of one step on one tier."""
+    """One incarnation's keys of one step on one tier: the one answer to "is this copy whole?" (the catalog,
+    gc, retention and loads all ask it here)."""
 
     job: str
     step: int
@@ -46,7 +47,6 @@ class Copy:
     def whole(self, manifest: Manifest) -> bool:
         """The manifest and every rank's checksum record are on the tier (so every rank's parts are)."""
         return len(self.ranks_held(manifest)) == len(manifest.ranks)
-
 
     def ranks_held(self, manifest: Manifest) -> set[int]:
         """The ranks whose checksum record (so whose parts) this copy holds."""

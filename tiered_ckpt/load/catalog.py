@@ -67,8 +67,7 @@ class Catalog:
                     log.warning("%s", e)
                     continue
                 step, incarnation = parsed.step, parsed.incarnation
-                whole = manifest.incarnation == incarnation and all(
-                    rank_meta_key(self.job, step, r.rank, incarnation) in keys for r in manifest.ranks)
+                whole = Copy(self.job, step, incarnation, keys).whole(manifest)
                 found.setdefault(step, {}).setdefault(incarnation, {})[name] = whole
                 manifests.setdefault((step, incarnation), manifest)
                 if manifest.index != self.index.identity:
