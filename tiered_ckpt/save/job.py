@@ -58,9 +58,7 @@ class SaveJob:
         self.events = events  # CUDA: the producer streams' state at save() time (copy.producer_events)
         io, commit = services.io, services.commit
         self.records = Records(io, commit, step, plan, flat.skeleton, metadata, services.checksum)
-        self.source = PartSource(io, services.pool, plan, buffer, commit.job, step, commit.incarnation,
-                                 services.checksum, tiers, self.records.part_sums, self.records.chunk_size,
-                                 self.records.hashing_done)
+        self.source = PartSource(io, services.pool, buffer, self.records, tiers)
         self.writes = {t: TierWrite(t, io, commit, services.retention, services.committed, self.source, self.records,
                                     handle) for t in tiers}
         self.task: asyncio.Task[None] | None = None

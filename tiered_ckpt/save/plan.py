@@ -19,7 +19,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,6 +33,29 @@ from ..buffers import tensor_bytes
 
 log = logging.getLogger(__name__)
 ALIGN = 64  # every chunk starts 64-byte aligned, so byte views can be re-viewed as any dtype
+
+
+class Box(NamedTuple):
+    """What a rank tells the others of one of its tensors in the plan's gather (DCP's WriteItem is the model):
+    its path, dtype, element size, global shape, and the box of it the rank holds (offsets and sizes)."""
+
+    path: str
+    dtype: str
+    itemsize: int
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+class Piece(NamedTuple):
+    """A box that the plan gives one rank to write: of tensor `path`, at `offsets` with `sizes`, from the
+    rank's local tensor `index`, rows `dim0` (start, length) of it when a replicated box is split (else None)."""
+
+    path: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    index: int
+    dim0: tuple[int, int] | None
 
 
 @dataclass(frozen=True)
@@ -115,7 +138,7 @@ class Planner:
         descriptors = []
         for path, t in zip(paths, tensors):
             global_shape, offsets, sizes = local_box(t)
-            descriptors.append((path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
+            descriptors.append(Box(path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
         return descriptors, _fingerprints(paths, tensors) if self.coordinator.distributed else {}
 
     async def join_failed(self, error: BaseException) -> None:
@@ -171,18 +194,19 @@ def _raise_first_failure(everyone: list[Any], rank: int, error: BaseException | 
             raise failed
 
 
-def build_plan(key: tuple, everyone: list[list[tuple[Any, ...]]], rank: int, part_size: int) -> Plan:
-    """Deterministic: every rank computes the same plan from the same gathered descriptors."""
+def build_plan(key: tuple, everyone: list[list[Box]], rank: int, part_size: int) -> Plan:
+    """Deterministic: every rank computes the same plan from the same gathered boxes (each rank's, in its
+    tensors' order)."""
     world = len(everyone)
     meta: dict[str, tuple[str, int, tuple[int, ...]]] = {}
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
-    for r, descriptors in enumerate(everyone):
-        for index, (path, dtype, itemsize, global_shape, offsets, sizes) in enumerate(descriptors):
-            known = meta.setdefault(path, (dtype, itemsize, global_shape))
-            if known != (dtype, itemsize, global_shape):
-                raise StateError(f"tensor {path!r} is {known[0]} {list(known[2])} on one rank but "
-                                 f"{dtype} {list(global_shape)} on rank {r}")
-            holders.setdefault((path, offsets, sizes), []).append((r, index))
+    for r, boxes in enumerate(everyone):
+        for index, box in enumerate(map(Box._make, boxes)):
+            known = meta.setdefault(box.path, (box.dtype, box.itemsize, box.global_shape))
+            if known != (box.dtype, box.itemsize, box.global_shape):
+                raise StateError(f"tensor {box.path!r} is {known[0]} {list(known[2])} on one rank but "
+                                 f"{box.dtype} {list(box.global_shape)} on rank {r}")
+            holders.setdefault((box.path, box.offsets, box.sizes), []).append((r, index))
 
     def nbytes(path: str, sizes: tuple[int, ...]) -> int:
         n = meta[path][1]
@@ -195,8 +219,7 @@ def build_plan(key: tuple, everyone: list[list[tuple[Any, ...]]], rank: int, par
     # largest-first placement of what remains keeps max/mean below about 1 + 1/16.
     threshold = total / world / 16
     load = [0] * world
-    pieces: dict[int, list[tuple[str, tuple[int, ...], tuple[int, ...], int, tuple[int, int] | None]]] = {
-        r: [] for r in range(world)}
+    pieces: dict[int, list[Piece]] = {r: [] for r in range(world)}
     for (path, offsets, sizes), who in sorted(holders.items(), key=lambda kv: (-nbytes(kv[0][0], kv[0][2]), kv[0])):
         size = nbytes(path, sizes)
         count = min(len(who), sizes[0]) if len(who) > 1 and size > threshold and sizes else 1
@@ -211,7 +234,7 @@ def build_plan(key: tuple, everyone: list[list[tuple[Any, ...]]], rank: int, par
                 piece_offsets = (offsets[0] + rows[i],) + offsets[1:]
                 piece_sizes = (rows[i + 1] - rows[i],) + sizes[1:]
                 dim0 = (rows[i], rows[i + 1] - rows[i])
-            pieces[r].append((path, piece_offsets, piece_sizes, index, dim0))
+            pieces[r].append(Piece(path, piece_offsets, piece_sizes, index, dim0))
             load[r] += nbytes(path, piece_sizes)
 
     chunks: dict[str, list[ChunkMeta]] = {path: [] for path in meta}
@@ -219,12 +242,12 @@ def build_plan(key: tuple, everyone: list[list[tuple[Any, ...]]], rank: int, par
     rank_nbytes = []
     for r in range(world):
         offset = 0
-        for path, piece_offsets, piece_sizes, index, dim0 in sorted(pieces[r]):
-            size = nbytes(path, piece_sizes)
+        for piece in sorted(pieces[r]):
+            size = nbytes(piece.path, piece.sizes)
             offset = -(-offset // ALIGN) * ALIGN
-            chunks[path].append(ChunkMeta(piece_offsets, piece_sizes, r, offset, size))
+            chunks[piece.path].append(ChunkMeta(piece.offsets, piece.sizes, r, offset, size))
             if r == rank:
-                local.append(LocalCopy(index, dim0, offset, size, piece_sizes, _dtype(meta[path][0])))
+                local.append(LocalCopy(piece.index, piece.dim0, offset, size, piece.sizes, _dtype(meta[piece.path][0])))
             offset += size
         rank_nbytes.append(offset)
     tensors = tuple(TensorMeta(path, dtype, shape, tuple(chunks[path])) for path, (dtype, _, shape) in meta.items())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator
 
 import torch
 
@@ -19,23 +19,23 @@ from ..buffers import tensor_bytes
 from ..errors import IntegrityError
 from ..layout import PartKey
 from ..storage.tier_io import PartRead, ReadLog, TierIO
-from .plan import Plan
 from .pool import StagingPool
+from .records import Records
 from .staging_buffer import StagingBuffer
 
 
 class PartSource:
-    def __init__(self, io: TierIO, pool: StagingPool, plan: Plan, buffer: StagingBuffer, job: str, step: int,
-                 incarnation: str, algorithm: str, tiers: list[str],
-                 part_sums: Callable[[], Awaitable[list[tuple[int, bytes]]]], chunk_size: int,
-                 hashing_done: Callable[[], Awaitable[None]]):
+    """One save's parts as the tiers read them: from the staging `buffer` (leased from `pool`) while the save
+    holds it, else from a tier that holds the part. `records` gives each part's checksums (and says when the
+    hashing threads are done with the buffer); `tiers` are the tiers this save writes."""
+
+    def __init__(self, io: TierIO, pool: StagingPool, buffer: StagingBuffer, records: Records, tiers: list[str]):
         self.io = io
         self.pool = pool
-        self.plan = plan
+        self.records = records
+        self.plan = plan = records.plan
         self.buffer: StagingBuffer | None = buffer
-        self.job, self.step, self.incarnation, self.algorithm = job, step, incarnation, algorithm
-        self._part_sums, self._chunk_size = part_sums, chunk_size  # each part's (checksum, chunk digests)
-        self._hashing_done = hashing_done
+        self.job, self.step, self.incarnation = records.commit.job, records.step, records.commit.incarnation
         n = plan.num_parts
         self._holders: list[list[str]] = [[] for _ in range(n)]  # per part: the tiers that hold it
         self._pending = [len(tiers)] * n  # tier writes not yet settled, per part
@@ -98,12 +98,12 @@ class PartSource:
         """The staging buffer is gone: fetch part p from the fastest tier holding it, verified, with that
         tier's timeout and retries, into a bounce buffer. Its bytes are already counted in the writing tier's
         budget; taking the holder's budget as well could deadlock two tiers that read back from each other."""
-        (expected, chunk_sums), reasons = (await self._part_sums())[p], []
+        (expected, chunk_sums), reasons = (await self.records.part_sums())[p], []
         for tier in self.io.order(self._holders[p]):
             buf = self.io.bounce.take(length)
             try:
-                part = PartRead(self.key(p), [tensor_bytes(buf)[:length]], length, expected, algorithm=self.algorithm,
-                                chunk_size=self._chunk_size if chunk_sums else 0, chunk_sums=chunk_sums)
+                part = PartRead(self.key(p), [tensor_bytes(buf)[:length]], length, expected, algorithm=self.records.algorithm,
+                                chunk_size=self.records.chunk_size if chunk_sums else 0, chunk_sums=chunk_sums)
                 await self.io.read_verified(part, [tier], ReadLog(), budgeted=False)
                 return buf
             except IntegrityError as e:
@@ -130,7 +130,7 @@ class PartSource:
 
     async def release(self) -> None:
         """The save is done with the buffer (idempotent)."""
-        await self._hashing_done()  # hashing threads read the buffer until they finish
+        await self.records.hashing_done()  # hashing threads read the buffer until they finish
         buffer, self.buffer = self.buffer, None
         if buffer is not None:
             self._detached = True
