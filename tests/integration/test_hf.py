@@ -53,7 +53,7 @@ def data() -> list[dict[str, torch.Tensor]]:
 
 
 def trainer(out: Path, shm: Path, *, steps: int = 12, cls: type = TieredTrainer, callbacks: tuple = (),
-            tiers: tc.Config | None = None, **args) -> Trainer:
+            tiers: tc.Config | None = None, reserve: bool = False, **args) -> Trainer:
     """6 steps per epoch (24 samples, batches of 4): 12 steps cross an epoch; dropout on."""
     torch.set_num_threads(1)
     training = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, save_steps=4,
@@ -62,7 +62,8 @@ def trainer(out: Path, shm: Path, *, steps: int = 12, cls: type = TieredTrainer,
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
                                        bos_token_id=0, eos_token_id=0))
-    extra = {"tiers": tiers or run_config(out, shm_root=shm, part_size="64KiB")} if cls is TieredTrainer else {}
+    extra = {"tiers": tiers or run_config(out, shm_root=shm, part_size="64KiB"),
+             **({"reserve": True} if reserve else {})} if cls is TieredTrainer else {}
     return cls(model=model, args=training, train_dataset=data(), callbacks=list(callbacks), **extra)
 
 
@@ -212,3 +213,19 @@ def test_save_on_sigterm_is_refused_since_the_trainer_never_asks_should_save(tmp
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="save_on_sigterm"):
         trainer(out, shm_dir, tiers=run_config(out, shm_root=shm_dir, save_on_sigterm=True))
+
+
+def test_reserve_makes_the_buffers_after_the_first_step_at_the_size_every_save_has(tmp_path, shm_dir):
+    """reserve=True reserves once the optimizer's state exists (after the first step): the buffers are made
+    for exactly the bytes each save then writes, before the first save (at step 4), and the run's checkpoints
+    load as without it."""
+    steps = Steps()
+    t = trainer(tmp_path / "run", shm_dir, steps=8, reserve=True, callbacks=(steps,))
+    assert t.reservation is None
+    t.train()
+    r = t.reservation
+    assert r is not None and r.made >= 1 and r.tier == "host" and r.host_bytes >= r.state_bytes
+    with tc.Checkpointer(t.tiers_config) as ckpt:
+        sizes = {s.step: s.nbytes for s in ckpt.list() if s.is_complete}
+    assert sorted(sizes) == [4, 8] and set(sizes.values()) == {r.state_bytes}
+    assert steps.trained == list(range(1, 9))

@@ -22,6 +22,9 @@ Trainer's own save and restore hooks are overridden instead:
 - The data position (epoch, samples into it) is checked on resume against where the Trainer is about to
   skip to: a changed batch size, gradient accumulation or world size would silently train on other data.
 - Resuming a run that had already reached `max_steps` trains no further step (the Trainer alone trains one).
+- `reserve=True`: right after the first optimizer step (when the optimizer's state exists, so the state has
+  the size every save will have), the staging buffers are made (`Engine.reserve`), so the first saves block
+  only for their copy; what was made is `trainer.reservation`.
 
 Ranks. Every rank runs the Trainer's loop, so every rank calls save and load (`distributed = true`, the
 default): replicated DDP weights are written once, each rank's RNG states are its own.
@@ -46,7 +49,7 @@ import torch
 
 try:
     from transformers import Trainer
-    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_callback import ExportableState, TrainerCallback
     from transformers.trainer_utils import get_last_checkpoint
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tiered_ckpt.integrations.hf needs transformers >= 5.3 and accelerate: "
@@ -54,6 +57,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from ..config import Config, load_config
 from ..errors import IncompleteCheckpoint
+from ..save.reserve import Reservation
 from ..state import PerRank
 from ..sync import Checkpointer, SyncSaveHandle
 
@@ -121,9 +125,11 @@ class _Resume:
 class TieredCheckpointMixin:
     """Saves and resumes a `transformers.Trainer` (or a subclass: `class T(TieredCheckpointMixin, SFTTrainer)`)
     through tiered_ckpt. `tiers`: a TOML path or a `tc.Config`; default `run_config(args.output_dir)`.
-    `args.save_total_limit` caps every tier's keep_last (`cap_keep_last`)."""
+    `args.save_total_limit` caps every tier's keep_last (`cap_keep_last`). `reserve`: make the staging
+    buffers after the first optimizer step (`trainer.reservation` says what was made)."""
 
-    def __init__(self, *args: Any, tiers: str | os.PathLike[str] | Config | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, tiers: str | os.PathLike[str] | Config | None = None, reserve: bool = False,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         config = (run_config(self.args.output_dir) if tiers is None
@@ -139,6 +145,9 @@ class TieredCheckpointMixin:
         self._last_saved: int | None = None
         self._resume: _Resume | None = None
         self._updates_per_epoch: int | None = None
+        self.reservation: Reservation | None = None  # what reserve=True made, once the first step is done
+        if reserve:
+            self.add_callback(_ReserveAfterFirstStep(self))
 
     def _refuse_unsupported(self) -> None:
         args = self.args
@@ -331,6 +340,13 @@ class TieredCheckpointMixin:
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         self._record_callback_states()
+        meta = {"global_step": step, "epoch": self.state.epoch, "world_size": self.args.world_size}
+        self._pending.append(self.checkpointer.save(step, self._checkpoint_state(model), metadata={METADATA_KEY: meta}))
+        self._last_saved = step
+
+    def _checkpoint_state(self, model: torch.nn.Module) -> dict[str, Any]:
+        """What a save at the current step writes (reserve() sizes the buffers by the same)."""
+        step = self.state.global_step
         per_epoch = self._updates_per_epoch or 1
         ga = self.args.gradient_accumulation_steps
         data = self._data_position(step // per_epoch, (step % per_epoch) * ga)
@@ -344,9 +360,7 @@ class TieredCheckpointMixin:
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
             state["scaler"] = scaler
-        meta = {"global_step": step, "epoch": self.state.epoch, "world_size": self.args.world_size}
-        self._pending.append(self.checkpointer.save(step, state, metadata={METADATA_KEY: meta}))
-        self._last_saved = step
+        return state
 
     def _record_callback_states(self) -> None:
         """As the Trainer does before writing trainer_state.json: the states of stateful callbacks."""
@@ -380,6 +394,19 @@ class TieredCheckpointMixin:
         if self.args.should_save:
             model.save_pretrained(output_dir)
         return info.step
+
+
+class _ReserveAfterFirstStep(TrainerCallback):
+    """reserve=True: once the first optimizer step is done (the optimizer's state exists), every rank makes its
+    staging buffers for the state its saves will write."""
+
+    def __init__(self, trainer: TieredCheckpointMixin):
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        if trainer.reservation is None:
+            trainer.reservation = trainer.checkpointer.reserve(trainer._checkpoint_state(trainer.model_wrapped))
 
 
 class TieredTrainer(TieredCheckpointMixin, Trainer):
