@@ -32,6 +32,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
@@ -173,13 +174,30 @@ class NotReplicated(Exception):
         self.acked, self.wanted = acked, wanted
 
 
+class ProblemKind(StrEnum):
+    """What kind of thing went wrong with Redis: it decides what the index and the peer tier do about it."""
+
+    AUTH = "auth"  # credentials refused: final
+    FENCED = "fenced"  # a newer writer fenced this one out
+    CONFIG = "config"  # the deployment is not what the url says (a cluster node behind a plain url, say)
+    OOM = "oom"  # the server is out of memory (maxmemory)
+    TRANSIENT = "transient"  # a failover or an outage: retried within failover_timeout
+    ERROR = "error"  # a refused command
+    PROTOCOL = "protocol"  # the answer is not Redis's
+
+
 @dataclass(frozen=True)
 class Problem:
-    """What went wrong, in words: `kind` is "auth", "fenced", "config", "oom", "transient" (a failover or an
-    outage: retried within failover_timeout), "error" (a refused command) or "protocol" (not Redis?)."""
+    """What went wrong: its kind, and in words."""
 
-    kind: str
+    kind: ProblemKind
     text: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ProblemKind(self.kind))  # classify() names kinds by their words
+
+
+CHAINED = (ProblemKind.ERROR, ProblemKind.TRANSIENT)  # raised with redis-py's error as the cause
 
 
 # redis-py error classes that name one problem whatever the deployment: (classes, kind, text), the text
@@ -332,14 +350,14 @@ class RedisDeployment:
                     return await fn()
             except ERRORS as e:
                 problem = classify(e, self.url.kind)
-                if problem.kind == "transient" and isinstance(e, rexc.ConnectionError) and not reconnected \
+                if problem.kind is ProblemKind.TRANSIENT and isinstance(e, rexc.ConnectionError) and not reconnected \
                         and self.url.kind == "single":
                     # a server that restarted closed every pooled connection: once, at once, on new ones
                     reconnected = True
                     await self.client.connection_pool.disconnect(inuse_connections=False)
                     continue
-                if problem.kind != "transient" or time.monotonic() + delay > deadline:
-                    raise on_error(e, problem) from (e if problem.kind in ("error", "transient") else None)
+                if problem.kind is not ProblemKind.TRANSIENT or time.monotonic() + delay > deadline:
+                    raise on_error(e, problem) from (e if problem.kind in CHAINED else None)
                 if isinstance(e, rexc.ReadOnlyError) and self.url.kind == "single":
                     # the old primary, demoted: new connections resolve the endpoint again (a managed service
                     # points its name at the new primary)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ...config import REDIS_SCHEMES, index_path
 from ...errors import ConfigError
-from .base import CheckpointStatus, Index
+from .base import CheckpointStatus, CommitState, Index
 
 
 def open_index(url: str) -> Index:
@@ -20,4 +20,4 @@ def open_index(url: str) -> Index:
                       key="engine.index")
 
 
-__all__ = ["CheckpointStatus", "Index", "open_index"]
+__all__ = ["CheckpointStatus", "CommitState", "Index", "open_index"]

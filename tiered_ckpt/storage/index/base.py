@@ -26,6 +26,7 @@ with Redis). `detach` releases what `attach` holds, once the cleaner is done.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Mapping, Protocol, Sequence
 
 @dataclass(frozen=True)
@@ -60,15 +61,27 @@ class CheckpointStatus:
         return tuple(t for t in self.tiers if t not in self.complete)
 
 
+class CommitState(StrEnum):
+    """Where a tier's commit of one save session stands (a str: an index may hand back the plain word)."""
+
+    COMPLETE = "complete"  # every rank marked the tier durable
+    FAILED = "failed"  # a rank recorded a failure (TierState.reason names it)
+    SKIPPED = "skipped"  # a rank skipped the tier: a newer save superseded this one (TierState.newer)
+    PENDING = "pending"  # none of these yet
+
+
 @dataclass(frozen=True)
 class TierState:
-    """A tier's commit state for one save session: "complete", "failed" (`reason` names the rank), "skipped"
-    (`newer`: the step that superseded it) or "pending"."""
+    """A tier's commit state for one save session: `state`, with why it failed (`reason` names the rank) or
+    which step superseded it (`newer`), and the ranks that marked it durable so far."""
 
-    state: str
+    state: CommitState
     reason: str = ""
     ranks_done: frozenset[int] = frozenset()
     newer: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", CommitState(self.state))  # an unknown word fails here, naming it
 
 
 class Index(Protocol):

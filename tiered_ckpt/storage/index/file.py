@@ -32,7 +32,7 @@ from ...checksum import seal, unseal
 from ...errors import IncompleteCheckpoint, IntegrityError, TieredCkptError, WriterConflict
 from ...layout import parse_step_dir, step_dir
 from ..files import check_creatable, fsync_dir, locked_elsewhere, make_folders
-from .base import CheckpointStatus, TierState
+from .base import CheckpointStatus, CommitState, TierState
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -166,18 +166,18 @@ class FileIndex:
             d = self._dir(job, step)
             done = frozenset(_ranks(d / "durable", tier, session))
             if (d / "complete" / tier).exists():
-                return TierState("complete", "", done)
+                return TierState(CommitState.COMPLETE, "", done)
             for p in sorted(_entries(d / "skipped")):
                 name, _, sess = p.name.rsplit(".", 2)
                 if name == tier and sess == session:
                     newer = _read_step(p)
                     if newer is not None:
-                        return TierState("skipped", "", done, newer)
+                        return TierState(CommitState.SKIPPED, "", done, newer)
             for p in sorted(_entries(d / "failed")):
                 name, rank, sess = p.name.rsplit(".", 2)
                 if name == tier and sess == session:
-                    return TierState("failed", f"rank {rank}: {p.read_text(errors='replace')}", done)
-            return TierState("pending", "", done)
+                    return TierState(CommitState.FAILED, f"rank {rank}: {p.read_text(errors='replace')}", done)
+            return TierState(CommitState.PENDING, "", done)
         return await self._io(state)
 
     async def unmark(self, job: str, step: int, tier: str) -> None:

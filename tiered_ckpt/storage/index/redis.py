@@ -33,10 +33,10 @@ import msgpack
 
 from ...errors import (AuthenticationError, ConfigError, Fenced, IncompleteCheckpoint, IndexUnavailable,
                        TieredCkptError)
-from .base import CheckpointStatus, TierState
+from .base import CheckpointStatus, CommitState, TierState
 
 log = logging.getLogger(__name__)
-from ..redis_connect import ERRORS, Problem, RedisDeployment
+from ..redis_connect import CHAINED, ERRORS, Problem, ProblemKind, RedisDeployment
 from ..redis_connect import classify as _problem
 
 
@@ -79,7 +79,7 @@ class RedisIndex:
             masters = await self._redis.call(self._redis.masters_info, lambda e, p: e)
         except Exception as e:
             problem = _problem(e, self._redis.kind)
-            if problem.kind == "transient":
+            if problem.kind is ProblemKind.TRANSIENT:
                 return  # unreachable now: saves will say so; loads fall back to the tiers
             raise self._error("opening the index", e, problem) from None
         for address, info in masters:
@@ -102,14 +102,14 @@ class RedisIndex:
 
     def _error(self, what: str, e: BaseException, problem: Problem) -> BaseException:
         where = f"index {self.identity}"
-        if problem.kind == "auth":  # not retryable: not "unreachable"
+        if problem.kind is ProblemKind.AUTH:  # not retryable: not "unreachable"
             return AuthenticationError(f"{where}: {what}: {problem.text}")
-        if problem.kind == "fenced":
+        if problem.kind is ProblemKind.FENCED:
             return Fenced(f"{where}: {what} refused: this process belongs to an earlier incarnation of the "
                                    f"job ({problem.text}); it must not commit or delete")
-        if problem.kind == "config":
+        if problem.kind is ProblemKind.CONFIG:
             return ConfigError(f"{where}: {what}: {problem.text}", key="engine.index")
-        if problem.kind == "transient":
+        if problem.kind is ProblemKind.TRANSIENT:
             after = (f" (retried for {self._redis.url.failover_timeout:g}s)" if self._redis.url.failover_timeout
                      else "")
             return IndexUnavailable(f"{where} unreachable during {what}{after}: {problem.text}")
@@ -125,7 +125,7 @@ class RedisIndex:
             return await op
         except ERRORS as e:
             problem = _problem(e, self._redis.kind)
-            raise on_error(e, problem) from (e if problem.kind in ("error", "transient") else None)
+            raise on_error(e, problem) from (e if problem.kind in CHAINED else None)
 
     async def _script(self, what: str, name: str, keys: list[str], args: list[Any]) -> Any:
         return await self._call(what, lambda: self._redis.write([len(keys), *keys, *args], key=keys[0],
@@ -198,12 +198,12 @@ class RedisIndex:
             key, [f"complete:{tier}", f"done:{tier}:{session}", f"fail:{tier}:{session}", f"skip:{tier}:{session}"]))
         done = _ranks(bits or b"")
         if complete is not None:
-            return TierState("complete", "", done)
+            return TierState(CommitState.COMPLETE, "", done)
         if skip is not None and skip.isdigit():
-            return TierState("skipped", "", done, int(skip))
+            return TierState(CommitState.SKIPPED, "", done, int(skip))
         if failure is not None:
-            return TierState("failed", failure.decode(errors="replace"), done)
-        return TierState("pending", "", done)
+            return TierState(CommitState.FAILED, failure.decode(errors="replace"), done)
+        return TierState(CommitState.PENDING, "", done)
 
     async def _small_fields(self, job: str, steps: list[int], *, info: bool = True) -> list[dict[str, bytes]]:
         """The bookkeeping fields of each step's hash, without the manifest and checksum records: this

@@ -40,7 +40,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from ...errors import ConfigError, TierError, TierFull, TierNotFound, TierUnavailable
-from ..redis_connect import ERRORS, RedisDeployment, classify, parse_url, redact
+from ..redis_connect import ERRORS, ProblemKind, RedisDeployment, classify, parse_url, redact
 from .base import Tier, machine_name, scatter
 
 log = logging.getLogger(__name__)
@@ -164,11 +164,11 @@ class RedisPeerTier(Tier):
     def _fail(self, server: int, e: BaseException, what: str) -> TierError:
         url = redact(self.options.urls[server])
         problem = classify(e, self._kind(server))
-        if problem.kind == "auth":  # a ConnectionError, but final
+        if problem.kind is ProblemKind.AUTH:  # a ConnectionError, but final
             return TierError(f"redis {url} refused the credentials {what}: {e}", tier=self.name)
-        if problem.kind == "oom" or "OOM" in str(e):
+        if problem.kind is ProblemKind.OOM or "OOM" in str(e):
             return TierFull(f"redis {url} is out of memory (maxmemory) {what}", tier=self.name)
-        if problem.kind == "transient":  # unreachable, or a failover or resharding under way: retried
+        if problem.kind is ProblemKind.TRANSIENT:  # unreachable, or a failover or resharding under way: retried
             return TierUnavailable(f"redis {url} unreachable {what}: {problem.text}", tier=self.name)
         return TierError(f"redis {url} {what}: {problem.text}", tier=self.name)
 
