@@ -19,7 +19,11 @@ df -h /dev/shm | tail -1
 nproc
 SHM=/dev/shm
 if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -lt 24 ]; then  # too small for the training loop's buffers
-    SHM=/tmp/tiered_ckpt-shm && mkdir -p $SHM && mount -t tmpfs -o size=48g tmpfs $SHM && echo "memory tier on $SHM"
+    SHM=/tmp/tiered_ckpt-shm
+    mkdir -p $SHM && { mountpoint -q $SHM || mount -t tmpfs -o size=48g tmpfs $SHM; } || {
+        echo "/dev/shm has under 24 GiB free and no tmpfs could be mounted at $SHM (it needs root): the memory" \
+             "tier would be measured on disk; free /dev/shm or run as root" >&2; exit 1; }
+    echo "memory tier on $SHM"
 fi
 # A staging buffer that CUDA refuses to pin must leave no error behind for the next kernel to report
 SHM=$SHM $PY - <<'EOF'

@@ -37,6 +37,8 @@ class DeviceBytes:
         return self.stop - self.start
 
     def _range(self, key: slice) -> tuple[int, int]:
+        if not isinstance(key, slice):
+            raise TypeError(f"DeviceBytes takes slices, not {type(key).__name__}")
         lo, hi, step = key.indices(len(self))
         if step != 1:
             raise ValueError("DeviceBytes slices are contiguous")

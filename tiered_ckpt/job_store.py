@@ -45,9 +45,16 @@ class JobStore:
         # steps complete on some tier, as far as this process knows: the engine fills it at open() and its saves
         # add theirs; removal and retention read it
         self.committed: set[int] = set()
-        self.removal = Removal(self.job, self.index, self.io, self.busy, self.committed)
-        self.writer = Writer(self.job, self.index, self.coordinator, self.removal)
+        self._reclaim: Reclaim | None = None
+        self._wire()
         self._jobs: dict[str, JobStore] = {self.job: self}
+
+    def _wire(self) -> None:
+        """The removal and the writer role, as this store's rank (open() may hand it the engine's)."""
+        c = self.coordinator
+        self.removal = Removal(self.job, self.index, self.io, self.busy, self.committed, rank=c.rank,
+                               world_size=c.world_size, reclaim=self._reclaim)
+        self.writer = Writer(self.job, self.index, c, self.removal)
 
     def for_job(self, job: str) -> "JobStore":
         """Another job's checkpoints on the same tiers and index (`free --all-jobs`): its own catalog, busy
@@ -58,8 +65,7 @@ class JobStore:
             other.catalog = Catalog(job, self.index, self.io, adopt=self.config.engine.adopt)
             other.busy = BusySteps()
             other.committed = set()
-            other.removal = Removal(job, self.index, self.io, other.busy, other.committed)
-            other.writer = Writer(job, self.index, self.coordinator, other.removal)
+            other._wire()
             self._jobs[job] = other
         return self._jobs[job]
 
@@ -68,10 +74,9 @@ class JobStore:
         called as each removal from a tier starts (the engine's staging pool takes the buffer back)."""
         if coordinator is not None:
             self.coordinator = coordinator
+        self._reclaim = reclaim
+        self._wire()
         c = self.coordinator
-        self.removal = Removal(self.job, self.index, self.io, self.busy, self.committed, rank=c.rank,
-                               world_size=c.world_size, reclaim=reclaim)
-        self.writer = Writer(self.job, self.index, c, self.removal)
         try:
             node, num_nodes = await c.node()
             await self.io.open(rank=c.rank, world_size=c.world_size, node=node, num_nodes=num_nodes)

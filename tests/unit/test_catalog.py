@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.layout import PartKey, parse_key
+from tiered_ckpt.layout import PartKey
 
 from .common import load_values, state_of
 

@@ -38,6 +38,8 @@ def test_a_parameter_that_requires_grad_is_written_in_place():
     assert torch.equal(param.detach(), torch.ones(4)) and param.requires_grad
 
 
-def test_a_non_contiguous_tensor_is_refused():
+def test_a_non_contiguous_tensor_and_an_index_are_refused():
     with pytest.raises(ValueError, match="contiguous"):
         DeviceBytes(torch.zeros(4, 4).t())
+    with pytest.raises(TypeError, match="slices"):
+        DeviceBytes(torch.zeros(4))[0]

@@ -140,7 +140,8 @@ async def staging(state: dict[str, torch.Tensor], device: torch.device, shm: Pat
 
 async def ordering(device: torch.device, shm: Path, work: Path) -> dict[str, bool]:
     """Saves issued while kernels that write the saved tensor are still queued on the training stream: the
-    checkpoint must hold the values those kernels leave, not the ones before them."""
+    checkpoint must hold the values those kernels leave, not the ones before them. On a GPU, also a load
+    issued while a write to the target is still queued on the caller's stream: the load's values must win."""
     import tiered_ckpt as tc
 
     out = {}
@@ -158,6 +159,14 @@ async def ordering(device: torch.device, shm: Path, work: Path) -> dict[str, boo
             back = {"x": torch.zeros_like(x)}
             await engine.load(back, step=step, tiers=["host"])
             out["lazy" if lazy else "eager"] = bool(torch.equal(back["x"], expected))
+        if device.type == "cuda":  # a load while the caller's own stream still has a write to the target queued
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(1 << 30)
+                back["x"].fill_(7.0)
+                await engine.load(back, step=2, tiers=["host"])
+            torch.cuda.synchronize(device)
+            out["load"] = bool(torch.equal(back["x"], expected))
     return out
 
 

@@ -11,7 +11,7 @@ without importing torch (docs/operations.md, *CLI*).
 The package: `main.py` parses the command line and runs a command; `commands.py` holds the commands
 (`free.py` the one that gives host memory back, `memory.py` what `ls` says of it, `advise.py` the one that
 recommends an interval);
-`checkpoints.py` opens a job for them; `text.py` formats what they print (text and JSON)."""
+`job_store.JobStore` opens a job for them; `text.py` formats what they print (text and JSON)."""
 from .main import main
 from .text import KEY_WIDTH
 

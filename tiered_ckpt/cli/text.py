@@ -113,7 +113,7 @@ def plain_values(skeleton_bytes: bytes) -> list[tuple[str, Any]]:
     try:
         walk(decode_skeleton(skeleton_bytes), ())
     finally:
-        del walk  # a nested function that calls itself is a reference cycle (see tiered_ckpt.state)
+        del walk  # a nested function that calls itself is a reference cycle (see tiered_ckpt/state/skeleton.py)
     return out
 
 

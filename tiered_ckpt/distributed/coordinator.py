@@ -147,9 +147,9 @@ class Coordinator:
     async def on_first(self, fn: Callable[[], Awaitable[T]], doing: str,
                        answers: tuple[type[Exception], ...] = ()) -> T:
         """Collective: run `fn` on rank 0 alone and give every rank its result, or make every rank raise its
-        error: rank 0 its own (with its traceback), the others an error of the same class and message where the
-        class is one of `answers` (errors that are the decision itself, e.g. "no checkpoint to load"), else
-        RankFailed naming rank 0 and what it was `doing`. Without other ranks, just `fn()`."""
+        error: rank 0 its own (with its traceback), the others the first of `answers` that it is an instance of
+        (errors that are the decision itself, e.g. "no checkpoint to load"), with its message, else RankFailed
+        naming rank 0 and what it was `doing`. Without other ranks, just `fn()`."""
         if not self.distributed:
             return await fn()
         outcome: tuple[Any, ...] = ()
@@ -158,16 +158,17 @@ class Coordinator:
             try:
                 outcome = (True, await fn())
             except Exception as e:  # every rank must leave the broadcast below with the same answer
-                failure, outcome = e, (False, type(e).__name__, str(e))
+                answer = next((i for i, cls in enumerate(answers) if isinstance(e, cls)), None)
+                failure, outcome = e, (False, type(e).__name__, str(e), answer)
         outcome = await self.broadcast_object(outcome if self.rank == 0 else None)
         if outcome[0]:
             return outcome[1]
         if failure is not None:
             raise failure
-        same = next((cls for cls in answers if cls.__name__ == outcome[1]), None)
-        if same is not None:
-            raise same(outcome[2])
-        raise RankFailed(f"rank 0 failed while {doing}: {outcome[1]}: {outcome[2]}")
+        _, name, message, answer = outcome
+        if answer is not None:
+            raise answers[answer](message)
+        raise RankFailed(f"rank 0 failed while {doing}: {name}: {message}")
 
     async def agree(self, error: BaseException | None) -> None:
         """Collective: raise on every rank if any rank passes an error, naming the first failing rank."""

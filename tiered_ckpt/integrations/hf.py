@@ -397,15 +397,17 @@ class TieredCheckpointMixin:
 
 
 class _ReserveAfterFirstStep(TrainerCallback):
-    """reserve=True: once the first optimizer step is done (the optimizer's state exists), every rank makes its
-    staging buffers for the state its saves will write."""
+    """reserve=True: once the first optimizer step has made the optimizer's state, every rank makes its staging
+    buffers for the state its saves will write."""
 
     def __init__(self, trainer: TieredCheckpointMixin):
         self.trainer = trainer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
-        if trainer.reservation is None:
+        # not before the optimizer's state exists: with fp16 the first steps may be skipped (inf gradients), the
+        # same on every rank (the gradients are all-reduced), so every rank reserves at the same step
+        if trainer.reservation is None and trainer.optimizer is not None and trainer.optimizer.state:
             trainer.reservation = trainer.checkpointer.reserve(trainer._checkpoint_state(trainer.model_wrapped))
 
 

@@ -26,7 +26,7 @@ from ..storage.index import CheckpointStatus
 from ..storage.tier_io import Fallback, TierIO
 from .catalog import Catalog
 from .heal import HealReport, heal
-from .reads import LoadInfo, Reads, node_holdings, plan_reads, read_parts
+from .reads import LoadInfo, Reads, node_holdings, plan_reads, read_parts, target_devices, wait_for_devices
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class Loader:
                 # in threads: pairing 100k entries with the saved ones is seconds of Python
                 target = await asyncio.to_thread(self._match, state, manifest)
                 reads = await asyncio.to_thread(plan_reads, manifest, target.tensors)
+                await asyncio.to_thread(wait_for_devices, target_devices(target.tensors))
                 # each part is read where it is fastest: what this node holds, and what the shared tiers hold
                 holdings = {**{t: r for t, r in held.items() if self.io.file_tier(t) is None},
                             **await node_holdings(self.io, manifest, order)}

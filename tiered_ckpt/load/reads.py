@@ -87,6 +87,20 @@ class Reads:
         self.keep.clear()
 
 
+def target_devices(targets: dict[int, tuple[str, torch.Tensor]]) -> list[torch.device]:
+    """The GPUs that hold some of the targets."""
+    return sorted({local_tensor(t).device for _, t in targets.values() if local_tensor(t).is_cuda}, key=str)
+
+
+def wait_for_devices(devices: Sequence[torch.device]) -> None:
+    """Kernels that the caller queued on its own streams (a fill_, an optimizer step) may still write a GPU
+    target: the load's copies, made from I/O threads on other streams, start once every kernel queued on the
+    targets' devices is done. Copies into GPU targets are synchronous, so when the load returns the targets
+    hold the checkpoint's values for any stream."""
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
 def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]]) -> Reads:
     """Where each saved chunk that overlaps a target goes. A chunk that lies wholly inside a contiguous CPU
     or GPU target of its dtype, on a contiguous stretch of it (the same box, a Shard(0) piece of a full tensor,

@@ -66,11 +66,11 @@ class Committer:
         delay = 0.005
         while True:
             state = await self.index.tier_state(self.job, step, tier, self.session)
-            if state.state is CommitState.COMPLETE:
+            if state.state == CommitState.COMPLETE:
                 return
-            if state.state is CommitState.SKIPPED and state.newer is not None:
+            if state.state == CommitState.SKIPPED and state.newer is not None:
                 raise Superseded(state.newer)
-            if state.state is CommitState.FAILED:
+            if state.state == CommitState.FAILED:
                 raise RankFailed(f"step {step}: {state.reason}", tier=tier)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - state.ranks_done)
@@ -93,7 +93,7 @@ class Committer:
         if self.world_size == 1:
             return None
         state = await self.index.tier_state(self.job, step, tier, self.session)
-        return state.newer if state.state is CommitState.SKIPPED else None
+        return state.newer if state.state == CommitState.SKIPPED else None
 
     async def fail_tier(self, step: int, tier: str, error: BaseException) -> BaseException:
         """Record this rank's failure on `tier` where every rank sees it; return the error to raise here."""

@@ -88,7 +88,7 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
     streams: dict[torch.device, Any] = {}
     selected: list[Any] = []  # the side stream's context while it is the current stream
     with torch.no_grad():
-        try:
+        try:  # on any error, the side streams' queued copies finish before the buffer can go back to the pool
             for step in stream_steps([s.device if s.is_cuda else None for s in sources], events or {}):
                 op, *args = step
                 if op == "stream":
@@ -101,8 +101,9 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
                     if selected:
                         selected.pop().__exit__(None, None, None)
                     if op == "select":
-                        selected.append(torch.cuda.stream(streams[args[0]]))
-                        selected[0].__enter__()
+                        context = torch.cuda.stream(streams[args[0]])
+                        context.__enter__()
+                        selected.append(context)
                 elif op == "copy":
                     index, device = args
                     src, dst = sources[index], views[index]
@@ -114,6 +115,13 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
                         dst.copy_(src)
                 else:  # synchronize
                     streams[args[0]].synchronize()
+        except BaseException:
+            for stream in streams.values():
+                try:
+                    stream.synchronize()
+                except Exception:  # a broken device: the error being raised says more
+                    pass
+            raise
         finally:
             if selected:
                 selected.pop().__exit__(None, None, None)

@@ -14,6 +14,7 @@ from ..errors import StateError
 from .skeleton import (PerRank, PerRankMark, Pickled, TensorAlias, TensorRef, _is_stateful, _view_key, path_str,
                        per_rank_name)
 
+
 @dataclass(frozen=True)
 class SavedTensor:
     """What a load needs to know of one saved tensor: its position in the manifest, dtype and shape."""

@@ -166,7 +166,7 @@ def build(tree: Any, leaf: Callable[[int], Any]) -> Any:
     try:
         return walk(tree)
     finally:
-        del walk  # a nested function that calls itself is a reference cycle (see tiered_ckpt.state)
+        del walk  # a nested function that calls itself is a reference cycle (see tiered_ckpt/state/skeleton.py)
 
 
 def count_values(node: Any, *, json: bool = False) -> int:
