@@ -18,10 +18,10 @@ for saves), match.py (a state paired with a saved skeleton, for loads).
 from .flatten import flatten
 from .match import LoadTarget, Matcher, SavedTensor, match
 from .skeleton import (MAX_DEPTH, MISSING_POLICIES, FlatState, PerRank, PerRankMark, Pickled, SavedName,
-                       TensorAlias, TensorRef, _UNSUPPORTED, check_dtype, decode_skeleton, encode_skeleton, path_str,
-                       per_rank_name, saved_tree, tensor_ref)
+                       TensorAlias, TensorRef, _UNSUPPORTED, any_in_tree, check_dtype, decode_skeleton,
+                       encode_skeleton, path_str, per_rank_name, saved_tree, tensor_ref)
 
 __all__ = ["MAX_DEPTH", "MISSING_POLICIES", "FlatState", "LoadTarget", "Matcher", "PerRank", "PerRankMark",
-           "Pickled", "SavedName", "SavedTensor", "TensorAlias", "TensorRef", "_UNSUPPORTED", "check_dtype",
-           "decode_skeleton", "encode_skeleton", "flatten", "match", "path_str", "per_rank_name", "saved_tree",
-           "tensor_ref"]
+           "Pickled", "SavedName", "SavedTensor", "TensorAlias", "TensorRef", "_UNSUPPORTED", "any_in_tree",
+           "check_dtype", "decode_skeleton", "encode_skeleton", "flatten", "match", "path_str", "per_rank_name",
+           "saved_tree", "tensor_ref"]

@@ -11,8 +11,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import StateError
-from .skeleton import (PerRank, PerRankMark, Pickled, TensorAlias, TensorRef, _is_stateful, _view_key, path_str,
-                       per_rank_name)
+from .skeleton import (PerRank, PerRankMark, Pickled, TensorAlias, TensorRef, _is_stateful, _view_key, any_in_tree,
+                       path_str, per_rank_name)
 
 
 @dataclass(frozen=True)
@@ -354,23 +354,12 @@ def _replace_contents(container: Any, new: Any) -> None:
 
 def _has_tensor(value: Any) -> bool:
     """Whether a caller's value holds a tensor (or an object whose state may: stateful objects count)."""
-    if isinstance(value, (torch.Tensor, PerRank)) or _is_stateful(value):
-        return True
-    if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_tensor(v) for v in value)
-    return False
+    return any_in_tree(value, lambda v: isinstance(v, (torch.Tensor, PerRank)) or _is_stateful(v))
 
 
 def _holds_tensors(saved: Any) -> bool:
-    if isinstance(saved, (TensorRef, TensorAlias, PerRankMark)):
-        return True
-    if isinstance(saved, dict):
-        return any(_holds_tensors(v) for v in saved.values())
-    if isinstance(saved, (list, tuple)):
-        return any(_holds_tensors(v) for v in saved)
-    return False
+    """Whether a saved skeleton's node holds a tensor (a reference, an alias or a per-rank value)."""
+    return any_in_tree(saved, lambda v: isinstance(v, (TensorRef, TensorAlias, PerRankMark)))
 
 
 def _missing_key_message(path: tuple[Any, ...], key: Any, given: dict[Any, Any], saved: dict[Any, Any]) -> str:

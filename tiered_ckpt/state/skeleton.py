@@ -173,6 +173,19 @@ def _check_text(text: str, what: str) -> None:
 
 
 
+def any_in_tree(node: Any, is_leaf: Callable[[Any], bool]) -> bool:
+    """Whether some node of the tree (dicts, lists and tuples walked into) is a leaf by `is_leaf`: the one walk
+    behind "does this hold a tensor?", whatever a tensor is in that tree (the caller's, a saved marker, an
+    export's leaf)."""
+    if is_leaf(node):
+        return True
+    if isinstance(node, dict):
+        return any(any_in_tree(v, is_leaf) for v in node.values())
+    if isinstance(node, (list, tuple)):
+        return any(any_in_tree(v, is_leaf) for v in node)
+    return False
+
+
 def _is_stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 

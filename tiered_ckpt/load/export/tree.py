@@ -8,7 +8,7 @@ from typing import Any
 
 from ...errors import IntegrityError, StateError
 from ...manifest import Manifest
-from ...state import PerRankMark, Pickled, SavedName, decode_skeleton, path_str, saved_tree
+from ...state import PerRankMark, Pickled, SavedName, any_in_tree, decode_skeleton, path_str, saved_tree
 
 
 @dataclass(frozen=True)
@@ -138,13 +138,7 @@ def leaves(tree: Any) -> list[int]:
 
 
 def _has_leaf(node: Any) -> bool:
-    if isinstance(node, Leaf):
-        return True
-    if isinstance(node, dict):
-        return any(_has_leaf(v) for v in node.values())
-    if isinstance(node, (list, tuple)):
-        return any(_has_leaf(v) for v in node)
-    return False
+    return any_in_tree(node, lambda v: isinstance(v, Leaf))
 
 
 def build(tree: Any, leaf: Callable[[int], Any]) -> Any:
