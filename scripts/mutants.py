@@ -36,7 +36,7 @@ MUTANTS = {
         "            await self.commit.mark_durable(self.step, tier)\n            for key, data in blobs:\n",
         ["tests/integration/test_crash.py", "-k", "manifest"]),
     "unverified-bytes-reach-the-state": (
-        "tiered_ckpt/storage/tier_io.py", "            if part.bounce:", "            if False:",
+        "tiered_ckpt/storage/verified_read.py", "        if part.bounce:", "        if False:",
         ["tests/integration/test_corruption.py", "-k", "unverified"]),
     "s3-single-get": ("tiered_ckpt/storage/tiers/s3.py", "if expected <= size:", "if True:",
                       ["tests/tiers/test_s3_tier.py", "-k", "ranged"]),
@@ -63,10 +63,10 @@ MUTANTS = {
         "tiered_ckpt/load/loader.py", "source = rank if rank < manifest.world_size else 0", "source = 0",
         ["tests/multirank/test_rank_state.py", "-k", "same_world_size"]),
     "chunks-copied-unverified": (  # a chunk read copied to the state without its digest checked
-        "tiered_ckpt/storage/tier_io.py", "            if actual != expected:\n", "            if False:\n",
+        "tiered_ckpt/storage/verified_read.py", "        if actual != expected:\n", "        if False:\n",
         ["tests/integration/test_corruption.py", "-k", "chunk_is_verified"]),
     "whole-part-unchecked": (  # verify trusts chunk digests that do not add up to the part's checksum
-        "tiered_ckpt/storage/tier_io.py", "        if whole != part.checksum:", "        if False:",
+        "tiered_ckpt/storage/verified_read.py", "    if whole != part.checksum:", "    if False:",
         ["tests/integration/test_corruption.py", "-k", "follows_from_its_chunk_digests"]),
     "no-dtype-cast": ("tiered_ckpt/load/reads.py", " and local.dtype == dtype\n", "\n",
                       ["tests/unit/test_state_rules.py", "-k", "cast"]),

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .save.reserve import Reservation
     from .state import PerRank
     from .storage.index import CheckpointStatus
-    from .storage.tier_io import Fallback
+    from .storage.verified_read import Fallback
     from .sync import Checkpointer, SyncSaveHandle
     from .train_state import TrainState
 
@@ -43,7 +43,7 @@ _EVENTS = ("SaveEvent", "TierEvent", "LoadEvent", "RemovalEvent")
 _MODULE_OF = {  # public name → the module that defines it
     "Engine": ".engine", "Checkpointer": ".sync", "SyncSaveHandle": ".sync", "TrainState": ".train_state",
     "PerRank": ".state", "SaveHandle": ".save.handle", "TierDone": ".save.handle", "Reservation": ".save.reserve",
-    "LoadInfo": ".load.reads", "HealReport": ".load.heal", "Fallback": ".storage.tier_io",
+    "LoadInfo": ".load.reads", "HealReport": ".load.heal", "Fallback": ".storage.verified_read",
     "CheckpointStatus": ".storage.index", "Config": ".config", "EngineConfig": ".config", "TierConfig": ".config",
     "load_config": ".config", **dict.fromkeys(("advise", "SaveCosts", "FailureRates", "Advice"), ".interval"), **dict.fromkeys(_EVENTS, ".observe.events"), **dict.fromkeys(_ERRORS, ".errors"),
 }

@@ -112,7 +112,7 @@ async def test_workers_bound_operations_in_flight():
 
 
 def test_bounce_buffers_are_reused_by_identity():
-    from tiered_ckpt.storage.tier_io import BouncePool
+    from tiered_ckpt.storage.verified_read import BouncePool
 
     pool = BouncePool(2)
     a, b = pool.take(65536), pool.take(4000)

@@ -23,7 +23,8 @@ import torch
 
 from ..errors import IntegrityError
 from ..buffers import tensor_bytes
-from ..storage.tier_io import PartRead, ReadLog, TierIO
+from ..storage.tier_io import TierIO
+from ..storage.verified_read import PartRead, ReadLog
 from ..storage.tiers.base import scatter
 from ..distributed.coordinator import Coordinator
 

@@ -23,7 +23,8 @@ from ..errors import TieredCkptError, TierNotFound
 from ..layout import committed_key, manifest_key, parse_key, rank_meta_key
 from ..manifest import Manifest
 from ..storage.index import Index
-from ..storage.tier_io import ReadLog, TierIO
+from ..storage.tier_io import TierIO
+from ..storage.verified_read import ReadLog
 from .broadcast import Holdings, tiers_for
 from .parts import part_read
 

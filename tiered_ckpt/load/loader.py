@@ -23,7 +23,8 @@ from ..lifecycle.rules import Best
 from ..manifest import Manifest
 from ..state import LoadTarget, SavedTensor, decode_skeleton, match
 from ..storage.index import CheckpointStatus
-from ..storage.tier_io import Fallback, TierIO
+from ..storage.tier_io import TierIO
+from ..storage.verified_read import Fallback
 from .catalog import Catalog
 from .heal import HealReport, heal
 from .reads import LoadInfo, Reads, node_holdings, plan_reads, read_parts, target_devices, wait_for_devices

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..layout import PartKey
 from ..manifest import Manifest
-from ..storage.tier_io import PartRead
+from ..storage.verified_read import PartRead
 
 
 def part_read(manifest: Manifest, rank: int, p: int, views: list[memoryview], targets: tuple[str, ...] = (),

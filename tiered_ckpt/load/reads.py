@@ -25,7 +25,8 @@ from ..errors import TierError
 from ..layout import checkpoint_prefix, parse_key
 from ..manifest import Manifest
 from ..buffers import DeviceBytes, as_byte_tensor, tensor_bytes
-from ..storage.tier_io import Fallback, PartRead, ReadLog, TierIO
+from ..storage.tier_io import TierIO
+from ..storage.verified_read import Fallback, PartRead, ReadLog
 
 if TYPE_CHECKING:
     from .heal import HealReport

@@ -10,7 +10,8 @@ from ..errors import IncompleteCheckpoint, IndexUnavailable, IntegrityError, Tie
 from ..storage.index import CheckpointStatus, Index
 from ..layout import PartKey, manifest_key, rank_meta_key
 from ..manifest import Manifest, RankMeta
-from ..storage.tier_io import PartRead, ReadLog, TierIO
+from ..storage.tier_io import TierIO
+from ..storage.verified_read import PartRead, ReadLog
 
 
 VERIFY_PARTS = 4  # parts read at once (each tier's pipeline bounds its own concurrency too)

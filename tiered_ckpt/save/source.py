@@ -18,7 +18,8 @@ import torch
 from ..buffers import tensor_bytes
 from ..errors import IntegrityError
 from ..layout import PartKey
-from ..storage.tier_io import PartRead, ReadLog, TierIO
+from ..storage.tier_io import TierIO
+from ..storage.verified_read import PartRead, ReadLog
 from .pool import StagingPool
 from .records import Records
 from .staging_buffer import StagingBuffer

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import IncompleteCheckpoint
-from ...storage.tier_io import Fallback, ReadLog, TierIO
+from ...storage.tier_io import TierIO
+from ...storage.verified_read import Fallback, ReadLog
 from ..catalog import Catalog
 from .formats import write_dcp, write_safetensors, write_torch
 from .output import check_output

@@ -11,7 +11,8 @@ import torch
 
 from ...errors import IntegrityError
 from ...manifest import Manifest, TensorMeta
-from ...storage.tier_io import ReadLog, TierIO
+from ...storage.tier_io import TierIO
+from ...storage.verified_read import ReadLog
 from ..reads import Reads, parts_to_read, plan_reads, rank_spans
 
 
