@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -166,20 +167,23 @@ def test_remove_and_resave_while_saves_are_in_flight(tmp_path, shm_dir, monkeypa
     io = TieredCheckpointIO(config)
     disk = io.checkpointer.engine.store.io.driver("disk")
     write = disk.write
+    disk_open = threading.Event()  # closed: the disk holds every write (a disk far slower than the saves)
 
-    async def slow_write(key: str, data: Any) -> Any:
-        await asyncio.sleep(0.1)
+    async def held_write(key: str, data: Any) -> Any:
+        await asyncio.to_thread(disk_open.wait, 60)
         return await write(key, data)
 
-    monkeypatch.setattr(disk, "write", slow_write)
+    monkeypatch.setattr(disk, "write", held_write)
 
     def state(value: float, step: int) -> dict[str, Any]:
         return {"state_dict": {"w": torch.full((64 * 1024,), value)}, "global_step": step, "epoch": 0}
 
     gone = ckpt_dir / "gone.ckpt"
     io.save_checkpoint(state(1.0, 3), gone)
-    assert not any(s.is_complete for s in io.checkpointer.list())  # still being written (slowly)
+    assert not any(s.is_complete for s in io.checkpointer.list())  # still being written
+    threading.Timer(0.5, disk_open.set).start()  # the disk comes back while remove_checkpoint waits
     io.remove_checkpoint(gone)  # waits for the save, then deletes it (no CheckpointExists)
+    disk_open.clear()
     assert io.checkpointer.list() == [] and not gone.exists()
 
     # save_last: one global step under two paths; then last.ckpt saved again, before the first save is done
@@ -188,6 +192,7 @@ def test_remove_and_resave_while_saves_are_in_flight(tmp_path, shm_dir, monkeypa
     io.save_checkpoint(state(1.0, 3), other)  # waits for its turn on the slow disk: must not be skipped there
     io.save_checkpoint(state(1.0, 3), last)
     io.save_checkpoint(state(2.0, 6), last)
+    disk_open.set()
     assert io.load_checkpoint(best)["global_step"] == 3
     loaded = io.load_checkpoint(last)
     assert loaded["global_step"] == 6 and torch.all(loaded["state_dict"]["w"] == 2.0)

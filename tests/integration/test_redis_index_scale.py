@@ -12,15 +12,29 @@ from tiered_ckpt.storage.index.redis import RedisIndex
 
 
 @pytest.fixture
-async def index(redis_server):
-    index = RedisIndex(redis_server().url)
+def server(redis_server):
+    return redis_server()
+
+
+@pytest.fixture
+async def index(server):
+    index = RedisIndex(server.url)
     await index.open()
     await index.fence("job")
     yield index
     await index.close()
 
 
-async def test_thousands_of_ranks_commit_once_and_tier_state_names_the_missing_ones(index):
+@pytest.fixture
+async def raw(server):
+    """A plain client on the index's server, to read and write its keys as the stored layout names them
+    (`tiered_ckpt:idx:<job>:...`), as an earlier release or an operator would."""
+    client = aioredis.Redis.from_url(server.url)
+    yield client
+    await client.aclose()
+
+
+async def test_thousands_of_ranks_commit_once_and_tier_state_names_the_missing_ones(index, raw):
     world = 2000
     await index.begin("job", 1, ["disk"])
     late = {7, 1024, 1999}
@@ -30,7 +44,7 @@ async def test_thousands_of_ranks_commit_once_and_tier_state_names_the_missing_o
     assert not await index.mark_durable("job", 1, "disk", 5, world, "s")  # a repeat counts once
     state = await index.tier_state("job", 1, "disk", "s")
     assert state.state == "pending" and set(range(world)) - state.ranks_done == late
-    bitmap = await index._client.hget(index._k("job", "step", 1), "done:disk:s")
+    bitmap = await raw.hget("tiered_ckpt:idx:job:step:1", "done:disk:s")
     assert len(bitmap) == world // 8  # one bit per rank, whatever the world size
     assert (await index.tier_state("job", 1, "disk", "other-session")).ranks_done == frozenset()
     results = await asyncio.gather(*(index.mark_durable("job", 1, "disk", r, world, "s") for r in sorted(late)))
@@ -59,14 +73,13 @@ async def test_list_reads_the_summaries_not_the_step_hashes(index, monkeypatch):
         (1, ("host", "disk"), frozenset({"disk"})), (2, ("host",), frozenset())]
 
 
-async def test_steps_an_earlier_release_wrote_are_still_listed_unmarked_and_deleted(index, redis_server):
+async def test_steps_an_earlier_release_wrote_are_still_listed_unmarked_and_deleted(index, raw):
     """Release 0.1's layout: one durable marker field per rank, no summary. Written here by hand."""
-    client = index._client
-    old = index._k("job", "step", 3)
+    client, old = raw, "tiered_ckpt:idx:job:step:3"
     await client.hset(old, mapping={"created": "1700000000.5", "target:host": "0", "target:disk": "1",
                                     "manifest": b"m", "rank:0": b"r0", "durable:disk:old:0": "1",
                                     "count:disk:old": "1", "complete:disk": "1", "failed:host:0:old": "TierFull: x"})
-    await client.zadd(index._k("job", "steps"), {"3": 3})
+    await client.zadd("tiered_ckpt:idx:job:steps", {"3": 3})
     await index.begin("job", 4, ["disk"])  # a new step beside it
     three, four = await index.list("job")
     assert (three.step, three.tiers, three.complete, three.failed, three.created) == (

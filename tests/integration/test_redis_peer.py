@@ -110,13 +110,18 @@ async def test_server_restarted_empty_mid_save_never_commits_that_tier(tmp_path,
 async def test_missing_reports_lost_headers_and_chunks(redis_server):
     from tiered_ckpt.storage.tiers.redis_peer import RedisOptions, RedisPeerTier
 
-    tier = RedisPeerTier("peer", RedisOptions(urls=(redis_server().url,), chunk_size=100))
+    import redis.asyncio as aioredis
+
+    url = redis_server().url
+    tier = RedisPeerTier("peer", RedisOptions(urls=(url,), chunk_size=100))
     await tier.open()
     for key in ("j/a", "j/b", "j/c"):
         await tier.write(key, memoryview(bytes(250)))
-    await tier._clients[0].delete("tiered_ckpt:j/a")
-    chunk = [k async for k in tier._clients[0].scan_iter(match="tiered_ckpt:j/b#*")][0]
-    await tier._clients[0].delete(chunk)
+    server = aioredis.Redis.from_url(url)  # what eviction or an operator does, on the server itself
+    assert await server.delete("tiered_ckpt:j/a") == 1
+    chunk = [k async for k in server.scan_iter(match="tiered_ckpt:j/b#*")][0]
+    assert await server.delete(chunk) == 1
+    await server.aclose()
     assert await tier.missing(["j/a", "j/b", "j/c"]) == ["j/a", "j/b"]
     await tier.close()
 
@@ -154,10 +159,10 @@ def test_a_url_is_this_machine_by_its_address_when_no_url_names_it():
     tier = RedisPeerTier("peer", RedisOptions(urls=("redis://203.0.113.7:6380", f"redis://{mine}:6380",
                                                     "redis://203.0.113.9:6380")))
     tier.bind(rank=0, world_size=1, node=0, num_nodes=1)
-    assert tier.own == 1 and 1 not in tier._ring()
+    assert tier.own == 1 and 1 not in tier.ring()
     loopback = RedisPeerTier("peer", RedisOptions(urls=("redis://127.0.0.10:6380", "redis://127.0.0.11:6380")))
     loopback.bind(rank=0, world_size=1, node=1, num_nodes=2)
-    assert loopback.own is None and loopback._ring() == [0]  # loopback is every node's: the node number decides
+    assert loopback.own is None and loopback.ring() == [0]  # loopback is every node's: the node number decides
 
 
 async def test_the_first_save_after_a_peer_restart_goes_through_on_new_connections(tmp_path, shm_dir, redis_server):

@@ -70,7 +70,8 @@ async def test_writes_wait_for_the_replica_and_say_so_when_it_cannot_answer(sent
     await relaxed.close()
 
 
-async def test_a_failover_in_the_middle_of_saves_loses_no_acknowledged_save(tmp_path, shm_dir, sentinel_deployment):  # noqa: F811
+async def test_a_failover_in_the_middle_of_saves_loses_no_acknowledged_save(tmp_path, shm_dir, sentinel_deployment,
+                                                                          monkeypatch):  # noqa: F811
     """Saves run back to back while the replica falls behind and the master is then SIGKILLed: what only the
     master had is lost with it. The sentinel promotes the replica, and the killed server comes back
     empty (no persistence), which the sentinel turns into the new master's replica. Each
@@ -94,14 +95,29 @@ async def test_a_failover_in_the_middle_of_saves_loses_no_acknowledged_save(tmp_
         subprocess.run(["redis-cli", "-p", str(old_master), "client", "kill", "type", "replica"], check=True,
                        capture_output=True)
         await asyncio.sleep(1.0)
+        disk_open.clear()  # the next save's disk write waits for the kill: a save is in flight when it comes
+        await write_held.wait()
         await loop.run_in_executor(None, d.server_on(old_master).kill)
         killed = time.monotonic()
+        disk_open.set()
         await loop.run_in_executor(None, frozen.wait)
         new_master = await loop.run_in_executor(None, d.wait_for_failover, old_master)
         await loop.run_in_executor(None, d.rejoin, old_master)  # back, empty, as the new master's replica
         return killed, new_master
 
     async with tc.Engine(stack(tmp_path, shm_dir, d.url)) as engine:
+        disk = engine.store.io.driver("disk")
+        disk_open, write_held = asyncio.Event(), asyncio.Event()
+        disk_open.set()
+
+        async def gated_write(key, data, real_write=disk.write):
+            if not disk_open.is_set():
+                write_held.set()
+                await disk_open.wait()
+            return await real_write(key, data)
+
+        monkeypatch.setattr(disk, "write", gated_write)
+
         async def save(step: int) -> None:
             started = time.monotonic()
             try:

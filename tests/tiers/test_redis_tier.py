@@ -1,5 +1,6 @@
 """The Redis peer-cache tier against real redis-server processes."""
 import pytest
+import redis.asyncio as aioredis
 
 from tiered_ckpt.errors import ConfigError, TierFull, TierNotFound, TierUnavailable
 from tiered_ckpt.layout import PartKey
@@ -26,8 +27,11 @@ async def test_ring_placement_and_fallback_to_other_servers(redis_server):
     node1 = await connect([a.url, b.url], node=1)
     key = PartKey("job", 1, 0, 0).path
     await node0.write(key, memoryview(b"from node 0"))
-    assert await node0._clients[1].exists(node0.options.prefix + key)  # node 0 writes to node 1's server
-    assert not await node0._clients[0].exists(node0.options.prefix + key)
+    server_a, server_b = aioredis.Redis.from_url(a.url), aioredis.Redis.from_url(b.url)
+    assert await server_b.exists(node0.options.prefix + key)  # node 0 writes to node 1's server
+    assert not await server_a.exists(node0.options.prefix + key)
+    await server_a.aclose()
+    await server_b.aclose()
     assert await node1.read(key) == b"from node 0"  # found by the other node too (ring search)
     a.stop()  # node 0's own server dies: its parts, on node 1's server, survive
     assert await node0.read(key) == b"from node 0"
@@ -50,8 +54,10 @@ async def test_evicted_chunk_is_detected_as_not_found(redis_server):
     key = PartKey("job", 1, 0, 0).path
     data = payload(5000)
     await tier.write(key, memoryview(data))
-    chunk = [k async for k in tier._clients[0].scan_iter(match="*#*")][2]
-    await tier._clients[0].delete(chunk)  # what maxmemory eviction does
+    server = aioredis.Redis.from_url(tier.options.urls[0])
+    chunk = [k async for k in server.scan_iter(match="*#*")][2]
+    assert await server.delete(chunk) == 1  # what maxmemory eviction does
+    await server.aclose()
     with pytest.raises(TierNotFound, match="evicted"):
         await tier.read_into(key, [memoryview(bytearray(5000))])
     await tier.close()

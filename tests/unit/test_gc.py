@@ -216,8 +216,12 @@ async def test_list_reports_each_checkpoints_size_and_metadata_without_reading_m
             for step in (10, 20):
                 (tmp_path / "index" / "test" / step_dir(step) / "manifest").unlink()
         else:
+            import redis.asyncio as aioredis
+
+            client = aioredis.Redis.from_url(engine_keys["index"])  # the stored layout: tiered_ckpt:idx:<job>:...
             for step in (10, 20):
-                await engine.store.index._client.hdel(engine.store.index._k("test", "step", step), "manifest")
+                assert await client.hdel(f"tiered_ckpt:idx:test:step:{step}", "manifest") == 1
+            await client.aclose()
         listed = [(c.step, c.nbytes, c.metadata) async for c in engine.list()]
         assert listed == [(10, sizes[0], {"name": "warmup"}), (20, sizes[1], {"name": "best", "loss": 1.5})]
         assert sizes[0] == 200_000 and sizes[1] >= 204_000  # 50k float32; and 1k more (aligned)

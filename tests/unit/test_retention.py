@@ -57,17 +57,20 @@ async def test_a_tier_that_cannot_keep_up_skips_to_the_newest_and_retention_hold
     bounded, and the disk never holds more than keep_last complete checkpoints plus those committing."""
     async with tc.Engine(make_config(tiers=[{"keep_last": 2}, {"keep_last": 2}])) as engine:
         disk = engine.store.io.driver("disk")
+        disk_open = asyncio.Event()  # a disk that cannot keep up: it writes nothing until the burst is over
 
-        async def slow_write(key, data, real_write=disk.write):
-            await asyncio.sleep(0.01)
+        async def held_write(key, data, real_write=disk.write):
+            await disk_open.wait()
             return await real_write(key, data)
 
-        monkeypatch.setattr(disk, "write", slow_write)
+        monkeypatch.setattr(disk, "write", held_write)
         handles, most_jobs, most_on_disk = [], 0, 0
         for step in range(1, 31):
-            handles.append(await engine.save(step, state_of(float(step))))
+            handles.append(await asyncio.wait_for(engine.save(step, state_of(float(step))), 30))
             most_jobs = max(most_jobs, engine.saves_in_flight)
             most_on_disk = max(most_on_disk, sum("disk" in c.complete for c in await engine.statuses()))
+            if step == 20:
+                disk_open.set()  # the last ten saves find the disk writing again
         for h in handles:
             await h.wait()  # skipping is not an error
         skipped = {h.step: h.skipped["disk"] for h in handles if "disk" in h.skipped}

@@ -1,6 +1,7 @@
 """Staging buffers: backpressure (max_inflight), reuse, the memory tier's own files as the buffer, detaching
 while a slow tier streams, checksums of staged parts, leftovers of dead processes."""
 import asyncio
+import contextlib
 import os
 
 import pytest
@@ -31,25 +32,45 @@ async def test_max_inflight_makes_the_next_save_wait_never_drop(make_config):
 
 async def test_detached_save_reads_back_from_the_faster_tier(make_config, monkeypatch):
     """A slow disk does not hold the staging buffer hostage: once save 1's parts are on the memory tier,
-    save 2 takes the buffer (after the one disk write in progress) and disk reads the rest from memory."""
+    save 2 takes the buffer (after the one disk write in progress) and disk reads the rest from memory.
+    The disk is held by gates, not slowed by sleeps: its first write holds the buffer until save 2 was asked
+    for, and its other writes wait (before borrowing any bytes) until save 2 has the buffer."""
     async with tc.Engine(make_config(max_inflight=1, tiers=[{}, {"workers": 1}], stage_in_memory_tier=False)) as engine:
-        disk, host = engine.store.io.driver("disk"), engine.store.io.driver("host")
-        write, read_into = disk.write, host.read_into
-        read_back = []
+        io, host = engine.store.io, engine.store.io.driver("host")
+        write_from, read_into = io.write_from, host.read_into
+        first_holds, first_go, rest_go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        disk_writes, read_back = [], []
 
-        async def slow_write(key, data):
-            await asyncio.sleep(0.2)
-            return await write(key, data)
+        async def gated_write_from(tier, key, nbytes, source, what):
+            if tier != "disk":
+                return await write_from(tier, key, nbytes, source, what)
+            disk_writes.append(key)
+            if len(disk_writes) > 1:
+                await rest_go.wait()
+                return await write_from(tier, key, nbytes, source, what)
+
+            @contextlib.asynccontextmanager
+            async def held():
+                async with source() as data:  # the staging buffer's bytes, borrowed while the write lasts
+                    first_holds.set()
+                    await first_go.wait()
+                    yield data
+            return await write_from(tier, key, nbytes, held, what)
 
         async def counting_read_into(key, out):
             read_back.append(key)
             return await read_into(key, out)
 
-        monkeypatch.setattr(disk, "write", slow_write)
+        monkeypatch.setattr(io, "write_from", gated_write_from)
         monkeypatch.setattr(host, "read_into", counting_read_into)
         h1 = await engine.save(1, state_of(1.0))  # 4 parts of 64 KiB
-        h2 = await engine.save(2, state_of(2.0))
-        assert not h1.done()  # save 2 got the buffer while save 1 was still streaming to disk
+        await asyncio.wait_for(first_holds.wait(), 30)
+        saving = asyncio.create_task(engine.save(2, state_of(2.0)))
+        first_go.set()
+        h2 = await asyncio.wait_for(saving, 30)
+        assert not h1.done()  # save 2 got the buffer while save 1's disk writes still wait
+        assert not read_back
+        rest_go.set()
         await h1.wait()
         await h2.wait()
         assert read_back and all("step-000000000001" in k for k in read_back)

@@ -1,5 +1,7 @@
 """The blocking Checkpointer mirrors the Engine for ordinary training loops."""
+import asyncio
 import concurrent.futures
+import threading
 
 import pytest
 import torch
@@ -50,14 +52,15 @@ def test_checkpointer_handles_report_skipped_tiers(make_config, monkeypatch):
     with tc.Checkpointer(make_config()) as ckpt:
         disk = ckpt.engine.store.io.driver("disk")
         real_write = disk.write
+        disk_open = threading.Event()  # the disk writes nothing until every save was made: it falls behind
 
-        async def slow(key, data):
-            import asyncio
-            await asyncio.sleep(0.05)
+        async def held(key, data):
+            await asyncio.to_thread(disk_open.wait, 60)
             return await real_write(key, data)
 
-        monkeypatch.setattr(disk, "write", slow)
+        monkeypatch.setattr(disk, "write", held)
         handles = [ckpt.save(step, {"w": torch.full((40_000,), float(step))}) for step in range(1, 6)]
+        disk_open.set()
         for h in handles:
             h.wait()
         assert any("disk" in h.skipped for h in handles) and handles[-1].skipped == {}

@@ -130,7 +130,7 @@ class RedisPeerTier(Tier):
         client = self._clients[server]
         return await (client.mget_nonatomic(names) if self._kind(server) == "cluster" else client.mget(names))
 
-    def _ring(self) -> list[int]:
+    def ring(self) -> list[int]:
         """The servers this node writes to, in order of preference: the ring from its own server's successor on,
         its own server left out (a copy on the writer's machine dies with it), unless there is only one."""
         n = len(self.options.urls)
@@ -174,7 +174,7 @@ class RedisPeerTier(Tier):
 
     async def write(self, key: str, data: memoryview) -> None:
         view = memoryview(data).cast("B")
-        servers = self._live(self._ring())
+        servers = self._live(self.ring())
         for i, server in enumerate(servers):
             try:
                 await self._write_to(server, key, view)
@@ -199,7 +199,7 @@ class RedisPeerTier(Tier):
 
     def _read_order(self) -> list[int]:
         """Every server, this node's write targets first (where its own copies are), its own server last."""
-        ring = self._ring()
+        ring = self.ring()
         return ring + [s for s in range(len(self.options.urls)) if s not in ring]
 
     async def _headers(self, names: list[str]) -> dict[int, list[Any]]:
