@@ -161,15 +161,17 @@ def test_training_collectives_while_saves_persist_do_not_deadlock(tmp_path):
 async def _burst_with_one_slow_rank(rank: int, world: int, root: str) -> dict:
     cfg = config(root, commit_timeout=60.0)
     async with tc.Engine(cfg) as engine:
-        if rank == 1:  # only this rank's disk is slow: only it decides to skip
+        disk_open = asyncio.Event()
+        if rank == 1:  # only this rank's disk falls behind (it writes nothing during the burst): only it decides to skip
             disk = engine.store.io.driver("disk")
 
-            async def slow_write(key, data, real_write=disk.write):
-                await asyncio.sleep(0.02)
+            async def held_write(key, data, real_write=disk.write):
+                await disk_open.wait()
                 return await real_write(key, data)
 
-            disk.write = slow_write
+            disk.write = held_write
         handles = [await engine.save(step, replicated_state(float(step))) for step in range(1, 13)]
+        disk_open.set()
         for h in handles:
             await h.wait()  # a skip on one rank is a skip on every rank, never a RankFailed or a timeout
         complete = {c.step: sorted(c.complete) async for c in engine.list()}
