@@ -46,7 +46,8 @@ def interrupt_after_a_commit(argv: list[str], err: Path) -> tuple[int, str]:
     SIGINT to every process of the session, as Ctrl-C in a terminal does; return (exit status, the whole output)."""
     with err.open("w") as stderr:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                start_new_session=True)
+                                start_new_session=True,  # Ctrl-C as in a terminal, even where the suite runs with
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # SIGINT ignored
         try:
             seen = []
             for line in proc.stdout:

@@ -251,7 +251,10 @@ def test_ctrl_c_at_the_question_deletes_nothing_and_ends_at_once(tmp_path, shm_d
     save(config, [1, 2])
     argv = [sys.executable, "-m", "tiered_ckpt.cli", "-c", str(config), "delete", "1"]
     master, slave = pty.openpty()
-    proc = subprocess.Popen(argv, cwd=REPO, stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # Ctrl-C as in a terminal: a suite started in the background (nohup, `cmd &` in a script, some CI runners)
+    # passes SIGINT on ignored, and a child that ignores it would wait for its answer for ever
+    proc = subprocess.Popen(argv, cwd=REPO, stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         asked = b""
         while b"[y/N]" not in asked:  # the question comes once the checkpoint is found; nothing is typed
