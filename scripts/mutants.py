@@ -101,6 +101,10 @@ MUTANTS = {
         'await self._pipelines[tier].attempt(lambda: self._drivers[tier].delete(prefix), f"delete {prefix}")',
         "await self._drivers[tier].delete(prefix)",
         ["tests/unit/test_tier_io.py", "-k", "delete_hangs"]),
+    "host-budget-not-applied-to-retention": (  # the memory tier keeps keep_last whatever host_memory says
+        "tiered_ckpt/save/saver.py",
+        "            retention.rules[tier] = dataclasses.replace(retention.rules[tier], keep_last=keep_last)\n",
+        "", ["tests/unit/test_host_budget.py"]),
     "background-failure-lost-at-next-save": (
         "tiered_ckpt/save/saver.py", "        self.raise_unobserved()\n        engine, rank =", "        engine, rank =",
         ["tests/unit/test_save_semantics.py", "-k", "nobody_waited"]),

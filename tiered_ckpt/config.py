@@ -41,6 +41,9 @@ class EngineConfig:
     index: str = "file://./checkpoints/index"
     part_size: int = field(default=64 * 2**20, metadata=bounds(size=True, min=4096))
     max_inflight: int = field(default=1, metadata=bounds(min=1))
+    # host memory of one machine that the job's checkpointing fits in (save/host_budget.py): staging, the memory
+    # tiers' checkpoints (their keep_last gives way) and read buffers of every rank there; None: no budget
+    host_memory: int | None = field(default=None, metadata=bounds(size=True, min=1, why="omit it for no budget"))
     allow_pickle: bool = False
     adopt: bool = False  # load checkpoints whose manifests name another index (a moved or rebuilt index)
     io_threads: int = field(default=4, metadata=bounds(min=1))

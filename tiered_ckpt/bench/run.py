@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only multi-rank loads that change the layout (FSDP2 2 -> 4, FSDP2 x TP 2x2 -> FSDP2 4), "
                         "tiered_ckpt beside DCP, in fresh processes: 8 MLP blocks of width 256 with AdamW, 48 MiB "
                         "(bench/reshard.py; python -m tiered_ckpt.bench.reshard WIDTH BLOCKS for other sizes)")
+    p.add_argument("--host-budget", action="store_true",
+                   help="only host memory held while saving, with and without [engine] host_memory, each in a fresh "
+                        "process: a memory tier with keep_last 4 and a budget for two checkpoints (bench/host_budget.py; "
+                        "--size, default 256MiB)")
     p.add_argument("--training-loop", action="store_true",
                    help="only what checkpointing takes from a training loop: a ~2.2M-parameter GPT trained with no "
                         "checkpoint, with lazy saves every 3 steps, and with DCP saving synchronously "
@@ -84,6 +88,11 @@ def run_bench(args: argparse.Namespace) -> int:
         base = Path(args.dir or ".bench")
         base.mkdir(parents=True, exist_ok=True)
         print(run_reshard_bench(256, 8, base.resolve()))
+        return 0
+    if args.host_budget:
+        from . import host_budget
+
+        print(host_budget.report(host_budget.run(parse_size(args.size or "256MiB"), 8, 4, args.shm)))
         return 0
     if args.training_loop:
         from . import loop_share

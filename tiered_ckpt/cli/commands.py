@@ -29,11 +29,12 @@ async def cmd_ls(checkpoints: JobStore, args: argparse.Namespace) -> int:
     ram = host_memory(checkpoints)
     if args.json:
         print_json({"job": checkpoints.job, "index": checkpoints.index.identity,
-                     "checkpoints": [status_json(c) for c in rows], "host_memory": ram})
+                     "checkpoints": [status_json(c) for c in rows], "host_memory": ram,
+                     "host_memory_budget": checkpoints.config.engine.host_memory})
         return EXIT_OK
     if not rows:
         print(f"job {checkpoints.job!r}: no checkpoints{await _jobs_hint(checkpoints)}")
-        print_host_memory(ram, checkpoints.job)
+        print_host_memory(ram, checkpoints.job, checkpoints.config.engine.host_memory)
         return EXIT_OK
     when = [local_time(c.created) for c in rows]
     width = max(len("created"), *map(len, when))
@@ -46,7 +47,7 @@ async def cmd_ls(checkpoints: JobStore, args: argparse.Namespace) -> int:
         size = "-" if c.nbytes is None else format_size(c.nbytes)
         print(f"{c.step:>10}  {created:<{width}}  {size:>10}  {'complete' if c.is_complete else 'incomplete':<10}  "
               f"{marks}{foreign}")
-    print_host_memory(ram, checkpoints.job)
+    print_host_memory(ram, checkpoints.job, checkpoints.config.engine.host_memory)
     return EXIT_OK
 
 

@@ -20,8 +20,13 @@ def host_memory(checkpoints: JobStore) -> list[dict[str, Any]]:
     return out
 
 
-def print_host_memory(entries: list[dict[str, Any]], job: str) -> None:
-    """`ls`'s lines on RAM, printed only where some job holds some: none for a stack without a memory tier."""
+def print_host_memory(entries: list[dict[str, Any]], job: str, budget: int | None = None) -> None:
+    """`ls`'s lines on RAM, printed only where some job holds some: none for a stack without a memory tier; and
+    the job's budget ([engine] host_memory) when one is set."""
+    if budget is not None:
+        held_here = sum(e["nbytes"] for e in entries)
+        print(f"host_memory budget on this machine: {format_size(budget)}; the memory tier(s) hold "
+              f"{format_size(held_here)} of it (staging and read buffers of live processes take the rest)")
     for e in entries:
         others = {j: n for j, n in e["other_jobs"].items() if n}
         if not e["nbytes"] and not others:

@@ -9,7 +9,7 @@ its checkpoints fails there, naming the tier and the bytes, instead of with an O
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import TierFull
 from ..sizes import format_size
@@ -25,6 +25,8 @@ class Reservation:
     host_bytes: int  # their bytes: this rank's staging RAM from now on (memory-tier staging: its copies too)
     machine_bytes: int  # the same for every rank on this machine
     tier: str | None  # the memory tier whose files are the buffers (None: anonymous host memory)
+    budget: int | None = None  # [engine] host_memory: the machine's budget all this fits in (None: none set)
+    keep_last: dict[str, int] = field(default_factory=dict)  # with a budget: what each memory tier keeps within it
 
 
 def room_error(tier: str, path: str, need: int, ranks: int) -> TierFull | None:

@@ -4,6 +4,7 @@ the next `save()`, as well as at `close()`: an error is never lost."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import time
@@ -21,8 +22,9 @@ from ..state import flatten
 from .copy import producer_events
 from .reserve import Reservation, room_error
 from .handle import SaveHandle
+from .host_budget import HostFit, fit_host_memory, ranks_per_machine
 from .job import SaveJob, SaveServices
-from .plan import Planner
+from .plan import Plan, Planner
 
 log = logging.getLogger(__name__)
 MAX_STEP = 2**53
@@ -43,6 +45,7 @@ class Saver:
         # saves in flight: those holding staging buffers, and per tier one writing and one waiting its turn
         self._max_jobs = config.engine.max_inflight + 2 * len(config.tiers)
         self._unobserved: list[SaveHandle] = []
+        self.host_fit: HostFit | None = None  # how the stack fits [engine] host_memory for the current state size
 
     async def save(self, step: int, state: Any, *, lazy: bool, metadata: dict[str, Any] | None,
                    ready_events: Mapping[Any, Any] | None) -> SaveHandle:
@@ -79,6 +82,7 @@ class Saver:
         events = producer_events(flat.tensors) if ready_events is None else ready_events
         handle = SaveHandle(step, targets, started=started)
         plan = await self.planner.plan(flat.paths, flat.tensors)
+        self._fit_host_memory(plan)  # the same verdict on every rank (from every rank's bytes), before any buffer
         handle.nbytes = plan.nbytes
         while len(self.jobs) >= self._max_jobs:  # bounded: a burst waits here, like a full staging pool
             await asyncio.wait([j.task for j in self.jobs if j.task is not None], return_when=asyncio.FIRST_COMPLETED)
@@ -111,6 +115,7 @@ class Saver:
                 await self.planner.join_failed(e)  # the others wait in the plan gather: RankFailed on every rank
             raise
         plan = await self.planner.plan(flat.paths, flat.tensors)  # cached: the first save plans nothing more
+        self._fit_host_memory(plan)  # may lower the memory tier's keep_last: fewer buffers to make
         pool = self.services.pool
         await pool.settle()  # a buffer being made ahead counts once it is there
         count, arena = pool.missing(plan.nbytes), pool.arena
@@ -137,8 +142,30 @@ class Saver:
                     and e.errno in (errno.ENOSPC, errno.ENOMEM):  # the tmpfs filled meanwhile (another process)
                 error = TierFull(f"reserving staging buffers on {arena.home}: {e}", tier=arena.name)
         await coordinator.agree(error)  # what was made stays, and is used by the saves
+        fit = self.host_fit
         return Reservation(plan.nbytes, count, pool.buffers + len(pool.retained), pool.staging_bytes(plan.nbytes),
-                           sum(total for _, _, total in machine), arena.name if arena is not None else None)
+                           sum(total for _, _, total in machine), arena.name if arena is not None else None,
+                           fit.budget if fit is not None else None, dict(fit.keep_last) if fit is not None else {})
+
+    def _fit_host_memory(self, plan: Plan) -> None:
+        """Fit the tier stack into [engine] host_memory for this state (save/host_budget.py): the memory tiers'
+        retention, and the memory tier's staging buffers, keep the keep_last that fits. Decided from the largest
+        rank's bytes and the most crowded machine, so every rank decides alike. ConfigError when nothing fits."""
+        state = max(plan.rank_nbytes, default=0)
+        if self.config.engine.host_memory is None or (self.host_fit is not None and self.host_fit.state_bytes == state):
+            return
+        fit = fit_host_memory(self.config, state, ranks_per_machine(self.coordinator.hosts))
+        assert fit is not None
+        retention, arena = self.services.retention, self.services.pool.arena
+        for tier, keep_last in fit.keep_last.items():
+            retention.rules[tier] = dataclasses.replace(retention.rules[tier], keep_last=keep_last)
+            if arena is not None and arena.name == tier:
+                arena.keep_last = keep_last
+        if fit.lowered and self.coordinator.rank == 0:
+            log.warning("host_memory %d bytes for %d rank(s) a machine: with a state of %d bytes per rank the memory "
+                        "tier(s) keep %s checkpoint(s) (keep_last lowered to fit)", fit.budget, fit.ranks, state,
+                        ", ".join(f"{t} {fit.keep_last[t]}" for t in fit.lowered))
+        self.host_fit = fit
 
     def _check_new(self, step: int) -> None:
         if step in self.services.committed:
