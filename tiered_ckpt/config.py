@@ -47,6 +47,8 @@ class EngineConfig:
     allow_pickle: bool = False
     adopt: bool = False  # load checkpoints whose manifests name another index (a moved or rebuilt index)
     io_threads: int = field(default=4, metadata=bounds(min=1))
+    # GPU memory per device that saves keep to gather small tensors before one copy to host (save/gather.py); 0: off
+    gpu_gather: int = field(default=128 * 2**20, metadata=bounds(size=True, min=0))
     # background work (checksums, tier I/O) runs this much nicer than the process: a contended core goes to
     # training; 0 keeps the process's priority
     background_nice: int = field(default=10, metadata=bounds(min=0, max=19))

@@ -73,7 +73,7 @@ class Engine:
             self.events.subscribe(on_event)
         self.coordinator = Coordinator()  # replaced at open() when a process group exists
         self.store = JobStore(config)  # the job's tiers, index, catalog, removal and writer role
-        self.pool = StagingPool(config.engine.max_inflight)
+        self.pool = StagingPool(config.engine.max_inflight, gpu_gather=config.engine.gpu_gather)
         self.planner = Planner(config.engine.part_size, self.coordinator)
         self.policy = SavePolicy.of(config.engine)  # should_save: when to save (save/policy.py)
         self._saver: Saver | None = None  # built at open(): they need the rank

@@ -107,9 +107,9 @@ async def staging(state: dict[str, torch.Tensor], device: torch.device, shm: Pat
 
     nbytes = state_nbytes(state)
     out: dict[str, Any] = {}
-    for reserved in (False, True):
-        job = "reserved" if reserved else "plain"
-        async with tc.Engine(_config(shm, work, job, nbytes)) as engine:
+    for reserved, gather in ((False, True), (True, False), (True, True)):
+        job = ("reserved" if reserved else "plain") + ("" if gather else "_nogather")
+        async with tc.Engine(_config(shm, work, job, nbytes, **({} if gather else {"gpu_gather": 0}))) as engine:
             if reserved:
                 await engine.reserve(state)
             blocked, durable = [], []
@@ -123,9 +123,11 @@ async def staging(state: dict[str, torch.Tensor], device: torch.device, shm: Pat
                 durable.append(time.perf_counter() - started)
             out[f"save_{job}"] = blocked
             out[f"durable_{job}"] = durable
-            if reserved:
-                out["save_steps"] = await save_steps(state, engine.config.engine.part_size)
-            if reserved:
+            if job == "reserved":
+                out["save_steps"] = await save_steps(state, engine.config.engine.part_size,
+                                                     engine.pool.gatherer)
+            if job == "reserved":
+                out["gather_bytes"] = engine.pool.gatherer.nbytes
                 expected = {k: v.clone() for k, v in state.items()}
                 target = {k: torch.zeros_like(v) for k, v in state.items()}
                 loads = []
@@ -296,7 +298,8 @@ def training_loop(device: torch.device, shm: Path, work: Path, *, dim: int, laye
             "staged_wait_median": statistics.median(waits) if waits else 0.0}
 
 
-async def save_steps(state: dict[str, torch.Tensor], part_size: int, repeats: int = 5) -> dict[str, float]:
+async def save_steps(state: dict[str, torch.Tensor], part_size: int, gatherer: Any,
+                     repeats: int = 5) -> dict[str, float]:
     """Where a save's blocked time goes, step by step, on the same state (medians): walking the state
     (flatten), the plan cache's key, the producer events, and the staging copy into a pinned buffer as a save
     runs it (side streams, one select per run of copies). What a save blocks beyond their sum is the hand-offs
@@ -312,7 +315,7 @@ async def save_steps(state: dict[str, torch.Tensor], part_size: int, repeats: in
     device = next(iter(state.values())).device
 
     def copy() -> None:
-        stage(plan, flat.tensors, buf, producer_events(flat.tensors))
+        stage(plan, flat.tensors, buf, producer_events(flat.tensors), None, gatherer)
 
     out = {"flatten": _timed(lambda: flatten(state), device, repeats),
            "plan_key": _timed(lambda: structure_key(flat.paths, flat.tensors, 1, part_size), device, repeats),
@@ -357,18 +360,21 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"| {name} | {s:.4f} | {gib / s:.1f} | {memcpy / s:.2f} |")
 
     lines.insert(2, "durable on the memory tier (from save()): " + ", ".join(
-        f"{job} {' '.join(f'{d:.3f}' for d in r['durable_' + job])} s" for job in ("plain", "reserved")
+        f"{job} {' '.join(f'{d:.3f}' for d in r['durable_' + job])} s" for job in ("plain", "reserved", "reserved_nogather")
         if "durable_" + job in r))
     lines.insert(3, "")
     row("pinned cudaMemcpy, one flat copy", memcpy)
     row("pinned, tensor by tensor", r["d2h_pinned_per_tensor"])
     row("pageable", r["d2h_pageable"])
-    for job in ("plain", "reserved"):
-        for i, s in enumerate(r[f"save_{job}"], 1):
-            row(f"tiered_ckpt save {i}{' (reserved)' if job == 'reserved' else ''}", s)
+    names = {"plain": "", "reserved": " (reserved)", "reserved_nogather": " (reserved, gpu_gather = 0)"}
+    for job, suffix in names.items():
+        for i, s in enumerate(r.get(f"save_{job}", []), 1):
+            row(f"tiered_ckpt save {i}{suffix}", s)
     if "save_steps" in r:
         st = r["save_steps"]
-        rest = sorted(r["save_reserved"])[len(r["save_reserved"]) // 2] - sum(st.values())
+        later = r["save_reserved"][2:] or r["save_reserved"]  # steady saves (3 on): what the steps add up to
+        rest = statistics.median(later) - sum(st.values())
+        lines.append(f"| GPU scratch the engine keeps to gather small tensors: {format_size(r.get('gather_bytes', 0))} | | | |")
         lines.append("| its steps, timed apart: " + ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in st.items())
                      + f"; the rest (hand-offs between the loop and its threads) {1000 * rest:.1f} ms | | | |")
     if "dcp_async_return" in r:

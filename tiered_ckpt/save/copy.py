@@ -5,13 +5,15 @@ produced them (`producer_events`), so a copy never reads a tensor before a pendi
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 
 from ..distributed.dtensor import local_tensor
 
 if TYPE_CHECKING:
+    from .gather import Gatherer
     from .plan import Plan
     from .staging_buffer import StagingBuffer
 
@@ -30,19 +32,27 @@ def producer_events(tensors: Sequence[torch.Tensor] | None = None) -> dict[torch
     return {d: torch.cuda.current_stream(d).record_event() for d in devices}
 
 
-def stream_steps(devices: Sequence[torch.device | None], events: Mapping[torch.device, Any]) -> Iterator[tuple[Any, ...]]:
+def stream_steps(devices: Sequence[torch.device | None], events: Mapping[torch.device, Any],
+                 gathers: Collection[torch.device] = (), skip: Collection[int] = ()) -> Iterator[tuple[Any, ...]]:
     """The order of operations that copies sources on `devices` (None for a CPU source) to host memory:
     for each CUDA device, a side stream that first waits for the producer (its event, or else the current
-    stream of the copying thread), then the copies (CUDA ones on their device's side stream, selected once
-    per run of copies from that device: selecting a stream costs more than a small copy), then every side
-    stream synchronized, so the buffer holds the data when staging returns. Kept apart from the CUDA calls so
-    that a CPU test can check the ordering. A generator: no list of a step per tensor to build."""
+    stream of the copying thread), then on each device of `gathers` its small sources gathered and copied
+    (gather.py), then the other copies (all but `skip`, the gathered ones; CUDA ones on their device's side
+    stream, selected once per run of copies from that device: selecting a stream costs more than a small
+    copy), then every side stream synchronized, so the buffer holds the data when staging returns. Kept apart
+    from the CUDA calls so that a CPU test can check the ordering. A generator: no list of a step per tensor."""
     cuda_devices = sorted({d for d in devices if d is not None}, key=str)
     for d in cuda_devices:
         yield "stream", d
         yield ("wait_event", d, events[d]) if d in events else ("wait_stream", d)
     selected = None
+    for d in sorted(gathers, key=str):
+        yield "select", d
+        selected = d
+        yield "gather", d
     for i, d in enumerate(devices):
+        if i in skip:
+            continue
         if d is not None and d != selected:
             yield "select", d
             selected = d
@@ -72,9 +82,11 @@ def _copy_reporting(src: torch.Tensor, dst: torch.Tensor, offset: int, report: C
 
 
 def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
-          events: Mapping[torch.device, Any] | None = None, staged_up_to: Callable[[int], None] | None = None) -> None:
+          events: Mapping[torch.device, Any] | None = None, staged_up_to: Callable[[int], None] | None = None,
+          gatherer: Gatherer | None = None) -> None:
     """Copy this rank's boxes into `buf` at the plan's offsets. Runs in a worker thread (copy_ drops the
-    GIL). CUDA tensors are copied on side streams ordered after `events` (see stream_steps).
+    GIL). CUDA tensors are copied on side streams ordered after `events` (see stream_steps), small ones
+    gathered on their GPU first where `gatherer` has room (gather.py).
     `staged_up_to(n)`: the first n bytes of the buffer hold their final bytes (called as CPU copies progress,
     so parts can be checksummed while later ones are still being copied; once more at the end). Never called
     when a source is on a GPU or the plan is out of buffer order: nothing is known until the end then."""
@@ -85,27 +97,20 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
         src = local_tensor(tensors[c.index])
         sources.append(src if c.dim0 is None else src.narrow(0, *c.dim0))
     views = buf.views_for(plan)
+    devices = [s.device if s.is_cuda else None for s in sources]
+    gathering = gatherer is not None and any(d is not None for d in devices)
     streams: dict[torch.device, Any] = {}
     selected: list[Any] = []  # the side stream's context while it is the current stream
-    with torch.no_grad():
+    # one staging at a time uses the gather scratch (two saves in flight may stage at once): held until the side
+    # streams are synchronized, so a second gather never overwrites a scratch whose copy is still running
+    with (gatherer.lock if gathering else contextlib.nullcontext()), torch.no_grad():  # type: ignore[union-attr]
+        layouts = gatherer.layouts(plan, devices) if gathering else {}  # type: ignore[union-attr]
+        skip = {i for layout in layouts.values() for i in layout.indexes}
         try:  # on any error, the side streams' queued copies finish before the buffer can go back to the pool
-            for step in stream_steps([s.device if s.is_cuda else None for s in sources], events or {}):
-                op, *args = step
-                if op == "stream":
-                    streams[args[0]] = torch.cuda.Stream(device=args[0])
-                elif op == "wait_event":
-                    streams[args[0]].wait_event(args[1])
-                elif op == "wait_stream":
-                    streams[args[0]].wait_stream(torch.cuda.current_stream(args[0]))
-                elif op in ("select", "deselect"):
-                    if selected:
-                        selected.pop().__exit__(None, None, None)
-                    if op == "select":
-                        context = torch.cuda.stream(streams[args[0]])
-                        context.__enter__()
-                        selected.append(context)
-                elif op == "copy":
-                    index, device = args
+            for step in stream_steps(devices, events or {}, layouts.keys(), skip):
+                op = step[0]
+                if op == "copy":  # first: one per tensor
+                    _, index, device = step
                     src, dst = sources[index], views[index]
                     if device is not None:
                         dst.copy_(src, non_blocking=True)  # on the selected side stream
@@ -113,8 +118,23 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
                         _copy_reporting(src, dst, plan.local[index].offset, report)
                     else:
                         dst.copy_(src)
+                elif op == "stream":
+                    streams[step[1]] = torch.cuda.Stream(device=step[1])
+                elif op == "wait_event":
+                    streams[step[1]].wait_event(step[2])
+                elif op == "wait_stream":
+                    streams[step[1]].wait_stream(torch.cuda.current_stream(step[1]))
+                elif op in ("select", "deselect"):
+                    if selected:
+                        selected.pop().__exit__(None, None, None)
+                    if op == "select":
+                        context = torch.cuda.stream(streams[step[1]])
+                        context.__enter__()
+                        selected.append(context)
+                elif op == "gather":
+                    layouts[step[1]].copy(sources, buf.tensor)  # on the selected side stream
                 else:  # synchronize
-                    streams[args[0]].synchronize()
+                    streams[step[1]].synchronize()
         except BaseException:
             for stream in streams.values():
                 try:

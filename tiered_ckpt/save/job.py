@@ -76,7 +76,8 @@ class SaveJob:
         assert buffer is not None
         hash_staged = (lambda up_to: self.records.hash_staged(buffer.view, up_to)) if HASH_WHILE_STAGING else None
         try:
-            await self.services.io.run_copy(stage, self.plan, self.flat.tensors, buffer, self.events, hash_staged)
+            await self.services.io.run_copy(stage, self.plan, self.flat.tensors, buffer, self.events, hash_staged,
+                                            self.services.pool.gatherer)
         except BaseException as e:
             self.handle.set_staged(e)
             raise

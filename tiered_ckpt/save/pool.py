@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .gather import Gatherer
 from .staging_buffer import StagingBuffer
 
 if TYPE_CHECKING:
@@ -28,8 +29,9 @@ def _fits(buf: StagingBuffer, nbytes: int) -> bool:
 
 
 class StagingPool:
-    def __init__(self, max_inflight: int, *, pin: bool | None = None, arena: Arena | None = None):
+    def __init__(self, max_inflight: int, *, pin: bool | None = None, arena: Arena | None = None, gpu_gather: int = 0):
         self.max_inflight = max_inflight
+        self.gatherer = Gatherer(gpu_gather)  # GPU scratch where small CUDA tensors are gathered (gather.py)
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.arena = arena
         self._free: list[StagingBuffer] = []
@@ -276,6 +278,7 @@ class StagingPool:
             await self._discard(buf)
         self._retained.clear()  # their files stay: they are the memory tier's checkpoints
         self._count = 0
+        self.gatherer.clear()
         if self.arena is not None:
             await asyncio.to_thread(self.arena.release_claim)
 
