@@ -78,3 +78,16 @@ def test_the_gatherer_keeps_a_plans_scratch_between_saves_and_drops_it_for_anoth
     gatherer.clear()
     assert gatherer.nbytes == 0
     assert Gatherer(0).layouts(plan, [cpu, cpu]) == {}
+
+
+def test_no_room_on_the_gpu_for_the_scratch_means_copies_one_by_one(monkeypatch, caplog):
+    from tiered_ckpt.save import gather
+
+    def full(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(gather, "Layout", full)
+    cpu = torch.device("cpu")
+    gatherer = Gatherer(1 << 20)
+    assert gatherer.layouts(plan_of([torch.zeros(16), torch.zeros(16)]), [cpu, cpu]) == {}
+    assert "no room" in caplog.text and gatherer.nbytes == 0

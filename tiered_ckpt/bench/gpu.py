@@ -333,7 +333,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tiered_ckpt-gpu-", dir=args.shm) as shm_dir, \
             tempfile.TemporaryDirectory(prefix="tiered_ckpt-gpu-") as work_dir:
         shm, work = Path(shm_dir), Path(work_dir)
-        state = {k: v.to(device) for k, v in mixed_state(nbytes, even=True).items()}
+        if args.small_tensors:  # many small tensors (an MoE's biases and norms, per-parameter optimizer states)
+            state = {f"t{i}": torch.randn(nbytes // args.small_tensors // 4, device=device)
+                     for i in range(args.small_tensors)}
+        else:
+            state = {k: v.to(device) for k, v in mixed_state(nbytes, even=True).items()}
         out["bytes"], out["tensors"] = state_nbytes(state), len(state)
         out.update(copy_baselines(state, device, args.repeats))
         out.update(asyncio.run(staging(state, device, shm, work)))
@@ -407,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--shm", default="/dev/shm")
     p.add_argument("--no-dcp", dest="dcp", action="store_false")
+    p.add_argument("--small-tensors", type=int, default=0, metavar="N",
+                   help="a state of N equal float32 tensors of --size in all, instead of the mixed one")
     p.add_argument("--steps", type=int, default=200, help="steps per training run (0: no training loop)")
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--loop-repeats", type=int, default=2)

@@ -10,6 +10,7 @@ is copied tensor by tensor, as before).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
@@ -21,6 +22,7 @@ from .plan import ALIGN
 if TYPE_CHECKING:
     from .plan import LocalCopy, Plan
 
+log = logging.getLogger(__name__)
 SMALL = 1 << 20  # a source up to this many bytes is gathered; a larger one's own copy runs at full bandwidth
 
 
@@ -107,8 +109,13 @@ class Gatherer:
             return {}
         if self._plan is not plan:
             self._layouts = {}  # another plan: its scratch goes before the new one is made
-            self._layouts = {d: Layout(plan.local, runs, d)
-                             for d, runs in gather_runs(plan.local, devices, self.limit).items()}
+            for d, runs in gather_runs(plan.local, devices, self.limit).items():
+                try:
+                    self._layouts[d] = Layout(plan.local, runs, d)
+                except torch.cuda.OutOfMemoryError:  # training holds the GPU's memory: copy tensor by tensor
+                    log.warning("no room on %s for %d bytes of scratch to gather small tensors in; they are "
+                                "copied one by one (lower [engine] gpu_gather, or 0 to stop trying)", d,
+                                sum(r.nbytes for r in runs))
             self._plan = plan
         return self._layouts
 
