@@ -91,3 +91,10 @@ def test_no_room_on_the_gpu_for_the_scratch_means_copies_one_by_one(monkeypatch,
     gatherer = Gatherer(1 << 20)
     assert gatherer.layouts(plan_of([torch.zeros(16), torch.zeros(16)]), [cpu, cpu]) == {}
     assert "no room" in caplog.text and gatherer.nbytes == 0
+
+
+def test_a_stretch_longer_than_the_scratch_is_gathered_up_to_the_limit():
+    tensors = [torch.zeros(16) for _ in range(10)]  # 64 bytes each, side by side
+    plan = plan_of(tensors)
+    [run] = gather_runs(plan.local, [CUDA0] * 10, limit=4 * 64)[CUDA0]
+    assert run.indexes == (0, 1, 2, 3) and run.nbytes == 4 * 64

@@ -50,16 +50,22 @@ def gather_runs(local: Sequence[LocalCopy], devices: Sequence[Any], limit: int,
     out: dict[Any, list[Run]] = {}
     for d, indexes in chosen.items():
         indexes.sort(key=lambda i: local[i].offset)
-        groups: list[list[int]] = []
+        groups: list[list[int]] = []  # side by side, and within the scratch left (a long stretch is cut there)
+        used = 0
         for i in indexes:
-            if groups and 0 <= local[i].offset - _end(local[groups[-1][-1]]) < ALIGN:
+            if used + local[i].nbytes > limit:
+                break
+            if groups and 0 <= local[i].offset - _end(local[groups[-1][-1]]) < ALIGN \
+                    and used + _end(local[i]) - _end(local[groups[-1][-1]]) <= limit:
+                used += _end(local[i]) - _end(local[groups[-1][-1]])
                 groups[-1].append(i)
             else:
                 groups.append([i])
+                used += local[i].nbytes
         runs, start = [], 0
         for g in groups:
-            nbytes = _end(local[g[-1]]) - local[g[0]].offset
-            if len(g) > 1 and start + nbytes <= limit:
+            if len(g) > 1:
+                nbytes = _end(local[g[-1]]) - local[g[0]].offset
                 runs.append(Run(start, local[g[0]].offset, nbytes, tuple(g)))
                 start += nbytes
         if runs:
