@@ -47,6 +47,9 @@ MUTANTS = {
     "gpu-stream-selected-per-copy": (  # thousands of stream switches: 0.37x instead of 0.6x cudaMemcpy on an H200
         "tiered_ckpt/save/copy.py", "        if d is not None and d != selected:", "        if d is not None:",
         ["tests/unit/test_staging_streams.py"]),
+    "gpu-gathered-bytes-misplaced": (  # every gathered tensor lands at its run's start in the scratch
+        "tiered_ckpt/save/gather.py", "                at = r.start + c.offset - r.offset",
+        "                at = r.start", ["tests/unit/test_gather.py"]),
     "gpu-target-bytes-misplaced": (  # a load's write into a GPU target lands at the slice's start, not its own
         "tiered_ckpt/buffers.py", "        return self.start + lo, self.start + max(hi, lo)",
         "        return lo, max(hi, lo)", ["tests/unit/test_device_bytes.py"]),
