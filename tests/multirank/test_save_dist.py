@@ -205,3 +205,21 @@ def test_reserve_counts_every_rank_of_the_machine_and_the_saves_use_its_buffers(
     results = run_ranks(_reserve_then_save, 2, str(tmp_path))
     assert all(r["own"] and r["made"] > 0 for r in results), results
     assert all(r["machine"] == sum(x["host"] for x in results) for r in results), results  # one machine here
+
+
+async def _under_a_host_budget(rank: int, world: int, root: str) -> dict:
+    # two ranks on one machine share 12 MiB: the memory tier's keep_last 8 must give way, alike on both ranks
+    async with tc.Engine(config(root, host_memory="12MiB")) as engine:
+        reserved = await engine.reserve(replicated_state(0.0))
+        for step in range(1, 8):
+            await (await engine.save(step, replicated_state(float(step)))).wait()
+        in_memory = [s.step for s in await engine.statuses() if "host" in s.complete]
+        return {"keep_last": reserved.keep_last, "in_memory": in_memory, "budget": reserved.budget}
+
+
+def test_ranks_of_one_machine_share_the_host_budget_and_agree_on_what_it_keeps(tmp_path):
+    results = run_ranks(_under_a_host_budget, 2, str(tmp_path))
+    assert results[0] == results[1], results
+    keep = results[0]["keep_last"]["host"]
+    assert 1 <= keep < 8 and results[0]["budget"] == 12 * 2**20
+    assert results[0]["in_memory"] == list(range(8 - keep, 8))
