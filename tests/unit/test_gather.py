@@ -98,3 +98,12 @@ def test_a_stretch_longer_than_the_scratch_is_gathered_up_to_the_limit():
     plan = plan_of(tensors)
     [run] = gather_runs(plan.local, [CUDA0] * 10, limit=4 * 64)[CUDA0]
     assert run.indexes == (0, 1, 2, 3) and run.nbytes == 4 * 64
+
+
+def test_sources_that_moved_to_another_device_get_a_new_layout():
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    plan = plan_of([torch.zeros(16), torch.zeros(16)])
+    gatherer = Gatherer(1 << 20)
+    first = gatherer.layouts(plan, [cpu, cpu])
+    assert set(gatherer.layouts(plan, [meta, meta])) == {meta}  # same plan, other device: made again
+    assert gatherer.layouts(plan, [meta, meta])[meta] is not first.get(meta)

@@ -107,14 +107,15 @@ class Gatherer:
         self.limit = limit
         self.lock = threading.Lock()  # held by a staging for as long as its gathers may run (copy.stage)
         self._plan: Plan | None = None  # the plan the layouts are for (the planner hands out one object per plan)
+        self._devices: list[Any] = []  # and its sources' devices
         self._layouts: dict[Any, Layout] = {}
 
     def layouts(self, plan: Plan, devices: Sequence[Any]) -> dict[Any, Layout]:
         """The layout of every device that has runs to gather in `plan` (made at the first save of a plan)."""
         if not self.limit:
             return {}
-        if self._plan is not plan:
-            self._layouts = {}  # another plan: its scratch goes before the new one is made
+        if self._plan is not plan or self._devices != devices:  # (the plan's key holds no device: a tensor
+            self._layouts = {}  # moved to another GPU keeps the plan) the old scratch goes before the new is made
             for d, runs in gather_runs(plan.local, devices, self.limit).items():
                 try:
                     self._layouts[d] = Layout(plan.local, runs, d)
@@ -122,7 +123,7 @@ class Gatherer:
                     log.warning("no room on %s for %d bytes of scratch to gather small tensors in; they are "
                                 "copied one by one (lower [engine] gpu_gather, or 0 to stop trying)", d,
                                 sum(r.nbytes for r in runs))
-            self._plan = plan
+            self._plan, self._devices = plan, list(devices)
         return self._layouts
 
     @property
@@ -131,4 +132,4 @@ class Gatherer:
         return sum(layout.scratch.numel() for layout in self._layouts.values())
 
     def clear(self) -> None:
-        self._plan, self._layouts = None, {}
+        self._plan, self._devices, self._layouts = None, [], {}
