@@ -178,7 +178,9 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> Config:
         if names.count(name) > 1:
             raise ConfigError(f"tier name {name!r} is used twice", key="tiers.name", file=source)
     _check_one_best_metric(tiers, source)
-    return Config(engine=engine, tiers=tiers, source=source)
+    config = Config(engine=engine, tiers=tiers, source=source)
+    _check_host_memory(config)
+    return config
 
 
 def check_config(config: Config) -> None:
@@ -191,6 +193,18 @@ def check_config(config: Config) -> None:
             raise ConfigError(str(e), key=f"tiers.{tier.name}.name", file=config.source) from None
         _check_tier(tier, driver_class(tier.kind), f"tiers.{tier.name}", config.source)
     _check_one_best_metric(config.tiers, config.source)
+    _check_host_memory(config)
+
+
+def _check_host_memory(config: Config) -> None:
+    """A memory tier under a host_memory budget keeps a bounded number of checkpoints: keep_every's grow for ever."""
+    if config.engine.host_memory is None:
+        return
+    for tier in config.tiers:
+        if tier.kind == "memory" and tier.keep_every is not None:
+            raise ConfigError("a memory tier cannot keep_every while [engine] host_memory is set: those checkpoints "
+                              "would grow without bound in RAM; keep them on a disk or S3 tier",
+                              key=f"tiers.{tier.name}.keep_every", file=config.source)
 
 
 ROLES = ("auto", "writer", "reader")

@@ -96,7 +96,7 @@ async def test_a_failover_in_the_middle_of_saves_loses_no_acknowledged_save(tmp_
                        capture_output=True)
         await asyncio.sleep(1.0)
         disk_open.clear()  # the next save's disk write waits for the kill: a save is in flight when it comes
-        await write_held.wait()
+        await asyncio.wait_for(write_held.wait(), 30)
         await loop.run_in_executor(None, d.server_on(old_master).kill)
         killed = time.monotonic()
         disk_open.set()

@@ -27,7 +27,7 @@ def test_small_neighbours_on_one_gpu_form_runs_and_large_or_lone_ones_do_not():
     # 0, 1 side by side; 2 is 2 MiB (copied on its own); 3 and 5 are split by a host source, so each stands alone;
     # 6 is empty; 7 is alone on its device
     assert runs == {CUDA0: [Run(0, local[0].offset, local[1].offset + local[1].nbytes - local[0].offset, (0, 1))]}
-    assert gather_runs(local, devices, limit=64) == {}  # no room for the run: nothing gathered
+    assert gather_runs(local, devices, limit=128) == {}  # no room for the run: nothing gathered
     assert gather_runs(local, [None] * len(local), limit=1 << 20) == {}
 
 
@@ -96,7 +96,7 @@ def test_no_room_on_the_gpu_for_the_scratch_means_copies_one_by_one(monkeypatch,
 def test_a_stretch_longer_than_the_scratch_is_gathered_up_to_the_limit():
     tensors = [torch.zeros(16) for _ in range(10)]  # 64 bytes each, side by side
     plan = plan_of(tensors)
-    [run] = gather_runs(plan.local, [CUDA0] * 10, limit=4 * 64)[CUDA0]
+    [run] = gather_runs(plan.local, [CUDA0] * 10, limit=5 * 64)[CUDA0]
     assert run.indexes == (0, 1, 2, 3) and run.nbytes == 4 * 64
 
 
@@ -107,3 +107,19 @@ def test_sources_that_moved_to_another_device_get_a_new_layout():
     first = gatherer.layouts(plan, [cpu, cpu])
     assert set(gatherer.layouts(plan, [meta, meta])) == {meta}  # same plan, other device: made again
     assert gatherer.layouts(plan, [meta, meta])[meta] is not first.get(meta)
+
+
+def test_every_run_starts_aligned_in_the_scratch_so_its_views_take_any_dtype():
+    """bf16 neighbours whose run ends at an odd byte, a large tensor copied on its own, then fp64 neighbours:
+    the second run must start on an 8-byte (here 64-byte) boundary of the scratch."""
+    tensors = [torch.arange(5, dtype=torch.bfloat16), torch.arange(5, dtype=torch.bfloat16),
+               torch.zeros(1 << 20), torch.arange(4, dtype=torch.float64), torch.arange(4, dtype=torch.float64) * 2]
+    plan = plan_of(tensors)
+    cpu = torch.device("cpu")
+    [runs] = gather_runs(plan.local, [cpu] * 5, limit=1 << 20).values()
+    assert len(runs) == 2 and all(r.start % 64 == 0 for r in runs)
+    buf = StagingBuffer(plan.nbytes, pin=False)
+    Layout(plan.local, runs, cpu).copy([tensors[c.index] for c in plan.local], buf.tensor)
+    views = buf.views_for(plan)
+    gathered = [i for r in runs for i in r.indexes]
+    assert all(torch.equal(views[i], tensors[plan.local[i].index]) for i in gathered)

@@ -121,3 +121,14 @@ def test_ls_says_the_budget_and_what_the_memory_tier_holds_of_it(tmp_path, shm_d
     assert listing["host_memory_budget"] == 4 * MiB
     held = sum(e["nbytes"] for e in listing["host_memory"])
     assert 0 < held <= 4 * MiB
+
+
+def test_a_memory_tier_cannot_keep_every_under_a_budget():
+    raw = {"engine": {"host_memory": "1GiB"},
+           "tiers": [{"name": "host", "kind": "memory", "path": "/dev/shm/unused", "keep_last": 2, "keep_every": 100},
+                     {"name": "disk", "kind": "local", "path": "/tmp/unused", "keep_every": 100, "keep_last": 2}]}
+    with pytest.raises(tc.ConfigError, match="keep_every") as e:
+        parse_config(raw)
+    assert e.value.key == "tiers.host.keep_every"
+    del raw["tiers"][0]["keep_every"]
+    parse_config(raw)  # on the disk tier it is fine

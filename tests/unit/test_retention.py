@@ -60,7 +60,8 @@ async def test_a_tier_that_cannot_keep_up_skips_to_the_newest_and_retention_hold
         disk_open = asyncio.Event()  # a disk that cannot keep up: it writes nothing until the burst is over
 
         async def held_write(key, data, real_write=disk.write):
-            await disk_open.wait()
+            if ".probe-" not in key:  # (the writer's probe of the tier at the first save goes through)
+                await disk_open.wait()
             return await real_write(key, data)
 
         monkeypatch.setattr(disk, "write", held_write)

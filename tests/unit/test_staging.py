@@ -33,8 +33,8 @@ async def test_max_inflight_makes_the_next_save_wait_never_drop(make_config):
 async def test_detached_save_reads_back_from_the_faster_tier(make_config, monkeypatch):
     """A slow disk does not hold the staging buffer hostage: once save 1's parts are on the memory tier,
     save 2 takes the buffer (after the one disk write in progress) and disk reads the rest from memory.
-    The disk is held by gates, not slowed by sleeps: its first write holds the buffer until save 2 was asked
-    for, and its other writes wait (before borrowing any bytes) until save 2 has the buffer."""
+    The disk is held by gates, not slowed by sleeps: its first write holds the buffer until save 2 has been
+    started, and its other writes wait (before borrowing any bytes) until save 2 has the buffer."""
     async with tc.Engine(make_config(max_inflight=1, tiers=[{}, {"workers": 1}], stage_in_memory_tier=False)) as engine:
         io, host = engine.store.io, engine.store.io.driver("host")
         write_from, read_into = io.write_from, host.read_into

@@ -157,3 +157,17 @@ async def test_per_rank_missing_policies_are_checked_and_unused_at_the_same_worl
     state = {"rng": tc.PerRank(torch.zeros(3), missing=lambda saved: torch.ones(3)), "pos": tc.PerRank({}, "keep")}
     await engine.load(state)
     assert state["rng"].value.tolist() == [5.0] * 3 and state["pos"].value == {"i": 7}
+
+
+async def test_an_empty_key_keeps_its_place_in_every_path_and_round_trips(engine):
+    """A key "" is a path element like any other ("/b" under it, "/x@rank0" for a PerRank there): the save's
+    walk builds paths a key at a time, and the load's matcher must find the same names."""
+    from tiered_ckpt.state import flatten
+
+    t = torch.arange(4.0)
+    assert flatten({"": {"b": t}, "b": t + 1}).paths == ["/b", "b"]
+    assert flatten({"": tc.PerRank({"x": t})}).paths == ["/x@rank0"]
+    await (await engine.save(1, {"": {"b": t}, "b": t + 1})).wait()
+    out = {"": {"b": torch.zeros(4)}, "b": torch.zeros(4)}
+    await engine.load(out)
+    assert torch.equal(out[""]["b"], t) and torch.equal(out["b"], t + 1)

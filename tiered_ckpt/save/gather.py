@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from ..sizes import format_size
 from .plan import ALIGN
 
 if TYPE_CHECKING:
@@ -61,10 +62,11 @@ def gather_runs(local: Sequence[LocalCopy], devices: Sequence[Any], limit: int,
                 groups[-1].append(i)
             else:
                 groups.append([i])
-                used += local[i].nbytes
+                used += local[i].nbytes + ALIGN  # (and the padding before it, at most)
         runs, start = [], 0
         for g in groups:
             if len(g) > 1:
+                start = -(-start // ALIGN) * ALIGN  # each run starts aligned: its views may be of any dtype
                 nbytes = _end(local[g[-1]]) - local[g[0]].offset
                 runs.append(Run(start, local[g[0]].offset, nbytes, tuple(g)))
                 start += nbytes
@@ -82,7 +84,10 @@ class Layout:
 
     def __init__(self, local: Sequence[LocalCopy], runs: list[Run], device: Any):
         self.runs = runs
-        self.scratch = torch.zeros(sum(r.nbytes for r in runs), dtype=torch.uint8, device=device)
+        self.scratch = torch.zeros(max(r.start + r.nbytes for r in runs), dtype=torch.uint8, device=device)
+        # the zeros are written on this thread's current stream; the gathers run on a side stream, which waits
+        # for this event before the first of them (else a queued zero-fill could land between gather and copy)
+        self.made = torch.cuda.current_stream(self.scratch.device).record_event() if self.scratch.is_cuda else None
         self.indexes = [i for r in runs for i in r.indexes]
         self.views = []
         for r in runs:
@@ -94,6 +99,9 @@ class Layout:
     def copy(self, sources: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
         """Gather on the current stream of the scratch's device, then one copy per run to `buffer` (a flat
         uint8 tensor: the staging buffer). Asynchronous on a GPU: the caller synchronizes the stream."""
+        if self.made is not None:  # once: the first staging synchronizes its stream, so later ones find it done
+            torch.cuda.current_stream(self.scratch.device).wait_event(self.made)
+            self.made = None
         torch._foreach_copy_(self.views, [sources[i] for i in self.indexes])
         for r in self.runs:
             buffer[r.offset:r.offset + r.nbytes].copy_(self.scratch[r.start:r.start + r.nbytes], non_blocking=True)
@@ -115,15 +123,16 @@ class Gatherer:
         if not self.limit:
             return {}
         if self._plan is not plan or self._devices != devices:  # (the plan's key holds no device: a tensor
-            self._layouts = {}  # moved to another GPU keeps the plan) the old scratch goes before the new is made
+            self.clear()  # moved to another GPU keeps the plan) the old scratch goes before the new is made
+            layouts = {}
             for d, runs in gather_runs(plan.local, devices, self.limit).items():
                 try:
-                    self._layouts[d] = Layout(plan.local, runs, d)
+                    layouts[d] = Layout(plan.local, runs, d)
                 except torch.cuda.OutOfMemoryError:  # training holds the GPU's memory: copy tensor by tensor
-                    log.warning("no room on %s for %d bytes of scratch to gather small tensors in; they are "
-                                "copied one by one (lower [engine] gpu_gather, or 0 to stop trying)", d,
-                                sum(r.nbytes for r in runs))
-            self._plan, self._devices = plan, list(devices)
+                    log.warning("no room on %s for %s of scratch to gather small tensors in; they are copied one "
+                                "by one (lower [engine] gpu_gather, or 0 to stop trying)", d,
+                                format_size(max(r.start + r.nbytes for r in runs)))
+            self._plan, self._devices, self._layouts = plan, list(devices), layouts
         return self._layouts
 
     @property

@@ -18,6 +18,7 @@ from ..distributed.coordinator import Coordinator
 from ..errors import CheckpointExists, ConfigError, RankFailed, SaveError, StateError, TierError, TierFull
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.writer import Writer
+from ..sizes import format_size
 from ..state import flatten
 from .copy import producer_events
 from .reserve import Reservation, room_error
@@ -162,9 +163,9 @@ class Saver:
             if arena is not None and arena.name == tier:
                 arena.keep_last = keep_last
         if fit.lowered and self.coordinator.rank == 0:
-            log.warning("host_memory %d bytes for %d rank(s) a machine: with a state of %d bytes per rank the memory "
-                        "tier(s) keep %s checkpoint(s) (keep_last lowered to fit)", fit.budget, fit.ranks, state,
-                        ", ".join(f"{t} {fit.keep_last[t]}" for t in fit.lowered))
+            log.warning("host_memory %s shared by %d rank(s) of a machine, a state of %s per rank: the memory tier(s) "
+                        "keep %s checkpoint(s) (keep_last lowered to fit)", format_size(fit.budget), fit.ranks,
+                        format_size(state), ", ".join(f"{t} {fit.keep_last[t]}" for t in fit.lowered))
         self.host_fit = fit
 
     def _check_new(self, step: int) -> None:

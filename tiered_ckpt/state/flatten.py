@@ -38,10 +38,10 @@ def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0) -> FlatSta
                 return walk_container(value, path, where, per_rank)
             finally:
                 del open_containers[id(value)]
-        return walk_leaf(value, path, where or "<root>", per_rank)
+        return walk_leaf(value, path, where, per_rank)
 
     def walk_container(value: Any, path: tuple[Any, ...], where: str, per_rank: bool) -> Any:
-        prefix = where + "/" if where else ""
+        prefix = where + "/" if path else ""  # (not `if where`: a key "" makes a path whose string is "")
         if isinstance(value, dict):
             for k in value:
                 _check_key(k, path)
@@ -72,12 +72,12 @@ def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0) -> FlatSta
 
     def walk_leaf(value: Any, path: tuple[Any, ...], where: str, per_rank: bool) -> Any:
         if isinstance(value, torch.Tensor):  # a subclass (DTensor), or one check_dtype refuses
-            check_dtype(value, where)
-            return walk_tensor(value, where, per_rank, _data_ptr(value))
+            check_dtype(value, where or "<root>")
+            return walk_tensor(value, where or "<root>", per_rank, _data_ptr(value))
         if isinstance(value, PerRank):
-            return PerRankMark(walk(value.value, path, where if path else "", True))
+            return PerRankMark(walk(value.value, path, where, True))
         if _is_stateful(value):
-            return walk(value.state_dict(), path, where if path else "", per_rank)
+            return walk(value.state_dict(), path, where, per_rank)
         if type(value) in _PLAIN:
             if type(value) is int and not -(2**63) <= value < 2**64:
                 raise StateError(f"int at {path_str(path)!r} does not fit in 64 bits")
