@@ -278,8 +278,10 @@ class Engine:
 
     async def reserve(self, state: Any) -> Reservation:
         """Make now, before training, the staging buffers the saves of `state` will use: max_inflight, and with
-        the memory tier staging its own files also one per checkpoint it keeps (keep_last + keep_best), each
-        allocated and populated (free buffers made for a state of another size are dropped first). The first
+        the memory tier staging its own files also one per checkpoint it keeps (keep_last + keep_best; with
+        [engine] host_memory, the keep_last that fits it: Reservation.keep_last, or a ConfigError naming
+        engine.host_memory when nothing fits), each allocated and populated (free buffers made for a state of
+        another size are dropped first). The first
         saves then block only for their copy. With the memory tier staging, checked first on every rank at once:
         its `capacity` (ConfigError), and the free space of the file system under it for this machine's ranks
         together (`TierFull` naming the tier, the bytes needed and free). Call it on every rank with the state

@@ -27,7 +27,7 @@ def test_small_neighbours_on_one_gpu_form_runs_and_large_or_lone_ones_do_not():
     # 0, 1 side by side; 2 is 2 MiB (copied on its own); 3 and 5 are split by a host source, so each stands alone;
     # 6 is empty; 7 is alone on its device
     assert runs == {CUDA0: [Run(0, local[0].offset, local[1].offset + local[1].nbytes - local[0].offset, (0, 1))]}
-    assert gather_runs(local, devices, limit=128) == {}  # no room for the run: nothing gathered
+    assert gather_runs(local, devices, limit=64) == {}  # no room for two: nothing gathered
     assert gather_runs(local, [None] * len(local), limit=1 << 20) == {}
 
 
@@ -96,7 +96,7 @@ def test_no_room_on_the_gpu_for_the_scratch_means_copies_one_by_one(monkeypatch,
 def test_a_stretch_longer_than_the_scratch_is_gathered_up_to_the_limit():
     tensors = [torch.zeros(16) for _ in range(10)]  # 64 bytes each, side by side
     plan = plan_of(tensors)
-    [run] = gather_runs(plan.local, [CUDA0] * 10, limit=5 * 64)[CUDA0]
+    [run] = gather_runs(plan.local, [CUDA0] * 10, limit=4 * 64 + 63)[CUDA0]
     assert run.indexes == (0, 1, 2, 3) and run.nbytes == 4 * 64
 
 
@@ -123,3 +123,19 @@ def test_every_run_starts_aligned_in_the_scratch_so_its_views_take_any_dtype():
     views = buf.views_for(plan)
     gathered = [i for r in runs for i in r.indexes]
     assert all(torch.equal(views[i], tensors[plan.local[i].index]) for i in gathered)
+
+
+def test_lone_small_sources_take_no_room_from_the_runs():
+    """Lone small tensors between large ones are copied on their own and must not use up the scratch: a limit
+    that holds exactly the runs gathers all of them."""
+    tensors = []
+    for _ in range(4):
+        tensors += [torch.zeros(16), torch.zeros(1 << 19)]  # small tensors, each next to a 2 MiB one
+    tensors += [torch.zeros(16) for _ in range(4)]
+    plan = plan_of(tensors)
+    devices = [CUDA0] * len(tensors)
+    unbounded = gather_runs(plan.local, devices, limit=1 << 30)[CUDA0]
+    lone = len([c for c in plan.local if c.nbytes == 64]) - sum(len(r.indexes) for r in unbounded)
+    assert lone > 0  # the layout has lone small sources, or the test proves nothing
+    exact = unbounded[-1].start + unbounded[-1].nbytes
+    assert gather_runs(plan.local, devices, limit=exact)[CUDA0] == unbounded

@@ -107,7 +107,8 @@ def report(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         budget = "unset" if r["budget"] is None else format_size(r["budget"])
         within = "-" if r["budget"] is None else ("yes" if r["peak_extra_bytes"] <= r["budget"] else "no")
-        lines.append(f"| {budget} | steps {r['kept_in_memory']} (keep_last {r['keep_last']}) | "
+        lines.append(f"| {budget} | {len(r['kept_in_memory'])} checkpoints, steps {r['kept_in_memory']} (keep_last "
+                     f"{r['keep_last']} configured) | "
                      f"{format_size(r['peak_extra_bytes'])} ({r['peak_extra_bytes'] / r['state_bytes']:.2f} states) "
                      f"| {within} |")
     return "\n".join(lines)

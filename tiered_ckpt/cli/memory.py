@@ -26,7 +26,8 @@ def print_host_memory(entries: list[dict[str, Any]], job: str, budget: int | Non
     if budget is not None:
         held_here = sum(e["nbytes"] for e in entries)
         print(f"host_memory budget on this machine: {format_size(budget)}; the memory tier(s) hold "
-              f"{format_size(held_here)} of it (staging and read buffers of live processes take the rest)")
+              f"{format_size(held_here)} of it (checkpoints and staging files; live processes' read buffers and any "
+              f"anonymous staging come on top)")
     for e in entries:
         others = {j: n for j, n in e["other_jobs"].items() if n}
         if not e["nbytes"] and not others:

@@ -51,25 +51,22 @@ def gather_runs(local: Sequence[LocalCopy], devices: Sequence[Any], limit: int,
     out: dict[Any, list[Run]] = {}
     for d, indexes in chosen.items():
         indexes.sort(key=lambda i: local[i].offset)
-        groups: list[list[int]] = []  # side by side, and within the scratch left (a long stretch is cut there)
-        used = 0
+        groups: list[list[int]] = []  # side by side (apart from alignment padding)
         for i in indexes:
-            if used + local[i].nbytes > limit:
-                break
-            if groups and 0 <= local[i].offset - _end(local[groups[-1][-1]]) < ALIGN \
-                    and used + _end(local[i]) - _end(local[groups[-1][-1]]) <= limit:
-                used += _end(local[i]) - _end(local[groups[-1][-1]])
+            if groups and 0 <= local[i].offset - _end(local[groups[-1][-1]]) < ALIGN:
                 groups[-1].append(i)
             else:
                 groups.append([i])
-                used += local[i].nbytes + ALIGN  # (and the padding before it, at most)
-        runs, start = [], 0
-        for g in groups:
-            if len(g) > 1:
-                start = -(-start // ALIGN) * ALIGN  # each run starts aligned: its views may be of any dtype
-                nbytes = _end(local[g[-1]]) - local[g[0]].offset
-                runs.append(Run(start, local[g[0]].offset, nbytes, tuple(g)))
-                start += nbytes
+        runs: list[Run] = []
+        start = 0
+        for g in (g for g in groups if len(g) > 1):  # lone sources take no scratch
+            start = -(-start // ALIGN) * ALIGN  # each run starts aligned: its views may be of any dtype
+            kept = [i for i in g if start + _end(local[i]) - local[g[0]].offset <= limit]  # a long one is cut
+            if len(kept) < 2:
+                break  # the scratch is full
+            nbytes = _end(local[kept[-1]]) - local[kept[0]].offset
+            runs.append(Run(start, local[kept[0]].offset, nbytes, tuple(kept)))
+            start += nbytes
         if runs:
             out[d] = runs
     return out
