@@ -102,10 +102,14 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
     gathering = gatherer is not None and any(d is not None for d in devices)
     streams: dict[torch.device, Any] = {}
     selected: list[Any] = []  # the side stream's context while it is the current stream
-    # one staging at a time uses the gather scratch (two saves in flight may stage at once): held until the side
-    # streams are synchronized, so a second gather never overwrites a scratch whose copy is still running
-    with (gatherer.lock if gathering else contextlib.nullcontext()), torch.no_grad():  # type: ignore[union-attr]
-        layouts = gatherer.layouts(plan, devices) if gathering else {}  # type: ignore[union-attr]
+    with contextlib.ExitStack() as held, torch.no_grad():
+        layouts: dict[Any, Any] = {}
+        if gathering:  # one staging at a time uses the gather scratch (two saves in flight may stage at once):
+            assert gatherer is not None  # held until the side streams are synchronized, so a second gather
+            held.enter_context(gatherer.lock)  # never overwrites a scratch whose copy is still running
+            layouts = gatherer.layouts(plan, devices)
+            if not layouts:  # nothing to gather in this plan: other stagings need not wait
+                held.close()
         skip = {i for layout in layouts.values() for i in layout.indexes}
         try:  # on any error, the side streams' queued copies finish before the buffer can go back to the pool
             for step in stream_steps(devices, events or {}, layouts.keys(), skip):
