@@ -54,7 +54,7 @@ MUTANTS = {
         "tiered_ckpt/buffers.py", "        return self.start + lo, self.start + max(hi, lo)",
         "        return lo, max(hi, lo)", ["tests/unit/test_device_bytes.py"]),
     "decision-errors-become-rankfailed": (  # "no checkpoint to load" on rank 0 reads as a failure elsewhere
-        "tiered_ckpt/distributed/coordinator.py", "        if same is not None:\n            raise same(outcome[2])\n",
+        "tiered_ckpt/distributed/coordinator.py", "        if answer is not None:\n            raise answers[answer](message)\n",
         "", ["tests/multirank/test_coordinator.py"]),
     "partial-copy-counts-as-whole": (  # the one "is this copy whole?" that the catalog, gc and loads ask
         "tiered_ckpt/lifecycle/lineage.py", "        return len(self.ranks_held(manifest)) == len(manifest.ranks)",
