@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..errors import ConfigError
 from ..sizes import format_size
+from ..storage.verified_read import BouncePool
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -53,8 +54,9 @@ def fit_host_memory(config: Config, state_bytes: int, ranks: int) -> HostFit | N
         return None
     memory = [t for t in config.tiers if t.kind == "memory"]
     share, s = engine.host_memory // ranks, state_bytes
-    reads = max(2, engine.io_threads) * min(engine.part_size, s)
-    fixed = engine.max_inflight * s + reads + sum((t.keep_best or 0) + 1 for t in memory) * s
+    reads = BouncePool.buffers_for(engine.io_threads) * min(engine.part_size, s)
+    extra = sum((t.keep_best or 0) + 1 for t in memory)  # checkpoints beside keep_last: keep_best, the retiring one
+    fixed = engine.max_inflight * s + reads + extra * s
     keep = {t.name: t.keep_last for t in memory}
     if s:
         room = (share - fixed) // s  # checkpoints that keep_last may keep, over every memory tier
@@ -71,7 +73,7 @@ def fit_host_memory(config: Config, state_bytes: int, ranks: int) -> HostFit | N
                 f"host_memory {format_size(engine.host_memory)} for this machine's {ranks} rank(s) is "
                 f"{format_size(share)} each, but a rank with a state of {format_size(s)} needs {format_size(need)}: "
                 f"{engine.max_inflight} staging buffer(s) (max_inflight), "
-                + (f"{sum(keep.values()) + sum((t.keep_best or 0) + 1 for t in memory)} checkpoint(s) in the memory "
+                + (f"{sum(keep.values()) + extra} checkpoint(s) in the memory "
                    f"tier(s) {', '.join(keep)} at keep_last 1, " if memory else "")
                 + f"and {format_size(reads)} of read buffers; raise host_memory, or lower max_inflight"
                 + (" or keep_best" if any(t.keep_best for t in memory) else ""),

@@ -58,7 +58,7 @@ class TierIO:
         self._hashing = ThreadPoolExecutor(1, thread_name_prefix="tiered_ckpt-hash", initializer=lower)
         self._tier_executors = {t.name: ThreadPoolExecutor(t.workers, thread_name_prefix=f"tiered_ckpt-{t.name}",
                                                            initializer=lower) for t in configs}
-        self.bounce = BouncePool(max(2, io_threads))
+        self.bounce = BouncePool(BouncePool.buffers_for(io_threads))
 
     @property
     def names(self) -> list[str]:

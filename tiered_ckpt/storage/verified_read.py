@@ -79,6 +79,11 @@ class BouncePool:
     reads hold buffers at once. A buffer that an abandoned attempt (a timeout, a cancellation) may still be
     writing from a thread is dropped, never reused."""
 
+    @staticmethod
+    def buffers_for(io_threads: int) -> int:
+        """How many part-sized buffers a TierIO of `io_threads` keeps (what host_memory counts for reads)."""
+        return max(2, io_threads)
+
     def __init__(self, count: int):
         self._free: list[torch.Tensor] = []
         self._dropped: list[torch.Tensor] = []  # unmapped by clear(), in a thread: never on the event loop
