@@ -13,16 +13,17 @@ import asyncio
 import copy
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from ..distributed.coordinator import Coordinator
 from ..errors import CheckpointLost, IncompleteCheckpoint, TierError
 from ..layout import job_prefix, parse_key
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.rules import Best
-from ..manifest import Manifest
+from ..manifest import Manifest, dtype_from_str
 from ..state import LoadTarget, SavedTensor, decode_skeleton, match
 from ..storage.index import CheckpointStatus
+from ..manifest.table import TensorTable
 from ..storage.tier_io import TierIO
 from ..storage.verified_read import Fallback
 from .catalog import Catalog
@@ -205,8 +206,7 @@ class Loader:
             return decoded[r]
 
         others = [lambda r=r: skeleton_of(r) for r in range(len(manifest.ranks)) if r != source]
-        saved = {t.path: SavedTensor(i, t.torch_dtype, t.shape) for i, t in enumerate(manifest.tensors)}
-        return match(state, skeleton_of(source), tensors=saved, others=others, allow_pickle=self.allow_pickle,
+        return match(state, skeleton_of(source), tensors=SavedByPath(manifest.tensors), others=others, allow_pickle=self.allow_pickle,
                      rank=rank, saved_world=manifest.world_size, skeleton_of=skeleton_of)
 
     async def _agree_on_step(self, step: int | None, allowed: list[str], best: Best | None,
@@ -251,6 +251,25 @@ class Loader:
                 else:
                     merged.setdefault(name, set()).update(keys)  # type: ignore[union-attr]
         return {name: None if keys is None else sorted(keys) for name, keys in merged.items()}
+
+
+class SavedByPath(Mapping[str, SavedTensor]):
+    """The manifest's tensors by path for `match`: a SavedTensor is made for the paths the state asks for, when
+    it asks (no object per saved tensor kept: see manifest/table.py)."""
+
+    def __init__(self, table: TensorTable):
+        self.table = table
+        self.index = table.index_by_path()
+
+    def __getitem__(self, path: str) -> SavedTensor:
+        i = self.index[path]
+        return SavedTensor(i, dtype_from_str(self.table.dtype_names[self.table.dtype[i]]), self.table.shape_of(i))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.table.paths)
+
+    def __len__(self) -> int:
+        return len(self.table)
 
 
 def _partly_overwritten(error: BaseException, keys: set[str]) -> BaseException:

@@ -23,7 +23,7 @@ from ..distributed.coordinator import Coordinator
 from ..distributed.dtensor import local_box, local_tensor
 from ..errors import TierError
 from ..layout import checkpoint_prefix, parse_key
-from ..manifest import Manifest
+from ..manifest import Manifest, dtype_from_str
 from ..buffers import DeviceBytes, as_byte_tensor, tensor_bytes
 from ..storage.tier_io import TierIO
 from ..storage.verified_read import Fallback, PartRead, ReadLog
@@ -110,34 +110,41 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
     into scratch, then copied."""
     reads = Reads()
     scratch: dict[tuple[int, int], torch.Tensor] = {}
+    table = manifest.tensors
+    # the table's columns as Python lists, once: no TensorMeta or ChunkMeta made per tensor (manifest/table.py)
+    chunk_at, box_at, box_offsets_flat, box_sizes_flat = (table.chunk_at.tolist(), table.box_at.tolist(),
+                                                          table.offsets.tolist(), table.sizes.tolist())
+    ranks, byte_offsets, chunk_nbytes, dtypes = (table.rank.tolist(), table.byte_offset.tolist(),
+                                                 table.nbytes.tolist(), table.dtype.tolist())
     for index, (where, target) in targets.items():
-        meta = manifest.tensors[index]
         local = local_tensor(target)
         _, box_offsets, box_sizes = local_box(target)
-        dtype = meta.torch_dtype
+        dtype = dtype_from_str(table.dtype_names[dtypes[index]])
         # the target's own memory takes the bytes: a CPU tensor's directly, a GPU tensor's by a copy from the
         # read buffer, chunk by chunk (no host copy of it in between)
         direct = local.device.type in ("cpu", "cuda") and local.is_contiguous() and local.dtype == dtype
         sink = tensor_bytes if local.device.type == "cpu" else DeviceBytes
-        for chunk in meta.chunks:
-            if chunk.nbytes == 0:
+        for c in range(chunk_at[index], chunk_at[index + 1]):
+            if chunk_nbytes[c] == 0:
                 continue
-            key = (chunk.rank, chunk.byte_offset)
-            if direct and chunk.sizes == box_sizes and chunk.offsets == box_offsets:  # the same box: the most common
+            offsets = tuple(box_offsets_flat[box_at[c]:box_at[c + 1]])
+            sizes = tuple(box_sizes_flat[box_at[c]:box_at[c + 1]])
+            key = (ranks[c], byte_offsets[c])
+            if direct and sizes == box_sizes and offsets == box_offsets:  # the same box: the most common
                 reads.dests[key] = sink(local)
                 reads.direct[key] = where
                 continue
-            overlap = _intersect(chunk.offsets, chunk.sizes, box_offsets, box_sizes)
+            overlap = _intersect(offsets, sizes, box_offsets, box_sizes)
             if overlap is None:
                 continue
             lo, hi = overlap
             dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box_offsets))]
-            inside = lo == tuple(chunk.offsets) and hi == tuple(o + n for o, n in zip(chunk.offsets, chunk.sizes))
+            inside = lo == tuple(offsets) and hi == tuple(o + n for o, n in zip(offsets, sizes))
             if direct and inside and dst.is_contiguous():
                 reads.dests[key] = sink(dst)
                 reads.direct[key] = where
                 continue
-            start = _contiguous_start(chunk.offsets, chunk.sizes, lo, hi)
+            start = _contiguous_start(offsets, sizes, lo, hi)
             if direct and start is not None and dst.is_contiguous() and dst.numel():
                 reads.subs.setdefault(key, []).append((start * dst.element_size(), sink(dst), where))
                 continue
@@ -148,11 +155,11 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
                 reads.copies.append((piece.view(dtype).view(dst.shape), dst))
                 continue
             if key not in scratch:
-                scratch[key] = torch.empty(chunk.nbytes, dtype=torch.uint8)
+                scratch[key] = torch.empty(chunk_nbytes[c], dtype=torch.uint8)
                 reads.dests[key] = tensor_bytes(scratch[key])
                 reads.keep.append(scratch[key])
-            src = scratch[key].view(dtype).view(chunk.sizes)
-            src = src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, chunk.offsets))]
+            src = scratch[key].view(dtype).view(sizes)
+            src = src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
             reads.copies.append((src, dst))
     first: list[tuple[torch.Tensor, torch.Tensor]] = []
     for key in [k for k in reads.subs if k in reads.dests]:  # the chunk is read whole anyway: copy the pieces
@@ -190,7 +197,7 @@ def _intersect(a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int]
 
 def rank_spans(manifest: Manifest, rank: int) -> list[tuple[int, int]]:
     """(byte offset, nbytes) of every non-empty chunk in `rank`'s stream, in stream order."""
-    return sorted((c.byte_offset, c.nbytes) for t in manifest.tensors for c in t.chunks if c.rank == rank and c.nbytes)
+    return manifest.tensors.chunk_spans(rank)
 
 
 def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, int]],
@@ -235,7 +242,7 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
         elif dest is None:
             views.append(memoryview(bytearray(hi - lo)))  # a chunk this rank does not need
         else:
-            views.append(dest[lo - offset : hi - offset])
+            views.append(dest if hi - lo == len(dest) else dest[lo - offset : hi - offset])  # (a slice is an object)
             wanted.append((lo - start, hi - lo))
             if (rank, offset) in reads.direct:
                 targets.append(reads.direct[(rank, offset)])

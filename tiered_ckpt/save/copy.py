@@ -91,12 +91,12 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
     `staged_up_to(n)`: the first n bytes of the buffer hold their final bytes (called as CPU copies progress,
     so parts can be checksummed while later ones are still being copied; once more at the end). Never called
     when a source is on a GPU or the plan is out of buffer order: nothing is known until the end then."""
-    in_order = all(a.offset <= b.offset for a, b in zip(plan.local, plan.local[1:]))
-    report = staged_up_to if in_order else None
-    sources = []
-    for c in plan.local:
-        src = local_tensor(tensors[c.index])
-        sources.append(src if c.dim0 is None else src.narrow(0, *c.dim0))
+    local = plan.local
+    report = staged_up_to if local.in_order else None
+    sources = [local_tensor(tensors[i]) for i in local.index]
+    for at, dim0 in enumerate(local.dim0):
+        if dim0 is not None:
+            sources[at] = sources[at].narrow(0, *dim0)
     views = buf.views_for(plan)
     devices = [s.device if s.is_cuda else None for s in sources]
     gathering = gatherer is not None and any(d is not None for d in devices)
@@ -120,7 +120,7 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
                     if device is not None:
                         dst.copy_(src, non_blocking=True)  # on the selected side stream
                     elif report is not None and not streams:
-                        _copy_reporting(src, dst, plan.local[index].offset, report)
+                        _copy_reporting(src, dst, local.offset[index], report)
                     else:
                         dst.copy_(src)
                 elif op == "stream":

@@ -19,7 +19,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Iterable, NamedTuple, Sequence, overload
 
 import torch
 
@@ -28,7 +28,7 @@ from ..checksum import checksum
 from ..distributed.dtensor import is_dtensor, layout_key, local_box
 from ..errors import RankFailed, StateError
 from ..layout import part_count, part_range
-from ..manifest import ChunkMeta, TensorMeta
+from ..manifest.table import TensorTable
 from ..buffers import tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -70,14 +70,70 @@ class LocalCopy:
     dtype: torch.dtype
 
 
+class LocalCopies(Sequence[LocalCopy]):
+    """This rank's boxes as columns (lists of ints, tuples and dtypes): a plan is cached for as long as the state
+    keeps its structure, so a LocalCopy object per tensor would be 100k more objects for every full collection
+    of Python's garbage collector to walk (manifest/table.py says why that matters). A LocalCopy is made when one
+    is asked for; staging reads the columns."""
+
+    def __init__(self, copies: Iterable[LocalCopy] = ()):
+        self.index: list[int] = []
+        self.dim0: list[tuple[int, int] | None] = []
+        self.offset: list[int] = []
+        self.nbytes: list[int] = []
+        self.shape: list[tuple[int, ...]] = []
+        self.dtype: list[torch.dtype] = []
+        for c in copies:
+            self.append(c.index, c.dim0, c.offset, c.nbytes, c.shape, c.dtype)
+        self._in_order: bool | None = None
+
+    def append(self, index: int, dim0: tuple[int, int] | None, offset: int, nbytes: int, shape: tuple[int, ...],
+               dtype: torch.dtype) -> None:
+        self.index.append(index)
+        self.dim0.append(dim0)
+        self.offset.append(offset)
+        self.nbytes.append(nbytes)
+        self.shape.append(shape)
+        self.dtype.append(dtype)
+        self._in_order = None
+
+    @property
+    def in_order(self) -> bool:
+        """The boxes lie in the buffer in their order (so a copy in this order can report its progress)."""
+        if self._in_order is None:
+            self._in_order = all(a <= b for a, b in zip(self.offset, self.offset[1:]))
+        return self._in_order
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @overload
+    def __getitem__(self, i: int) -> LocalCopy: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[LocalCopy]: ...
+
+    def __getitem__(self, i: int | slice) -> LocalCopy | list[LocalCopy]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return LocalCopy(self.index[i], self.dim0[i], self.offset[i], self.nbytes[i], self.shape[i], self.dtype[i])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LocalCopies):
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in ("index", "dim0", "offset", "nbytes", "shape",
+                                                                  "dtype"))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclass(frozen=True)
 class Plan:
     key: tuple
     rank: int
     world_size: int
     part_size: int
-    tensors: tuple[TensorMeta, ...]
-    local: tuple[LocalCopy, ...]
+    tensors: TensorTable
+    local: LocalCopies
     rank_nbytes: tuple[int, ...]
 
     @property
@@ -237,21 +293,21 @@ def build_plan(key: tuple, everyone: list[list[Box]], rank: int, part_size: int)
             pieces[r].append(Piece(path, piece_offsets, piece_sizes, index, dim0))
             load[r] += nbytes(path, piece_sizes)
 
-    chunks: dict[str, list[ChunkMeta]] = {path: [] for path in meta}
-    local: list[LocalCopy] = []
+    chunks: dict[str, list[tuple]] = {path: [] for path in meta}
+    local = LocalCopies()
     rank_nbytes = []
     for r in range(world):
         offset = 0
         for piece in sorted(pieces[r]):
             size = nbytes(piece.path, piece.sizes)
             offset = -(-offset // ALIGN) * ALIGN
-            chunks[piece.path].append(ChunkMeta(piece.offsets, piece.sizes, r, offset, size))
+            chunks[piece.path].append((piece.offsets, piece.sizes, r, offset, size))
             if r == rank:
-                local.append(LocalCopy(piece.index, piece.dim0, offset, size, piece.sizes, _dtype(meta[piece.path][0])))
+                local.append(piece.index, piece.dim0, offset, size, piece.sizes, _dtype(meta[piece.path][0]))
             offset += size
         rank_nbytes.append(offset)
-    tensors = tuple(TensorMeta(path, dtype, shape, tuple(chunks[path])) for path, (dtype, _, shape) in meta.items())
-    return Plan(key, rank, world, part_size, tensors, tuple(local), tuple(rank_nbytes))
+    tensors = TensorTable.from_rows((path, dtype, shape, chunks[path]) for path, (dtype, _, shape) in meta.items())
+    return Plan(key, rank, world, part_size, tensors, local, tuple(rank_nbytes))
 
 
 def _dtype(name: str) -> torch.dtype:

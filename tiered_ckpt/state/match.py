@@ -256,7 +256,8 @@ class Matcher:
             raise StateError(f"tensor {where!r} (shape {tuple(value.shape)}, stride {value.stride()}) has elements "
                              f"that share one memory location (an expand()ed or overlapping view): it cannot be "
                              f"loaded into; give a tensor of its own memory (e.g. .clone() it first)")
-        self.target.add(meta.index, where, value.detach())  # a dtype that differs is cast
+        # a dtype that differs is cast; detached only where autograd tracks it (no new object per tensor else)
+        self.target.add(meta.index, where, value.detach() if value.requires_grad else value)
         return value
 
     def _stateful(self, value: Any, saved_value: Any, path: tuple[Any, ...], per_rank: bool) -> Any:

@@ -2,18 +2,21 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from ..checksum import seal, unseal
+from ..errors import IntegrityError
+from ..layout import part_count, part_range
+from .tensors import ChunkMeta, TensorMeta, dtype_from_str
+
 if TYPE_CHECKING:
-    import torch
-from .checksum import seal, unseal
-from .errors import IntegrityError
-from .layout import part_count, part_range
+    from .table import TensorTable
+
+__all__ = ["ChunkMeta", "Manifest", "RankMeta", "TensorMeta", "dtype_from_str"]
 
 FORMAT_VERSION = 4  # 2: sealed records (checksummed), per-rank skeletons, the index id; 3: incarnation folders,
 # tensors stored as columns (a state of 100k small tensors: 2.4 MB of manifest instead of 12 MB, and fast to code);
@@ -40,29 +43,6 @@ def _body(data: bytes, source: str) -> bytes:
 def _check_sealed(data: bytes, version: object, source: str) -> None:
     if version != 1 and unseal(data, source) is None:
         raise IntegrityError(f"{source}: a format {version!r} record must be sealed (its seal is damaged)")
-
-
-@dataclass(frozen=True)
-class ChunkMeta:
-    """A box of a tensor in global coordinates, and where its bytes sit in one rank's packed stream."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    rank: int
-    byte_offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: tuple[ChunkMeta, ...]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return dtype_from_str(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -109,7 +89,7 @@ class Manifest:
     world_size: int
     part_size: int
     checksum: str
-    tensors: tuple[TensorMeta, ...]
+    tensors: TensorTable  # given as any sequence of TensorMeta, kept as columns (table.py)
     ranks: tuple[RankMeta, ...]
     skeleton: bytes
     created: float
@@ -118,6 +98,12 @@ class Manifest:
     index: str = ""  # the index this checkpoint was committed to (its identity; "" in format 1)
     incarnation: str = ""  # the folder its keys are under (layout.incarnation_dir; "" before format 3)
     chunk_size: int = 0  # the parts' chunks that have a digest of their own (0: none, before format 4)
+
+    def __post_init__(self) -> None:
+        from .table import TensorTable  # numpy: not for the commands that only list checkpoints
+
+        if not isinstance(self.tensors, TensorTable):
+            object.__setattr__(self, "tensors", TensorTable.from_metas(self.tensors))
 
     @property
     def nbytes(self) -> int:
@@ -172,7 +158,7 @@ class Manifest:
     def _checked(self, source: str) -> "Manifest":
         """What the rest of the library relies on, checked once: a sealed record can still be one that a bug
         or a hand wrote wrong, and it must fail here, naming the record, not deep inside a load."""
-        from .checksum import known
+        from ..checksum import known
 
         def need(ok: bool, what: str) -> None:
             if not ok:
@@ -188,16 +174,14 @@ class Manifest:
              f"incarnation {self.incarnation!r}")
         need(type(self.chunk_size) is int and self.chunk_size >= 0 and (
             not self.chunk_size or self.part_size % self.chunk_size == 0), f"chunk_size {self.chunk_size!r}")
-        for t in self.tensors:
-            for c in t.chunks:
-                need(0 <= c.rank < self.world_size and c.byte_offset >= 0 and c.nbytes >= 0
-                     and c.byte_offset + c.nbytes <= self.ranks[c.rank].nbytes
-                     and len(c.offsets) == len(c.sizes) == len(t.shape), f"a chunk of {t.path!r}")
+        need(len(set(self.tensors.paths)) == len(self.tensors), "a tensor path is listed twice")
+        wrong = self.tensors.check([r.nbytes for r in self.ranks])
+        need(wrong is None, str(wrong))
         return self
 
     def to_bytes(self) -> bytes:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        body["tensors"] = _columns(self.tensors)
+        body["tensors"] = self.tensors.columns()
         body["ranks"] = [{"rank": r.rank, "nbytes": r.nbytes, "checksums": list(r.checksums), "skeleton": r.skeleton,
                           "chunk_sums": r.chunk_sums, "host": r.host} for r in self.ranks]
         body["version"] = FORMAT_VERSION
@@ -211,14 +195,7 @@ class Manifest:
                 raise IntegrityError(f"{source}: format version {raw.get('version')!r}, this library reads "
                                      f"{', '.join(map(str, READABLE_VERSIONS))}")
             _check_sealed(data, raw["version"], source)
-            if isinstance(raw["tensors"], dict):  # format 3: columns
-                raw["tensors"] = _from_columns(raw["tensors"])
-            else:
-                raw["tensors"] = tuple(
-                    TensorMeta(t["path"], t["dtype"], tuple(t["shape"]),
-                               tuple(ChunkMeta(tuple(c["offsets"]), tuple(c["sizes"]), c["rank"], c["byte_offset"],
-                                               c["nbytes"]) for c in t["chunks"]))
-                    for t in raw["tensors"])
+            raw["tensors"] = _tensors(raw["tensors"])
             raw["ranks"] = tuple(RankMeta(r["rank"], r["nbytes"], tuple(r["checksums"]), _blob(r.get("skeleton", b"")),
                                           _blob(r.get("chunk_sums", b"")), str(r.get("host", ""))) for r in raw["ranks"])
             raw["skeleton"] = _blob(raw.get("skeleton", b""))
@@ -231,69 +208,14 @@ class Manifest:
             raise IntegrityError(f"{source} is not a valid manifest: {type(e).__name__}: {e}") from e
 
 
-def _ints(values: list[int]) -> list[Any]:
-    """Non-negative ints as [width, little-endian bytes], in the narrowest unsigned width that holds them."""
-    import numpy as np  # here, not above: listing checkpoints (`tiered-ckpt ls`) needs neither numpy nor torch
+def _tensors(raw: Any) -> TensorTable:
+    """The manifest's tensors: columns (format 3 and later) or a map per tensor (formats 1 and 2)."""
+    from .table import TensorTable
 
-    array = np.asarray(values, dtype="<u8")
-    top = int(array.max()) if len(array) else 0
-    width = next(w for w in (1, 2, 4, 8) if top < 1 << (8 * w))
-    return [width, array.astype(f"<u{width}").tobytes()]
-
-
-def _from_ints(data: list[Any]) -> list[int]:
-    import numpy as np
-
-    width, raw = data
-    return np.frombuffer(raw, dtype=f"<u{int(width)}").tolist()
-
-
-def _ragged(rows: list[tuple[int, ...]]) -> dict[str, Any]:
-    return {"len": _ints([len(r) for r in rows]), "flat": _ints([v for r in rows for v in r])}
-
-
-def _from_ragged(data: dict[str, Any]) -> list[tuple[int, ...]]:
-    lengths, flat, out, at = _from_ints(data["len"]), _from_ints(data["flat"]), [], 0
-    for n in lengths:
-        out.append(tuple(flat[at:at + n]))
-        at += n
-    if at != len(flat):
-        raise ValueError("ragged column lengths do not add up")
-    return out
-
-
-def _columns(tensors: tuple[TensorMeta, ...]) -> dict[str, Any]:
-    """Tensors as columns of little-endian int64 arrays: no key repeated per tensor, dtypes by index, and
-    msgpack handles a few large byte strings instead of millions of small objects (fast both ways)."""
-    dtypes = sorted({t.dtype for t in tensors})
-    index = {d: i for i, d in enumerate(dtypes)}
-    chunks = [c for t in tensors for c in t.chunks]
-    return {"path": [t.path for t in tensors], "dtypes": dtypes, "dtype": _ints([index[t.dtype] for t in tensors]),
-            "shape": _ragged([t.shape for t in tensors]), "nchunks": _ints([len(t.chunks) for t in tensors]),
-            "offsets": _ragged([c.offsets for c in chunks]), "sizes": _ragged([c.sizes for c in chunks]),
-            "rank": _ints([c.rank for c in chunks]), "byte_offset": _ints([c.byte_offset for c in chunks]),
-            "nbytes": _ints([c.nbytes for c in chunks])}
-
-
-def _from_columns(cols: dict[str, Any]) -> tuple[TensorMeta, ...]:
-    chunks = [ChunkMeta(o, s, r, b, n) for o, s, r, b, n in
-              zip(_from_ragged(cols["offsets"]), _from_ragged(cols["sizes"]), _from_ints(cols["rank"]),
-                  _from_ints(cols["byte_offset"]), _from_ints(cols["nbytes"]), strict=True)]
-    dtypes, out, at = cols["dtypes"], [], 0
-    for path, d, shape, n in zip(cols["path"], _from_ints(cols["dtype"]), _from_ragged(cols["shape"]),
-                                 _from_ints(cols["nchunks"]), strict=True):
-        out.append(TensorMeta(path, dtypes[d], shape, tuple(chunks[at:at + n])))
-        at += n
-    if at != len(chunks):
-        raise ValueError(f"{len(chunks)} chunks for {at} in the tensors' columns")
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=None)
-def dtype_from_str(name: str) -> torch.dtype:
-    import torch
-
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise IntegrityError(f"unknown dtype {name!r} in the manifest (saved by a newer torch?)")
-    return dtype
+    if isinstance(raw, dict):
+        return TensorTable.from_columns(raw)
+    return TensorTable.from_metas(
+        TensorMeta(t["path"], t["dtype"], tuple(t["shape"]),
+                   tuple(ChunkMeta(tuple(c["offsets"]), tuple(c["sizes"]), c["rank"], c["byte_offset"], c["nbytes"])
+                         for c in t["chunks"]))
+        for t in raw)
