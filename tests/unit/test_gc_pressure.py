@@ -54,3 +54,32 @@ async def test_a_steady_save_allocates_nothing_per_tensor(make_config):
         for step in range(5, 8):
             grown, _ = await _without_gc(save(step))
             assert grown < N // 10, f"save {step} left {grown} more tracked objects for {N} tensors"
+
+
+async def test_after_reserve_the_first_saves_allocate_nothing_per_tensor(make_config):
+    """reserve() makes every staging buffer with its views of the state's tensors (an object per tensor each),
+    so no save makes them later, and none sets off a full collection then."""
+    state = _state()
+    async with tc.Engine(make_config(tiers=[{"keep_last": 2}])) as engine:
+        reservation = await engine.reserve(state)
+        assert reservation.made >= 2
+        for step in range(1, 5):  # (the first save's few hundred objects are its tiers' first records, not per tensor)
+            grown, _ = await _without_gc(_save_and_wait(engine, step, state))
+            assert grown < N // 5, f"save {step} after reserve() left {grown} more tracked objects for {N} tensors"
+
+
+async def test_a_buffer_made_ahead_comes_with_its_views(make_config):
+    """The memory tier's next staging buffer is made in the background after a save (pool.prepare_next); its
+    views are made there too, so the save that takes it allocates nothing per tensor. (keep_last 1: two buffers
+    in all, so the save that takes it makes none ahead in its turn.)"""
+    state = _state()
+    async with tc.Engine(make_config(tiers=[{"keep_last": 1}])) as engine:
+        await _save_and_wait(engine, 1, state)
+        await engine.pool.settle()  # the buffer made ahead is free now
+        assert len(engine.pool.free) == 1
+        grown, _ = await _without_gc(_save_and_wait(engine, 2, state))
+        assert grown < N // 10, f"save 2 left {grown} more tracked objects for {N} tensors"
+
+
+async def _save_and_wait(engine: tc.Engine, step: int, state: dict[str, torch.Tensor]) -> None:
+    await (await engine.save(step, state)).wait()

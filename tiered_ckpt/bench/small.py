@@ -36,12 +36,17 @@ async def _timed(coro: Any) -> tuple[Any, float, float]:
     return result, seconds, await watcher
 
 
+def _config(job: str, disk: Path, shm: Path) -> Any:
+    return parse_config({"engine": {"job": job, "index": f"file://{disk}/index", "part_size": "64MiB"},
+                         "tiers": [{"name": "host", "kind": "memory", "path": str(shm), "keep_last": 2},
+                                   {"name": "disk", "kind": "local", "path": str(disk / "parts"), "keep_last": 2}]})
+
+
 async def measure_small(count: int, disk: Path, shm: Path, *, automatic_gc: bool = True) -> dict[str, float]:
     """Saves 1-5 (the first plans, the next ones fill fresh staging buffers, later ones reuse them) and a
-    load. `automatic_gc=False` runs them as trainers that turn Python's automatic collections off do."""
-    config = parse_config({"engine": {"job": "small", "index": f"file://{disk}/index", "part_size": "64MiB"},
-                           "tiers": [{"name": "host", "kind": "memory", "path": str(shm), "keep_last": 2},
-                                     {"name": "disk", "kind": "local", "path": str(disk / "parts"), "keep_last": 2}]})
+    load; then, for another job, `reserve()` and saves 1-3 after it. `automatic_gc=False` runs them as trainers
+    that turn Python's automatic collections off do."""
+    config = _config("small", disk, shm)
     state = {f"layer{i}.scale": torch.full((16,), float(i)) for i in range(count)}
     target = {k: torch.zeros(16) for k in state}
     out: dict[str, float] = {"tensors": count, "automatic_gc": automatic_gc}
@@ -64,6 +69,11 @@ async def measure_small(count: int, disk: Path, shm: Path, *, automatic_gc: bool
             out["manifest_bytes"] = len(await engine.store.index.get_manifest(engine.job, 5))
             out["data_bytes"] = manifest.nbytes
             _, out["load_s"], out["load_stall_s"] = await _timed(engine.load(target))
+        async with Engine(_config("small-reserved", disk, shm)) as engine:
+            _, out["reserve_s"], out["reserve_stall_s"] = await _timed(engine.reserve(state))
+            reserved = [await _timed(save_and_wait(step)) for step in (1, 2, 3)]
+            out["reserved_save_s"] = statistics.median(seconds for _, seconds, _ in reserved)
+            out["reserved_save_stall_s"] = max(stall for _, _, stall in reserved)
     finally:
         if was_enabled:
             gc.enable()
@@ -81,6 +91,8 @@ def report_small(runs: list[dict[str, float]]) -> str:
     lines += [head, "|---|" + "---:|---:|" * len(runs)]
     for name, key in (("first save (plans, allocates a staging buffer)", "first_save"),
                       ("second save (fills a fresh staging buffer)", "save"),
-                      ("saves 3-5 (median s, longest stall)", "later_save"), ("load", "load")):
+                      ("saves 3-5 (median s, longest stall)", "later_save"), ("load", "load"),
+                      ("reserve() (another job: makes every staging buffer and its views)", "reserve"),
+                      ("saves 1-3 after reserve() (median s, longest stall)", "reserved_save")):
         lines.append(f"| {name} |" + "".join(f" {x[key + '_s']:.2f} | {x[key + '_stall_s'] * 1e3:.0f} |" for x in runs))
     return "\n".join(lines)

@@ -84,7 +84,7 @@ class SaveJob:
         self.handle.set_staged()
         self.flat.tensors = []  # drop references to the caller's tensors
         if buffer.files is not None:
-            self.services.pool.prepare_next(buffer.files.nbytes)
+            self.services.pool.prepare_next(buffer.files.nbytes, self.plan)
 
     async def _run(self, staging: asyncio.Task[None]) -> None:
         commit, handle = self.services.commit, self.handle

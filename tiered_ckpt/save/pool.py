@@ -19,6 +19,7 @@ from .staging_buffer import StagingBuffer
 
 if TYPE_CHECKING:
     from .arena import Arena
+    from .plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +133,20 @@ class StagingPool:
         for buf in unfit:
             await self._discard(buf)
 
-    async def reserve(self, nbytes: int, count: int) -> None:
+    async def reserve(self, nbytes: int, count: int, plan: Plan | None = None) -> None:
         """Make `count` buffers of `nbytes` now, populated, as free buffers (Engine.reserve): the first saves then
         take them instead of allocating while training waits. Unlike a save's own buffer, one that cannot be made
         in the memory tier's files (its tmpfs full) raises instead of falling back to anonymous memory. A buffer
         beyond max_inflight is used once: retention hands back each retired one and the pool keeps at most
-        max_inflight free, as without a reservation."""
+        max_inflight free, as without a reservation. With `plan`, every free buffer also gets its views of the
+        plan's tensors now (StagingBuffer.views_for: an object per tensor, made at set-up, not in a save)."""
+        for buf in list(self._free) if plan is not None else ():
+            await asyncio.to_thread(buf.views_for, plan)
         for _ in range(count):
             async with self._cond:
                 self._count += 1
             try:
-                buf = await asyncio.to_thread(self._make, nbytes)
+                buf = await asyncio.to_thread(self._make, nbytes, plan)
             except BaseException:
                 async with self._cond:
                     self._count -= 1
@@ -160,11 +164,15 @@ class StagingPool:
         free = sum(b.capacity for b in self._free if _fits(b, nbytes))
         return free + sum(b.capacity for b in self._retained.values()) + held * nbytes
 
-    def _make(self, nbytes: int) -> StagingBuffer:
+    def _make(self, nbytes: int, plan: Plan | None) -> StagingBuffer:
         if self.arena is None:
-            return StagingBuffer(nbytes, self.pin)
-        self.arena.check_fits(nbytes, self.max_inflight)
-        return self.arena.new(nbytes, self.pin)
+            buf = StagingBuffer(nbytes, self.pin)
+        else:
+            self.arena.check_fits(nbytes, self.max_inflight)
+            buf = self.arena.new(nbytes, self.pin)
+        if plan is not None:
+            buf.views_for(plan)
+        return buf
 
     async def release(self, buf: StagingBuffer) -> None:
         """A save is done with `buf` (a retained buffer stays with its checkpoint until `reclaim`)."""
@@ -190,21 +198,21 @@ class StagingPool:
                 self._held.discard(id(buf))
                 self._cond.notify()
 
-    def prepare_next(self, nbytes: int) -> None:
+    def prepare_next(self, nbytes: int, plan: Plan | None = None) -> None:
         """A save just staged into the memory tier's files. While that tier is still filling up (fewer buffers
         than keep_last (+ keep_best) + max_inflight exist), make the next save's buffer now, in the background,
         while training runs: else each of the first keep_last + 1 saves would allocate and populate one (about
         1 s/GiB here) while the caller waits. Once the tier is full, retention hands retired checkpoints' files
         back instead, and nothing is made. Memory stays within keep_last (+ keep_best) + 1 + max_inflight
-        states."""
+        states. With `plan`, the buffer's views of its tensors are made there too (not in the next save)."""
         if self.arena is None or self._preparing is not None or self._free:
             return
         if self._count + len(self._retained) >= self.arena.held + self.max_inflight:
             return
         self._count += 1  # counted now: a save arriving meanwhile waits for this buffer instead of making another
-        self._preparing = asyncio.ensure_future(self._prepare(nbytes))
+        self._preparing = asyncio.ensure_future(self._prepare(nbytes, plan))
 
-    async def _prepare(self, nbytes: int) -> None:
+    async def _prepare(self, nbytes: int, plan: Plan | None) -> None:
         try:
             buf = await asyncio.to_thread(self._new, nbytes)
         except BaseException as e:
@@ -216,6 +224,11 @@ class StagingPool:
             return
         finally:
             self._preparing = None
+        if plan is not None:
+            try:  # else the next save makes them while training waits
+                await asyncio.to_thread(buf.views_for, plan)
+            except Exception as e:  # (it makes them again then)
+                log.warning("the next staging buffer's views could not be made ahead: %s", e)
         async with self._cond:
             self._free.append(buf)
             self._cond.notify()

@@ -136,7 +136,7 @@ class Saver:
         error = None
         try:
             await pool.drop_unfit(plan.nbytes)  # free buffers made for a state of another size
-            await pool.reserve(plan.nbytes, count)
+            await pool.reserve(plan.nbytes, count, plan)
         except Exception as e:
             error = e
             if arena is not None and isinstance(e, OSError) and not isinstance(e, TierError) \
