@@ -1,6 +1,11 @@
 """Byte views of tensor memory: how every layer hands bytes around without copying them."""
 from __future__ import annotations
 
+import bisect
+import ctypes
+from typing import Any, Iterable, Sequence, Union
+
+import numpy as np
 import torch
 
 
@@ -63,6 +68,93 @@ class DeviceBytes:
         return self.tensor[self.start:self.stop]
 
 
-def as_byte_tensor(view: memoryview | DeviceBytes) -> torch.Tensor:
-    """A uint8 tensor over `view`'s memory, host or device."""
+def as_byte_tensor(view: memoryview | DeviceBytes | torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over `view`'s memory, host or device (a contiguous tensor's own bytes)."""
+    if isinstance(view, torch.Tensor):
+        return view.detach().reshape(-1).view(torch.uint8)
     return view.as_tensor() if isinstance(view, DeviceBytes) else torch.frombuffer(view, dtype=torch.uint8)
+
+
+Sink = Union[memoryview, DeviceBytes, torch.Tensor]  # a contiguous CPU tensor: its own bytes
+
+
+class Sinks(Sequence[Any]):
+    """The buffers that one part's bytes fill, in order, each kept as what it is with the byte range it takes:
+    a CPU tensor's byte view (tensor_bytes: three objects) is made only when the scatter reaches it and is
+    dropped after. A load of 100k tensors so holds no view per tensor while it reads; as many views would be
+    more for every full collection of Python's garbage collector to walk, and enough to set one off
+    (docs/benchmarks.md, many small tensors). Indexing gives the view of one buffer."""
+
+    def __init__(self) -> None:
+        self._items: list[Sink] = []
+        self._starts: list[int] = []  # where in the item its range begins (bytes)
+        self._ends: list[int] = []  # where each buffer ends in the value the buffers fill together
+
+    def append(self, item: Sink, start: int = 0, stop: int | None = None) -> None:
+        if isinstance(item, torch.Tensor) and not (item.device.type == "cpu" and item.is_contiguous()):
+            raise ValueError("a tensor sink must be a contiguous CPU tensor (a GPU one goes as DeviceBytes)")
+        end = _nbytes(item) if stop is None else stop
+        if not 0 <= start <= end <= _nbytes(item):
+            raise ValueError(f"bytes {start}:{end} of a buffer of {_nbytes(item)}")
+        self._items.append(item)
+        self._starts.append(start)
+        self._ends.append((self._ends[-1] if self._ends else 0) + end - start)
+
+    def length(self, i: int) -> int:
+        return self._ends[i] - (self._ends[i - 1] if i else 0)
+
+    @property
+    def nbytes(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> Any:  # (Sequence's slice form is not needed: no caller slices)
+        item, start = self._items[i], self._starts[i]
+        stop = start + self.length(i)
+        if isinstance(item, torch.Tensor):
+            return tensor_bytes(item)[start:stop]
+        return item[start:stop]
+
+    def select(self, spans: Iterable[tuple[int, int]]) -> "Sinks":
+        """The buffers that begin at these (offset, length) in the value, in order."""
+        wanted, out = set(spans), Sinks()
+        for i in range(len(self)):
+            at = self._ends[i] - self.length(i)
+            if (at, self.length(i)) in wanted:
+                out.append(self._items[i], self._starts[i], self._starts[i] + self.length(i))
+        return out
+
+    def scatter(self, pieces: Iterable[bytes | memoryview], start: int = 0) -> None:
+        """Copy `pieces`, consecutive bytes of the value from byte `start` on, into the buffers (the first one is
+        found by bisection, not by walking the ones before it); bytes past the last buffer are dropped. A CPU
+        tensor is written at its data pointer (memmove, the GIL released): the tensor, held here, keeps its
+        memory alive, and making its byte view would cost more than copying a small tensor's bytes."""
+        items, starts, ends = self._items, self._starts, self._ends
+        i, pos = bisect.bisect_right(ends, start), start
+        for piece in pieces:
+            src, taken = memoryview(piece).cast("B"), 0
+            size, address = len(src), 0
+            while taken < size and i < len(items):
+                begin = ends[i - 1] if i else 0
+                n = min(ends[i] - pos, size - taken)
+                if n > 0:
+                    item, at = items[i], starts[i] + pos - begin
+                    if isinstance(item, torch.Tensor):
+                        address = address or _address(src)
+                        ctypes.memmove(item.data_ptr() + at, address + taken, n)
+                    else:
+                        item[at:at + n] = src[taken:taken + n]
+                    pos, taken = pos + n, taken + n
+                if pos >= ends[i]:
+                    i += 1
+
+
+def _address(view: memoryview) -> int:
+    """Where a (contiguous, non-empty) buffer's bytes are: numpy reads it for read-only buffers too."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _nbytes(item: Sink) -> int:
+    return item.numel() * item.element_size() if isinstance(item, torch.Tensor) else len(item)

@@ -68,11 +68,13 @@ def test_same_layout_reads_go_straight_into_contiguous_targets():
     plan = plans([[descriptor("w", (8, 4))]])[0]
     target = torch.zeros(8, 4)
     reads = plan_reads(manifest_for(plan), {0: ("w", target)})
-    [(key, view)] = reads.dests.items()
+    [(key, sink)] = reads.dests.items()
     assert key == (0, plan.tensors[0].chunks[0].byte_offset)
-    assert view.obj is not None and len(view) == target.numel() * 4
+    assert sink is target  # the target is its own sink: no byte view is kept for it (buffers.Sinks)
+    [part] = loading.parts_to_read(manifest_for(plan), reads).values()
+    assert part.views.nbytes == target.numel() * 4 and part.targets == ("w",)
     source = torch.arange(32, dtype=torch.float32)
-    view[:] = tensor_bytes(source)  # what a tier read would do
+    part.views.scatter([tensor_bytes(source)])  # what a verified read does
     assert torch.equal(target.flatten(), source)
     assert reads.copies == []
 

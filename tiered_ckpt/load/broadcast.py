@@ -24,8 +24,7 @@ import torch
 from ..errors import IntegrityError
 from ..buffers import tensor_bytes
 from ..storage.tier_io import TierIO
-from ..storage.verified_read import PartRead, ReadLog
-from ..storage.tiers.base import scatter
+from ..storage.verified_read import PartRead, ReadLog, fill
 from ..distributed.coordinator import Coordinator
 
 PartId = tuple[int, int]  # (saved rank, part index)
@@ -95,7 +94,7 @@ async def _send_spans(coordinator: Coordinator, key: PartId, members: tuple[int,
                 await coordinator.send_tensor(torch.cat([buffers[key][a:a + n] for a, n in wanted]), m)
         buffer = buffers.pop(key, None)
         if ok and key in parts and buffer is not None:  # the reader's own share
-            await io.run_blocking(scatter, [tensor_bytes(buffer)], parts[key].views)
+            await io.run_blocking(fill, parts[key].views, [tensor_bytes(buffer)])
             log.overwritten.update(parts[key].targets)
         return None
     await coordinator.recv_tensor(status, reader)
@@ -105,7 +104,7 @@ async def _send_spans(coordinator: Coordinator, key: PartId, members: tuple[int,
     payload = torch.empty(sum(n for _, n in part.spans) if part.spans else lengths[key], dtype=torch.uint8)
     await coordinator.recv_tensor(payload, reader)
     log.bytes_received += payload.numel()
-    await io.run_blocking(scatter, [tensor_bytes(payload)], part.wanted_views() if part.spans else part.views)
+    await io.run_blocking(fill, part.wanted_views() if part.spans else part.views, [tensor_bytes(payload)])
     log.overwritten.update(part.targets)
     return None
 
@@ -190,7 +189,7 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
             if reader != me:
                 log.bytes_received += lengths[key]
             if key in parts:  # verified by its reader
-                await io.run_blocking(scatter, [tensor_bytes(buffers.pop(key))], parts[key].views)
+                await io.run_blocking(fill, parts[key].views, [tensor_bytes(buffers.pop(key))])
                 log.overwritten.update(parts[key].targets)
             else:
                 buffers.pop(key)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from ..distributed.dtensor import local_box, local_tensor
 from ..errors import TierError
 from ..layout import checkpoint_prefix, parse_key
 from ..manifest import Manifest, dtype_from_str
-from ..buffers import DeviceBytes, as_byte_tensor, tensor_bytes
+from ..buffers import DeviceBytes, Sink, Sinks, as_byte_tensor, tensor_bytes
 from ..storage.tier_io import TierIO
 from ..storage.verified_read import Fallback, PartRead, ReadLog
 
@@ -69,7 +69,7 @@ class Reads:
     row-parallel shard's rows) is read alone, into the target when it is a contiguous stretch of it too, else
     into a piece of scratch; `copies` then moves the overlapping boxes from scratch into the targets."""
 
-    dests: dict[tuple[int, int], memoryview] = field(default_factory=dict)
+    dests: dict[tuple[int, int], Sink] = field(default_factory=dict)
     direct: dict[tuple[int, int], str] = field(default_factory=dict)  # dests that are a target's memory: its key
     subs: dict[tuple[int, int], list[tuple[int, memoryview, str | None]]] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -88,7 +88,7 @@ class Reads:
         self.keep.clear()
 
 
-def target_devices(targets: dict[int, tuple[str, torch.Tensor]]) -> list[torch.device]:
+def target_devices(targets: Mapping[int, tuple[str, torch.Tensor]]) -> list[torch.device]:
     """The GPUs that hold some of the targets."""
     return sorted({local_tensor(t).device for _, t in targets.values() if local_tensor(t).is_cuda}, key=str)
 
@@ -102,7 +102,7 @@ def wait_for_devices(devices: Sequence[torch.device]) -> None:
         torch.cuda.synchronize(device)
 
 
-def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]]) -> Reads:
+def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor]]) -> Reads:
     """Where each saved chunk that overlaps a target goes. A chunk that lies wholly inside a contiguous CPU
     or GPU target of its dtype, on a contiguous stretch of it (the same box, a Shard(0) piece of a full tensor,
     any piece of a 1-d one), is read straight into that memory; so is the part of a chunk that such a target
@@ -123,7 +123,8 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
         # the target's own memory takes the bytes: a CPU tensor's directly, a GPU tensor's by a copy from the
         # read buffer, chunk by chunk (no host copy of it in between)
         direct = local.device.type in ("cpu", "cuda") and local.is_contiguous() and local.dtype == dtype
-        sink = tensor_bytes if local.device.type == "cpu" else DeviceBytes
+        # (a CPU target is its own sink: Sinks makes its byte view only while the scatter writes it)
+        sink = _itself if local.device.type == "cpu" else DeviceBytes
         for c in range(chunk_at[index], chunk_at[index + 1]):
             if chunk_nbytes[c] == 0:
                 continue
@@ -146,7 +147,8 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
                 continue
             start = _contiguous_start(offsets, sizes, lo, hi)
             if direct and start is not None and dst.is_contiguous() and dst.numel():
-                reads.subs.setdefault(key, []).append((start * dst.element_size(), sink(dst), where))
+                piece_sink = tensor_bytes(dst) if local.device.type == "cpu" else DeviceBytes(dst)
+                reads.subs.setdefault(key, []).append((start * dst.element_size(), piece_sink, where))
                 continue
             if start is not None and dst.numel():  # one stretch of the chunk: read just it, then copy it over
                 piece = torch.empty(dst.numel() * dtype.itemsize, dtype=torch.uint8)
@@ -170,6 +172,10 @@ def plan_reads(manifest: Manifest, targets: dict[int, tuple[str, torch.Tensor]])
     for pieces in reads.subs.values():
         pieces.sort(key=lambda s: s[0])
     return reads
+
+
+def _itself(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _contiguous_start(offsets: Sequence[int], sizes: Sequence[int], lo: Sequence[int], hi: Sequence[int]) -> int | None:
@@ -208,7 +214,7 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
     start = part * manifest.part_size
     end = start + manifest.part_length(rank, part)
     first = max(bisect.bisect_right(spans, (start,)) - 1, 0)
-    views: list[memoryview] = []
+    views = Sinks()
     targets: list[str] = []
     starts: list[int] = []
     wanted: list[tuple[int, int]] = []
@@ -231,7 +237,7 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
                     continue
                 if a > at:
                     views.append(memoryview(bytearray(a - at)))
-                views.append(piece[a - offset - piece_start : b - offset - piece_start])
+                views.append(piece, a - offset - piece_start, b - offset - piece_start)
                 wanted.append((a - start, b - a))
                 if where is not None:  # a target's own memory (not a piece of scratch)
                     targets.append(where)
@@ -242,7 +248,7 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
         elif dest is None:
             views.append(memoryview(bytearray(hi - lo)))  # a chunk this rank does not need
         else:
-            views.append(dest if hi - lo == len(dest) else dest[lo - offset : hi - offset])  # (a slice is an object)
+            views.append(dest, lo - offset, hi - offset)
             wanted.append((lo - start, hi - lo))
             if (rank, offset) in reads.direct:
                 targets.append(reads.direct[(rank, offset)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -24,6 +24,28 @@ class SavedTensor:
     shape: tuple[int, ...]
 
 
+class Targets(Mapping[int, "tuple[str, torch.Tensor]"]):
+    """Saved tensor index → (the caller's key, the caller's tensor), kept as two dicts of existing objects: a
+    tuple per tensor would be 100k more objects alive through a load's reads, enough to set off a full
+    collection of Python's garbage collector (docs/benchmarks.md, many small tensors)."""
+
+    def __init__(self) -> None:
+        self.where: dict[int, str] = {}
+        self.tensor: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, index: int) -> tuple[str, torch.Tensor]:
+        return self.where[index], self.tensor[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tensor)
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    def __contains__(self, index: object) -> bool:
+        return index in self.tensor
+
+
 @dataclass
 class LoadTarget:
     """What one load must do: fill `tensors[index]` (the caller's tensor) from saved tensor `index`, copy
@@ -31,7 +53,7 @@ class LoadTarget:
     its parts, run `assign` (plain values and new objects into the caller's containers) and `finish`
     (load_state_dict calls). No caller tensor is written before the reads start."""
 
-    tensors: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    tensors: Targets = field(default_factory=Targets)
     ties: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     assign: list[Callable[[], None]] = field(default_factory=list)
     finish: list[Callable[[], None]] = field(default_factory=list)
@@ -51,10 +73,12 @@ class LoadTarget:
                           f"load_state_dict would refuse: {entries[:10]}")
 
     def add(self, index: int, where: str, tensor: torch.Tensor) -> None:
-        if index not in self.tensors:
-            self.tensors[index] = (where, tensor)
-        elif _view_key(self.tensors[index][1]) != _view_key(tensor):  # a tie in the target stays filled once
-            self.ties.append((self.tensors[index][1], tensor))
+        held = self.tensors.tensor
+        if index not in held:
+            held[index] = tensor
+            self.tensors.where[index] = where
+        elif _view_key(held[index]) != _view_key(tensor):  # a tie in the target stays filled once
+            self.ties.append((held[index], tensor))
 
     def copy_ties(self) -> None:
         with torch.no_grad():

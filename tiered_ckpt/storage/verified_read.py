@@ -20,6 +20,8 @@ from .tiers.base import scatter
 if TYPE_CHECKING:  # torch is imported where buffers are made: listing and deleting need none (the CLI)
     import torch
 
+    from ..buffers import Sinks
+
 T = TypeVar("T")
 
 
@@ -39,7 +41,7 @@ class PartRead:
     part a load reads) is read into a bounce buffer and verified before a byte reaches `views`."""
 
     key: str
-    views: list[memoryview]
+    views: list[memoryview] | Sinks  # Sinks: a load's (buffers.Sinks: no byte view kept per tensor)
     length: int
     checksum: int
     targets: tuple[str, ...] = ()
@@ -52,8 +54,10 @@ class PartRead:
     touched: tuple[str, ...] = ()  # targets that verified chunks reached, of a part whose read then failed
     spans: tuple[tuple[int, int], ...] = ()  # (offset, length) in the part of the views the caller wants (a load)
 
-    def wanted_views(self) -> list[memoryview]:
+    def wanted_views(self) -> list[memoryview] | Sinks:
         """The views that `spans` names, in order (the others fill the bytes the caller does not want)."""
+        if not isinstance(self.views, list):  # Sinks
+            return self.views.select(self.spans)
         wanted, at, out = set(self.spans), 0, []
         for view in self.views:
             if (at, len(view)) in wanted:
@@ -170,7 +174,7 @@ async def _try_chunked_read(tiers_io: TierReads, name: str, part: PartRead,
             outcome.append(f"chunk {index}: {describe(part.algorithm, actual)}, expected "
                            f"{describe(part.algorithm, expected)}")
             return False
-        scatter([chunk], part.views, at)
+        fill(part.views, [chunk], at)
         written[0] = at + len(chunk)
         return True
 
@@ -228,19 +232,28 @@ async def _try_bounced_read(tiers_io: TierReads, bounce: BouncePool, name: str, 
     view = tensor_bytes(buf)[:part.length]
     reason = await _verify(tiers_io, [view], n, part)
     if reason is None:
-        await tiers_io.run_blocking(scatter, [view], part.views)
+        await tiers_io.run_blocking(fill, part.views, [view])
     bounce.give(buf)
     return reason
 
 
+def fill(views: Sequence[memoryview] | Sinks, pieces: Sequence[bytes | memoryview], start: int = 0) -> None:
+    """Copy `pieces` (the value's bytes from `start` on) into a part's buffers."""
+    if isinstance(views, (list, tuple)):
+        scatter(pieces, views, start)
+    else:  # Sinks
+        views.scatter(pieces, start)
+
+
 async def _try_read(tiers_io: TierReads, name: str, part: PartRead, budgeted: bool) -> str | None:
     """None when `part` was read intact from tier `name` straight into `part.views`, else why not."""
+    views = list(part.views)  # a driver reads into memoryviews (Sinks made into them here)
     try:
-        n = await tiers_io.read_into(name, part.key, part.length, lambda: contextlib.nullcontext(part.views),
+        n = await tiers_io.read_into(name, part.key, part.length, lambda: contextlib.nullcontext(views),
                                      budgeted=budgeted)
     except TierError as e:
         return f"{type(e).__name__}: {e}"
-    return await _verify(tiers_io, part.views, n, part)
+    return await _verify(tiers_io, views, n, part)
 
 
 async def _verify(tiers_io: TierReads, views: list[memoryview], n: int, part: PartRead) -> str | None:
