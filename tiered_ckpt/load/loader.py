@@ -71,7 +71,7 @@ class Loader:
                 # in threads: pairing 100k entries with the saved ones is seconds of Python
                 target = await asyncio.to_thread(self._match, state, manifest)
                 reads = await asyncio.to_thread(plan_reads, manifest, target.tensors)
-                await asyncio.to_thread(wait_for_devices, target_devices(target.tensors))
+                await asyncio.to_thread(lambda: wait_for_devices(target_devices(target.tensors)))  # (100k: a thread)
                 # each part is read where it is fastest: what this node holds, and what the shared tiers hold
                 holdings = {**{t: r for t, r in held.items() if self.io.file_tier(t) is None},
                             **await node_holdings(self.io, manifest, order)}
