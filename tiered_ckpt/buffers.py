@@ -87,16 +87,20 @@ class Sinks(Sequence[Any]):
 
     def __init__(self) -> None:
         self._items: list[Sink] = []
+        self._pointers: list[int] = []  # a tensor's data pointer when it was given (0 for other buffers)
         self._starts: list[int] = []  # where in the item its range begins (bytes)
         self._ends: list[int] = []  # where each buffer ends in the value the buffers fill together
 
     def append(self, item: Sink, start: int = 0, stop: int | None = None) -> None:
-        if isinstance(item, torch.Tensor) and not (item.device.type == "cpu" and item.is_contiguous()):
-            raise ValueError("a tensor sink must be a contiguous CPU tensor (a GPU one goes as DeviceBytes)")
+        if isinstance(item, torch.Tensor) and not (item.device.type == "cpu" and item.is_contiguous()
+                                                   and not item.is_conj() and not item.is_neg()):
+            raise ValueError("a tensor sink must be a contiguous CPU tensor whose bytes are its values (a GPU one "
+                             "goes as DeviceBytes; a conjugate or negative view through scratch)")
         end = _nbytes(item) if stop is None else stop
         if not 0 <= start <= end <= _nbytes(item):
             raise ValueError(f"bytes {start}:{end} of a buffer of {_nbytes(item)}")
         self._items.append(item)
+        self._pointers.append(item.data_ptr() if isinstance(item, torch.Tensor) else 0)
         self._starts.append(start)
         self._ends.append((self._ends[-1] if self._ends else 0) + end - start)
 
@@ -124,14 +128,17 @@ class Sinks(Sequence[Any]):
             at = self._ends[i] - self.length(i)
             if (at, self.length(i)) in wanted:
                 out.append(self._items[i], self._starts[i], self._starts[i] + self.length(i))
+                out._pointers[-1] = self._pointers[i]  # (as given here: a swap since is still refused)
         return out
 
     def scatter(self, pieces: Iterable[bytes | memoryview], start: int = 0) -> None:
         """Copy `pieces`, consecutive bytes of the value from byte `start` on, into the buffers (the first one is
         found by bisection, not by walking the ones before it); bytes past the last buffer are dropped. A CPU
-        tensor is written at its data pointer (memmove, the GIL released): the tensor, held here, keeps its
-        memory alive, and making its byte view would cost more than copying a small tensor's bytes."""
-        items, starts, ends = self._items, self._starts, self._ends
+        tensor is written at its data pointer (memmove, the GIL released; making its byte view would cost more
+        than copying a small tensor's bytes): the tensor, held here, keeps its memory alive, and a tensor whose
+        memory was swapped since it was given (`t.data = ...` while an abandoned read still runs) is refused,
+        never written at the new place."""
+        items, pointers, starts, ends = self._items, self._pointers, self._starts, self._ends
         i, pos = bisect.bisect_right(ends, start), start
         for piece in pieces:
             src, taken = memoryview(piece).cast("B"), 0
@@ -142,8 +149,10 @@ class Sinks(Sequence[Any]):
                 if n > 0:
                     item, at = items[i], starts[i] + pos - begin
                     if isinstance(item, torch.Tensor):
+                        if item.data_ptr() != pointers[i]:
+                            raise RuntimeError("a tensor being loaded into was given other memory during the load")
                         address = address or _address(src)
-                        ctypes.memmove(item.data_ptr() + at, address + taken, n)
+                        ctypes.memmove(pointers[i] + at, address + taken, n)
                     else:
                         item[at:at + n] = src[taken:taken + n]
                     pos, taken = pos + n, taken + n

@@ -2,6 +2,7 @@
 (~0.3 s with 100,000 tensors), so a save or load must not feed them: no reference cycles left behind, and no
 objects kept per tensor by a save once its staging buffers are filled. Counted, not timed: gc.get_count()[0]
 is the tracked objects allocated and not freed since the last collection."""
+import asyncio
 import gc
 
 import torch
@@ -83,3 +84,37 @@ async def test_a_buffer_made_ahead_comes_with_its_views(make_config):
 
 async def _save_and_wait(engine: tc.Engine, step: int, state: dict[str, torch.Tensor]) -> None:
     await (await engine.save(step, state)).wait()
+
+
+async def test_settle_waits_for_the_views_of_a_buffer_made_ahead(make_config, monkeypatch):
+    """settle() and clear() wait for the buffer being made ahead until it is in the pool, its views included: a
+    buffer still making its views must not be missed by clear() (it would outlive the engine)."""
+    import threading
+
+    from tiered_ckpt.save.staging_buffer import StagingBuffer
+
+    gate, calls, original = threading.Event(), [], StagingBuffer.views_for
+
+    def gated(self, plan):
+        calls.append(self)
+        if len(calls) > 1:  # the first is save 1's own buffer; the next, the buffer made ahead
+            assert gate.wait(60)
+        return original(self, plan)
+
+    monkeypatch.setattr(StagingBuffer, "views_for", gated)
+    state = _state()
+    async with tc.Engine(make_config(tiers=[{"keep_last": 1}])) as engine:
+        try:
+            await _save_and_wait(engine, 1, state)
+            for _ in range(3000):  # until the buffer made ahead is making its views (held at the gate)
+                if len(calls) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            settling = asyncio.ensure_future(engine.pool.settle())
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert len(calls) == 2 and not settling.done()  # still making the views: settle() waits
+        finally:
+            gate.set()
+        await settling
+        assert len(engine.pool.free) == 1

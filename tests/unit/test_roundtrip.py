@@ -141,3 +141,14 @@ async def test_thousands_of_small_tensors_in_one_part(engine):
     out = {k: torch.zeros(3) for k in state}
     await engine.load(out)
     assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("view", [lambda t: t.conj(), lambda t: t._neg_view()], ids=["conj", "neg"])
+async def test_a_conjugate_or_negative_view_target_gets_the_saved_values(engine, view):
+    """Such a view's memory holds other numbers than its values: it is filled through scratch (copy_ keeps the
+    view's meaning), never by writing the saved bytes into its memory."""
+    saved = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    await (await engine.save(1, {"z": saved})).wait()
+    target = view(torch.zeros(2, dtype=torch.complex64))
+    await engine.load({"z": target})
+    assert torch.equal(target.resolve_conj().resolve_neg(), saved)

@@ -69,3 +69,21 @@ def test_sinks_keep_no_byte_view_per_tensor():
     assert grown < 20, f"{grown} tracked objects for 2000 tensors"
     sinks.scatter([bytes(16) + b"\x00\x00\x80\x3f" * 4 * 1999])  # 1.0 in every tensor but the first
     assert targets[0].sum() == 0 and all(t.tolist() == [1.0] * 4 for t in targets[1:])
+
+
+def test_a_tensor_given_other_memory_meanwhile_is_refused_not_written():
+    """A read abandoned by a timeout may still scatter from its thread; if the caller has since given the tensor
+    other memory (`t.data = ...`), nothing is written there."""
+    t = torch.zeros(4)
+    sinks = Sinks()
+    sinks.append(t)
+    t.data = torch.zeros(1)
+    with pytest.raises(RuntimeError, match="other memory"):
+        sinks.scatter([b"\x01" * 16])
+    assert t.tolist() == [0.0]
+
+
+@pytest.mark.parametrize("view", [lambda t: t.conj(), lambda t: t._neg_view()])
+def test_a_tensor_whose_bytes_are_not_its_values_is_refused(view):
+    with pytest.raises(ValueError, match="bytes are its values"):
+        Sinks().append(view(torch.zeros(2, dtype=torch.complex64)))

@@ -49,6 +49,11 @@ def test_a_manifest_round_trips_through_its_bytes_as_columns():
     (lambda cols: cols["nchunks"].__setitem__(1, bytes([2, 1, 1, 1])), "do not add up"),
     (lambda cols: cols["path"].__setitem__(1, "a"), "listed twice"),
     (lambda cols: cols["dtype"].__setitem__(1, bytes([0, 9, 2, 0])), "dtype index"),
+    # a byte range whose end overflows 64 bits, and a value above 2**63 in a shape: refused, not wrapped
+    (lambda cols: (cols["byte_offset"].__setitem__(slice(None), [8, (2 ** 62).to_bytes(8, "little") * 4]),
+                   cols["nbytes"].__setitem__(slice(None), [8, (2 ** 62).to_bytes(8, "little") * 4])), "a chunk of"),
+    (lambda cols: cols["shape"]["flat"].__setitem__(slice(None), [8, (2 ** 64 - 1).to_bytes(8, "little") * 5]),
+     "out of range"),
 ])
 def test_a_sealed_manifest_with_inconsistent_columns_is_refused_naming_the_record(damage, says):
     body = msgpack.unpackb(_body(manifest(METAS)), strict_map_key=False)

@@ -122,7 +122,8 @@ def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor
         dtype = dtype_from_str(table.dtype_names[dtypes[index]])
         # the target's own memory takes the bytes: a CPU tensor's directly, a GPU tensor's by a copy from the
         # read buffer, chunk by chunk (no host copy of it in between)
-        direct = local.device.type in ("cpu", "cuda") and local.is_contiguous() and local.dtype == dtype
+        direct = (local.device.type in ("cpu", "cuda") and local.is_contiguous() and local.dtype == dtype
+                  and not local.is_conj() and not local.is_neg())  # (a conj/neg view's bytes are not its values)
         # (a CPU target is its own sink: Sinks makes its byte view only while the scatter writes it)
         sink = _itself if local.device.type == "cpu" else DeviceBytes
         for c in range(chunk_at[index], chunk_at[index + 1]):

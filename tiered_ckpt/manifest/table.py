@@ -40,7 +40,7 @@ def _decode(data: list[Any]) -> NDArray[np.int64]:
     if int(width) not in (1, 2, 4, 8):
         raise ValueError(f"integer column of width {width!r}")
     values = np.frombuffer(raw, dtype=f"<u{int(width)}").astype(np.int64)
-    if len(values) and int(values.max()) < 0:  # a u8 above 2**63 wrapped around
+    if len(values) and int(values.min()) < 0:  # a u8 above 2**63 wrapped around
         raise ValueError("integer column out of range")
     return values
 
@@ -207,7 +207,8 @@ class TensorTable(Sequence[TensorMeta]):
         if int(self.rank.min()) < 0 or int(self.rank.max()) >= world:
             return "a chunk's rank is out of range"
         ends = np.asarray(rank_nbytes, dtype=np.int64)[self.rank]
-        bad = np.flatnonzero((self.byte_offset < 0) | (self.nbytes < 0) | (self.byte_offset + self.nbytes > ends))
+        # (nbytes > ends - byte_offset: both are non-negative then, so it cannot overflow as a sum could)
+        bad = np.flatnonzero((self.byte_offset < 0) | (self.nbytes < 0) | (self.nbytes > ends - self.byte_offset))
         if len(bad):
             tensor = int(np.searchsorted(self.chunk_at, bad[0], side="right")) - 1
             return f"a chunk of {self.paths[tensor]!r}"

@@ -213,25 +213,27 @@ class StagingPool:
         self._preparing = asyncio.ensure_future(self._prepare(nbytes, plan))
 
     async def _prepare(self, nbytes: int, plan: Plan | None) -> None:
-        try:
-            buf = await asyncio.to_thread(self._new, nbytes)
-        except BaseException as e:
-            async with self._cond:
-                self._count -= 1
-                self._cond.notify()
-            if not isinstance(e, asyncio.CancelledError):
-                log.warning("the next staging buffer could not be made ahead (%s); the next save makes it", e)
-            return
-        finally:
-            self._preparing = None
-        if plan is not None:
-            try:  # else the next save makes them while training waits
-                await asyncio.to_thread(buf.views_for, plan)
+        try:  # `_preparing` is cleared only once the buffer is in _free (settle() and clear() wait for that)
+            try:
+                buf = await asyncio.to_thread(self._new, nbytes)
+            except BaseException as e:
+                async with self._cond:
+                    self._count -= 1
+                    self._cond.notify()
+                if not isinstance(e, asyncio.CancelledError):
+                    log.warning("the next staging buffer could not be made ahead (%s); the next save makes it", e)
+                return
+            try:  # else the next save makes the views while training waits
+                if plan is not None:
+                    await asyncio.to_thread(buf.views_for, plan)
             except Exception as e:  # (it makes them again then)
                 log.warning("the next staging buffer's views could not be made ahead: %s", e)
-        async with self._cond:
-            self._free.append(buf)
-            self._cond.notify()
+            finally:  # cancelled or not, the buffer is counted: it goes where clear() finds it
+                self._free.append(buf)
+            async with self._cond:
+                self._cond.notify()
+        finally:
+            self._preparing = None
 
     async def reclaim(self, tier: str, step: int) -> None:
         """Retention retires `step` from `tier`: if a buffer holds it, its files come home as a free buffer."""
