@@ -135,9 +135,9 @@ class Sinks(Sequence[Any]):
         """Copy `pieces`, consecutive bytes of the value from byte `start` on, into the buffers (the first one is
         found by bisection, not by walking the ones before it); bytes past the last buffer are dropped. A CPU
         tensor is written at its data pointer (memmove, the GIL released; making its byte view would cost more
-        than copying a small tensor's bytes): the tensor, held here, keeps its memory alive, and a tensor whose
-        memory was swapped since it was given (`t.data = ...` while an abandoned read still runs) is refused,
-        never written at the new place."""
+        than copying a small tensor's bytes): its storage is held through each copy, so memory is never freed
+        under it, and a tensor whose memory was swapped since it was given (`t.data = ...` while an abandoned
+        read still runs) is refused, never written at the new place."""
         items, pointers, starts, ends = self._items, self._pointers, self._starts, self._ends
         i, pos = bisect.bisect_right(ends, start), start
         for piece in pieces:
@@ -149,6 +149,7 @@ class Sinks(Sequence[Any]):
                 if n > 0:
                     item, at = items[i], starts[i] + pos - begin
                     if isinstance(item, torch.Tensor):
+                        storage = item.untyped_storage()  # held through the copy: a swap meanwhile frees nothing
                         if item.data_ptr() != pointers[i]:
                             raise RuntimeError("a tensor being loaded into was given other memory during the load")
                         address = address or _address(src)
