@@ -73,7 +73,10 @@ async def test_taking_back_a_retired_buffer_waits_for_a_reader_of_its_file(make_
         await asyncio.to_thread(inside.wait, 10)
         saving = asyncio.ensure_future((await engine.save(2, state_of(2.0))).wait())
         await wait_until(lambda: engine.pool.taking_back == 1, what="retention taking back step 1's files")
-        assert not saving.done()  # retention's take-back of step 1's files waits for the reader's lock
+        # retention's take-back of step 1's files waits for the reader's lock: save 2 stays unfinished (a take-back
+        # that did not wait would finish it within milliseconds; 2 s bounds how long that is given)
+        finished, _ = await asyncio.wait([saving], timeout=2)
+        assert not finished
         leave.set()
         assert await reading == length and len(seen) == 1
         await saving
