@@ -8,7 +8,7 @@ dropped after). Hot paths read the columns: `paths`, `index_by_path`, `chunk_spa
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, overload
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, TypeVar, overload
 
 import numpy as np
 
@@ -19,6 +19,29 @@ if TYPE_CHECKING:
 
 
 ChunkRow = tuple[Sequence[int], Sequence[int], int, int, int]  # offsets, sizes, rank, byte offset, nbytes
+Row = TypeVar("Row")
+
+
+class ColumnRows(Sequence[Row]):
+    """A Sequence over columns whose rows are objects made when one is asked for (`_row`), never kept: what
+    TensorTable and the plan's LocalCopies hand out. Subclasses give `__len__` and `_row`."""
+
+    def _row(self, index: int) -> Row:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, index: int) -> Row: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Row]: ...
+
+    def __getitem__(self, index: int | slice) -> Row | list[Row]:
+        if isinstance(index, slice):
+            return [self._row(i) for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} of {len(self)}")
+        return self._row(index)
 
 
 def _starts(lengths: NDArray[np.int64]) -> NDArray[np.int64]:
@@ -45,7 +68,7 @@ def _decode(data: list[Any]) -> NDArray[np.int64]:
     return values
 
 
-class TensorTable(Sequence[TensorMeta]):
+class TensorTable(ColumnRows[TensorMeta]):
     """Tensors (path, dtype, global shape) and their chunks (box, rank, byte range in that rank's stream),
     column-wise. Per tensor t: `ndim[t]` dims at `shape[shape_at[t]:...]`, chunks `chunk_at[t]` to
     `chunk_at[t+1]`; per chunk c: `rank[c]`, `byte_offset[c]`, `nbytes[c]`, and its box's `offsets` and `sizes`
@@ -137,18 +160,7 @@ class TensorTable(Sequence[TensorMeta]):
     def __len__(self) -> int:
         return len(self.paths)
 
-    @overload
-    def __getitem__(self, index: int) -> TensorMeta: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[TensorMeta]: ...
-
-    def __getitem__(self, index: int | slice) -> TensorMeta | list[TensorMeta]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"tensor {index} of {len(self)}")
+    def _row(self, index: int) -> TensorMeta:
         first, last = int(self.chunk_at[index]), int(self.chunk_at[index + 1])
         return TensorMeta(self.paths[index], self.dtype_names[self.dtype[index]], self.shape_of(index),
                           tuple(self._chunk(c) for c in range(first, last)))

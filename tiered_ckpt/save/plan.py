@@ -19,7 +19,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple, Sequence, overload
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,7 +28,7 @@ from ..checksum import checksum
 from ..distributed.dtensor import is_dtensor, layout_key, local_box
 from ..errors import RankFailed, StateError
 from ..layout import part_count, part_range
-from ..manifest.table import TensorTable
+from ..manifest.table import ColumnRows, TensorTable
 from ..buffers import tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -70,21 +70,19 @@ class LocalCopy:
     dtype: torch.dtype
 
 
-class LocalCopies(Sequence[LocalCopy]):
+class LocalCopies(ColumnRows[LocalCopy]):
     """This rank's boxes as columns (lists of ints, tuples and dtypes): a plan is cached for as long as the state
     keeps its structure, so a LocalCopy object per tensor would be 100k more objects for every full collection
     of Python's garbage collector to walk (manifest/table.py says why that matters). A LocalCopy is made when one
     is asked for; staging reads the columns."""
 
-    def __init__(self, copies: Iterable[LocalCopy] = ()):
+    def __init__(self) -> None:
         self.index: list[int] = []
         self.dim0: list[tuple[int, int] | None] = []
         self.offset: list[int] = []
         self.nbytes: list[int] = []
         self.shape: list[tuple[int, ...]] = []
         self.dtype: list[torch.dtype] = []
-        for c in copies:
-            self.append(c.index, c.dim0, c.offset, c.nbytes, c.shape, c.dtype)
         self._in_order: bool | None = None
 
     def append(self, index: int, dim0: tuple[int, int] | None, offset: int, nbytes: int, shape: tuple[int, ...],
@@ -107,14 +105,7 @@ class LocalCopies(Sequence[LocalCopy]):
     def __len__(self) -> int:
         return len(self.index)
 
-    @overload
-    def __getitem__(self, i: int) -> LocalCopy: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[LocalCopy]: ...
-
-    def __getitem__(self, i: int | slice) -> LocalCopy | list[LocalCopy]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+    def _row(self, i: int) -> LocalCopy:
         return LocalCopy(self.index[i], self.dim0[i], self.offset[i], self.nbytes[i], self.shape[i], self.dtype[i])
 
     def __eq__(self, other: object) -> bool:
