@@ -214,8 +214,6 @@ def _tensors(raw: Any) -> TensorTable:
 
     if isinstance(raw, dict):
         return TensorTable.from_columns(raw)
-    return TensorTable.from_metas(
-        TensorMeta(t["path"], t["dtype"], tuple(t["shape"]),
-                   tuple(ChunkMeta(tuple(c["offsets"]), tuple(c["sizes"]), c["rank"], c["byte_offset"], c["nbytes"])
-                         for c in t["chunks"]))
-        for t in raw)
+    return TensorTable.from_rows((t["path"], t["dtype"], t["shape"],
+                                  [(c["offsets"], c["sizes"], c["rank"], c["byte_offset"], c["nbytes"])
+                                   for c in t["chunks"]]) for t in raw)
