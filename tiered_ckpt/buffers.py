@@ -9,13 +9,18 @@ import numpy as np
 import torch
 
 
+def byte_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (no copy; autograd detached)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy). The view holds a reference to
     the tensor's storage (through a uint8 view and its numpy array), so memory can never be freed under a
     thread that still reads or writes it, e.g. after a timed-out or cancelled read."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("tensor_bytes needs a contiguous CPU tensor")
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(byte_tensor(t).numpy()).cast("B")
 
 
 def empty_bytes(nbytes: int) -> memoryview:
@@ -34,7 +39,7 @@ class DeviceBytes:
     def __init__(self, t: torch.Tensor, start: int = 0, stop: int | None = None):
         if not t.is_contiguous():
             raise ValueError("DeviceBytes needs a contiguous tensor")
-        self.tensor = t.detach().reshape(-1).view(torch.uint8)  # shares the target's memory
+        self.tensor = byte_tensor(t)  # shares the target's memory
         self.start = start
         self.stop = self.tensor.numel() if stop is None else stop
 
@@ -71,7 +76,7 @@ class DeviceBytes:
 def as_byte_tensor(view: memoryview | DeviceBytes | torch.Tensor) -> torch.Tensor:
     """A uint8 tensor over `view`'s memory, host or device (a contiguous tensor's own bytes)."""
     if isinstance(view, torch.Tensor):
-        return view.detach().reshape(-1).view(torch.uint8)
+        return byte_tensor(view)
     return view.as_tensor() if isinstance(view, DeviceBytes) else torch.frombuffer(view, dtype=torch.uint8)
 
 
@@ -154,6 +159,7 @@ class Sinks(Sequence[Any]):
                             raise RuntimeError("a tensor being loaded into was given other memory during the load")
                         address = address or _address(src)
                         ctypes.memmove(pointers[i] + at, address + taken, n)
+                        del storage
                     else:
                         item[at:at + n] = src[taken:taken + n]
                     pos, taken = pos + n, taken + n
