@@ -206,8 +206,9 @@ class Loader:
             return decoded[r]
 
         others = [lambda r=r: skeleton_of(r) for r in range(len(manifest.ranks)) if r != source]
-        return match(state, skeleton_of(source), tensors=SavedByPath(manifest.tensors), others=others, allow_pickle=self.allow_pickle,
-                     rank=rank, saved_world=manifest.world_size, skeleton_of=skeleton_of)
+        return match(state, skeleton_of(source), tensors=SavedByPath(manifest.tensors), others=others,
+                     allow_pickle=self.allow_pickle, rank=rank, saved_world=manifest.world_size,
+                     skeleton_of=skeleton_of)
 
     async def _agree_on_step(self, step: int | None, allowed: list[str], best: Best | None,
                              ) -> tuple[CheckpointStatus, dict[str, frozenset[int]]]:

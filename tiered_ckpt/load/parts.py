@@ -2,12 +2,17 @@
 because the reads of a load (reads.py) and the heal after it (heal.py) both build them."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..layout import PartKey
 from ..manifest import Manifest
 from ..storage.verified_read import PartRead
 
+if TYPE_CHECKING:
+    from ..buffers import Sinks
 
-def part_read(manifest: Manifest, rank: int, p: int, views: list[memoryview], targets: tuple[str, ...] = (),
+
+def part_read(manifest: Manifest, rank: int, p: int, views: list[memoryview] | Sinks, targets: tuple[str, ...] = (),
               starts: tuple[int, ...] = (), spans: tuple[tuple[int, int], ...] = ()) -> PartRead:
     """Part `p` of saved rank `rank`, read into `views`: its key, length and checksums, from the manifest."""
     key = PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path

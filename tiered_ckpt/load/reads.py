@@ -208,7 +208,7 @@ def rank_spans(manifest: Manifest, rank: int) -> list[tuple[int, int]]:
 
 
 def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, int]],
-               reads: Reads) -> tuple[list[memoryview], tuple[str, ...], tuple[int, ...], tuple[tuple[int, int], ...]] | None:
+               reads: Reads) -> tuple[Sinks, tuple[str, ...], tuple[int, ...], tuple[tuple[int, int], ...]] | None:
     """The buffers that one part's bytes scatter into, in order, the keys of the targets whose own memory some
     of them are, where in the part each of those begins, and the (offset, length) in the part of every buffer
     this rank wants (the others are fillers); None if no wanted chunk is in the part."""
