@@ -97,3 +97,8 @@ def test_a_plan_holds_a_few_objects_not_several_per_tensor():
     assert plan.local[3] == LocalCopy(plan.local.index[3], None, 3 * 64, 64, (16,), torch.float32)
     assert list(plan.local)[:2] == plan.local[:2] and plan.local.in_order
     assert grown < 50, f"a plan of {N} tensors keeps {grown} tracked objects"
+
+
+def test_a_tensors_bytes_come_from_the_columns():
+    table = TensorTable.from_metas(METAS)
+    assert [table.nbytes_of(i) for i in range(4)] == [4 * 6 * 4, 8, 0, 5 * 4]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, TypeVar, ov
 
 import numpy as np
 
-from .tensors import ChunkMeta, TensorMeta
+from .tensors import ChunkMeta, TensorMeta, dtype_from_str
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -164,6 +164,13 @@ class TensorTable(ColumnRows[TensorMeta]):
         first, last = int(self.chunk_at[index]), int(self.chunk_at[index + 1])
         return TensorMeta(self.paths[index], self.dtype_names[self.dtype[index]], self.shape_of(index),
                           tuple(self._chunk(c) for c in range(first, last)))
+
+    def nbytes_of(self, index: int) -> int:
+        """A whole tensor's bytes (its global shape and dtype), without making its TensorMeta."""
+        n = dtype_from_str(self.dtype_names[self.dtype[index]]).itemsize
+        for size in self.shape_of(index):
+            n *= size
+        return n
 
     def shape_of(self, index: int) -> tuple[int, ...]:
         return tuple(self.shape[self.shape_at[index]:self.shape_at[index + 1]].tolist())

@@ -32,7 +32,7 @@ from ...storage.verified_read import Fallback, ReadLog
 from ..catalog import Catalog
 from .formats import write_dcp, write_safetensors, write_torch
 from .output import check_output
-from .reader import TensorReader, nbytes_of
+from .reader import TensorReader
 from .tree import Leaf, build_tree, items, select_subtree
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ async def export(catalog: Catalog, io: TierIO, protect: Callable[[int], Abstract
         finally:
             await io.run_blocking(io.bounce.clear)  # do not hold part-sized buffers after the export
         tensors = [leaf.index for _, leaf in items(tree) if isinstance(leaf, Leaf)]
-        info.tensors, info.nbytes = len(tensors), sum(nbytes_of(manifest.tensors[i]) for i in tensors)
+        info.tensors, info.nbytes = len(tensors), sum(manifest.tensors.nbytes_of(i) for i in tensors)
         info.bytes_by_tier, info.fallbacks = read_log.bytes_by_tier, read_log.fallbacks
     for line in info.skipped:
         log.warning("export of step %d: left out %s", info.step, line)

@@ -16,7 +16,7 @@ from ...buffers import tensor_bytes
 from ...errors import StateError
 from ...manifest import Manifest
 from .output import discard, publish, temp_path
-from .reader import TensorReader, nbytes_of
+from .reader import TensorReader
 from .tree import MISSING, SKIP, Leaf, build, count_values, dotted, items, leaves
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def _safetensors_header(tree: Any, manifest: Manifest, info: ExportInfo) -> tupl
     header: dict[str, Any] = {}
     offset = 0
     for name, index in entries:
-        meta, n = manifest.tensors[index], nbytes_of(manifest.tensors[index])
+        meta, n = manifest.tensors[index], manifest.tensors.nbytes_of(index)
         header[name] = {"dtype": dtypes[meta.dtype.removeprefix("torch.")], "shape": list(meta.shape),
                         "data_offsets": [offset, offset + n]}
         offset += n

@@ -36,7 +36,7 @@ class TensorReader:
         self.budget = manifest.part_size
         self.cache: dict[int, torch.Tensor] = {}
         self.cached = 0
-        self.total = sum(nbytes_of(manifest.tensors[i]) * n for i, n in self.uses.items())
+        self.total = sum(manifest.tensors.nbytes_of(i) * n for i, n in self.uses.items())
         self.done = 0
         self.progress = progress
         self._lock = asyncio.Lock()
@@ -54,31 +54,31 @@ class TensorReader:
                 tensor = tensors.pop(index)
                 for i, t in tensors.items():
                     self.cache[i] = t
-                    self.cached += nbytes_of(self.manifest.tensors[i])
+                    self.cached += self.manifest.tensors.nbytes_of(i)
             else:
-                self.cached -= nbytes_of(self.manifest.tensors[index])
+                self.cached -= self.manifest.tensors.nbytes_of(index)
             self.uses[index] -= 1
             if self.uses[index] > 0:  # a tie: wanted again under another name
                 self.cache[index] = tensor
-                self.cached += nbytes_of(self.manifest.tensors[index])
+                self.cached += self.manifest.tensors.nbytes_of(index)
             evicted = []
             while self.cached > self.budget and self.cache:
                 oldest = next(iter(self.cache))
-                self.cached -= nbytes_of(self.manifest.tensors[oldest])
+                self.cached -= self.manifest.tensors.nbytes_of(oldest)
                 evicted.append(self.cache.pop(oldest))
             if evicted:
                 await asyncio.to_thread(evicted.clear)  # freed in a thread: large frees take milliseconds
-            self.done += nbytes_of(self.manifest.tensors[index])
+            self.done += self.manifest.tensors.nbytes_of(index)
             if self.progress is not None:
                 self.progress(self.done, self.total)
             return tensor
 
     def _group(self, index: int) -> list[int]:
-        group, size = [index], nbytes_of(self.manifest.tensors[index])
+        group, size = [index], self.manifest.tensors.nbytes_of(index)
         for i in self.order[self.position[index] + 1:]:
             if self.uses[i] <= 0 or i in self.cache:
                 continue
-            n = nbytes_of(self.manifest.tensors[i])
+            n = self.manifest.tensors.nbytes_of(i)
             if size + n > self.budget:
                 break
             group.append(i)
@@ -126,13 +126,6 @@ def _give_back_freed_memory() -> None:
 
 
 _malloc_trim: Any = None
-
-
-def nbytes_of(meta: TensorMeta) -> int:
-    n = meta.torch_dtype.itemsize
-    for s in meta.shape:
-        n *= s
-    return n
 
 
 def _check_covered(meta: TensorMeta) -> None:
