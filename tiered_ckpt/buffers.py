@@ -81,6 +81,7 @@ def as_byte_tensor(view: memoryview | DeviceBytes | torch.Tensor) -> torch.Tenso
 
 
 Sink = Union[memoryview, DeviceBytes, torch.Tensor]  # a contiguous CPU tensor: its own bytes
+_SKIPPED = None  # a stretch of bytes nobody wants (Sinks.skip): not kept, not copied
 
 
 class Sinks(Sequence[Any]):
@@ -88,7 +89,10 @@ class Sinks(Sequence[Any]):
     a CPU tensor's byte view (tensor_bytes: three objects) is made only when the scatter reaches it and is
     dropped after. A load of 100k tensors so holds no view per tensor while it reads; as many views would be
     more for every full collection of Python's garbage collector to walk, and enough to set one off
-    (docs/benchmarks.md, many small tensors). Indexing gives the view of one buffer."""
+    (docs/benchmarks.md, many small tensors). Bytes that no one wants (the other ranks' chunks in a part this
+    rank reads, alignment padding) are skipped: no memory is made for them and nothing is copied there. So
+    only verified reads may fill Sinks (they check the bytes before they scatter them; a read that checks
+    what landed in its buffers would find nothing kept there). Indexing gives the view of one buffer."""
 
     def __init__(self) -> None:
         self._items: list[Sink] = []
@@ -109,6 +113,15 @@ class Sinks(Sequence[Any]):
         self._starts.append(start)
         self._ends.append((self._ends[-1] if self._ends else 0) + end - start)
 
+    def skip(self, nbytes: int) -> None:
+        """`nbytes` that the scatter steps over (a stretch of the value no one wants)."""
+        if nbytes < 0:
+            raise ValueError(f"skip {nbytes} bytes")
+        self._items.append(_SKIPPED)
+        self._pointers.append(0)
+        self._starts.append(0)
+        self._ends.append((self._ends[-1] if self._ends else 0) + nbytes)
+
     def length(self, i: int) -> int:
         return self._ends[i] - (self._ends[i - 1] if i else 0)
 
@@ -122,6 +135,8 @@ class Sinks(Sequence[Any]):
     def __getitem__(self, i: int) -> Any:  # (Sequence's slice form is not needed: no caller slices)
         item, start = self._items[i], self._starts[i]
         stop = start + self.length(i)
+        if item is _SKIPPED:  # memory for the bytes to land in, dropped with the view
+            return memoryview(bytearray(self.length(i)))
         if isinstance(item, torch.Tensor):
             return tensor_bytes(item)[start:stop]
         return item[start:stop]
@@ -131,7 +146,7 @@ class Sinks(Sequence[Any]):
         wanted, out = set(spans), Sinks()
         for i in range(len(self)):
             at = self._ends[i] - self.length(i)
-            if (at, self.length(i)) in wanted:
+            if self._items[i] is not _SKIPPED and (at, self.length(i)) in wanted:
                 out.append(self._items[i], self._starts[i], self._starts[i] + self.length(i))
                 out._pointers[-1] = self._pointers[i]  # (as given here: a swap since is still refused)
         return out
@@ -153,7 +168,9 @@ class Sinks(Sequence[Any]):
                 n = min(ends[i] - pos, size - taken)
                 if n > 0:
                     item, at = items[i], starts[i] + pos - begin
-                    if isinstance(item, torch.Tensor):
+                    if item is _SKIPPED:
+                        pass
+                    elif isinstance(item, torch.Tensor):
                         storage = item.untyped_storage()  # held through the copy: a swap meanwhile frees nothing
                         if item.data_ptr() != pointers[i]:
                             raise RuntimeError("a tensor being loaded into was given other memory during the load")

@@ -41,6 +41,28 @@ def test_sinks_fill_as_the_list_of_views_they_replace(start, pieces):
         assert (torch.equal(mine, theirs) if isinstance(mine, torch.Tensor) else mine == theirs)
 
 
+@pytest.mark.parametrize("start, pieces", [(0, [bytes(range(1, 29))]), (3, [b"\x05" * 20]), (25, [b"\x06" * 9])])
+def test_skipped_bytes_are_stepped_over_and_the_rest_filled_as_before(start, pieces):
+    """A skipped stretch (a chunk the rank does not want) takes its place in the value like the filler buffer it
+    replaces, but keeps no memory: the buffers around it get the same bytes."""
+    sinks, _, held = _layout()
+    skipping = Sinks()
+    a, raw, b = torch.zeros(3, dtype=torch.int32), bytearray(8), torch.zeros(10, dtype=torch.uint8)
+    skipping.append(a)
+    skipping.append(memoryview(raw), 2, 7)
+    skipping.append(memoryview(bytearray(0)))
+    skipping.append(b, 4, 10)
+    skipping.skip(5)
+    sinks.scatter(pieces, start)
+    skipping.scatter(pieces, start)
+    assert skipping.nbytes == sinks.nbytes == 28 and skipping.length(4) == 5
+    assert torch.equal(a, held[0]) and bytes(raw) == bytes(held[1]) and torch.equal(b, held[2])
+    assert len(skipping[4]) == 5  # a view of it (for a driver that reads into views) is fresh memory
+    assert skipping.select([(23, 5)]).nbytes == 0  # never a wanted buffer
+    with pytest.raises(ValueError):
+        skipping.skip(-1)
+
+
 def test_indexing_gives_each_buffer_and_select_takes_spans():
     sinks, _, (a, raw, b, _) = _layout()
     assert [sinks.length(i) for i in range(len(sinks))] == [12, 5, 0, 6, 5]

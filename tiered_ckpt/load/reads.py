@@ -211,7 +211,7 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
                reads: Reads) -> tuple[Sinks, tuple[str, ...], tuple[int, ...], tuple[tuple[int, int], ...]] | None:
     """The buffers that one part's bytes scatter into, in order, the keys of the targets whose own memory some
     of them are, where in the part each of those begins, and the (offset, length) in the part of every buffer
-    this rank wants (the others are fillers); None if no wanted chunk is in the part."""
+    this rank wants (the bytes between them are skipped); None if no wanted chunk is in the part."""
     start = part * manifest.part_size
     end = start + manifest.part_length(rank, part)
     first = max(bisect.bisect_right(spans, (start,)) - 1, 0)
@@ -226,18 +226,18 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
         if offset + nbytes <= start:
             continue
         if offset > pos:
-            views.append(memoryview(bytearray(offset - pos)))  # alignment padding
+            views.skip(offset - pos)  # alignment padding
         lo, hi = max(offset, start), min(offset + nbytes, end)
         dest = reads.dests.get((rank, offset))
         pieces = reads.subs.get((rank, offset)) if dest is None else None
-        if pieces:  # only some stretches of the chunk: fillers around them
+        if pieces:  # only some stretches of the chunk: the bytes around them skipped
             at = lo
             for piece_start, piece, where in pieces:
                 a, b = max(offset + piece_start, lo), min(offset + piece_start + len(piece), hi)
                 if b <= a:
                     continue
                 if a > at:
-                    views.append(memoryview(bytearray(a - at)))
+                    views.skip(a - at)
                 views.append(piece, a - offset - piece_start, b - offset - piece_start)
                 wanted.append((a - start, b - a))
                 if where is not None:  # a target's own memory (not a piece of scratch)
@@ -245,9 +245,9 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
                     starts.append(a - start)
                 at = b
             if hi > at:
-                views.append(memoryview(bytearray(hi - at)))
+                views.skip(hi - at)
         elif dest is None:
-            views.append(memoryview(bytearray(hi - lo)))  # a chunk this rank does not need
+            views.skip(hi - lo)  # a chunk this rank does not need
         else:
             views.append(dest, lo - offset, hi - offset)
             wanted.append((lo - start, hi - lo))
@@ -256,7 +256,7 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
                 starts.append(lo - start)
         pos = hi
     if end > pos:
-        views.append(memoryview(bytearray(end - pos)))
+        views.skip(end - pos)
     return (views, tuple(targets), tuple(starts), tuple(wanted)) if wanted else None
 
 
