@@ -131,18 +131,21 @@ class Coordinator:
         self.collectives += 1
         await asyncio.to_thread(dist.broadcast, tensor, src=src, group=group)
 
-    async def send_tensor(self, tensor: Any, dst: int) -> None:
-        """Point to point on the engine's group (dst: a global rank); the receiver calls recv_tensor."""
+    def post_send(self, tensor: Any, dst: int, tag: int) -> Any:
+        """Start sending `tensor` to `dst` (a global rank) on the engine's group; the work to wait on. The
+        receiver posts a receive with the same tag. Many may be in flight at once, each pair of ranks matching
+        its messages by tag, so transfers that do not depend on each other never wait for each other."""
         import torch.distributed as dist
 
         self.collectives += 1
-        await asyncio.to_thread(dist.send, tensor, dst, self.group)
+        return dist.isend(tensor, dst, self.group, tag)
 
-    async def recv_tensor(self, tensor: Any, src: int) -> None:
+    def post_recv(self, tensor: Any, src: int, tag: int) -> Any:
+        """Start receiving into `tensor` from `src` (a global rank) the message sent with `tag`; the work."""
         import torch.distributed as dist
 
         self.collectives += 1
-        await asyncio.to_thread(dist.recv, tensor, src, self.group)
+        return dist.irecv(tensor, src, self.group, tag)
 
     async def on_first(self, fn: Callable[[], Awaitable[T]], doing: str,
                        answers: tuple[type[Exception], ...] = ()) -> T:
