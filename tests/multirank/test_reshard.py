@@ -89,3 +89,31 @@ def test_dp2_tp2_checkpoint_loads_into_other_layouts(tmp_path):
 
     result = asyncio.run(single_process())
     assert all(result.values()), result
+
+
+async def _load_expecting_failure(rank: int, world: int, root: str) -> dict:
+    target = state("shard4", world, False)
+    async with tc.Engine(config(root)) as engine:
+        try:
+            await engine.load(target)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
+def test_a_part_its_reader_cannot_read_fails_every_rank_and_hangs_none(tmp_path):
+    """Saved rank 1's part damaged on every tier: at another layout each loading rank wants byte spans of it,
+    sent by the one rank that reads it. That reader finds no intact copy; the others, whose receives are already
+    posted, get its word (and a payload they drop) instead of waiting forever; every rank raises, naming it."""
+    root = str(tmp_path)
+    run_ranks(_save, 4, root)
+    damaged = sorted(p for p in tmp_path.rglob("part-*") if "rank-00001" in str(p) or "/1/" in str(p))
+    assert damaged, sorted(str(p) for p in tmp_path.rglob("part-*"))
+    for path in damaged:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    results = run_ranks(_load_expecting_failure, 4, root, timeout=120)
+    errors = [r["error"] or "" for r in results]
+    assert sum("rank-00001/part-000000: no tier returned it intact" in e for e in errors) == 1, errors  # the reader
+    assert sum("part (1, 0): rank" in e and "its reader, found no intact copy" in e for e in errors) == 3, errors
