@@ -185,9 +185,10 @@ def run_reshard_bench(width: int, blocks: int, base: Path, repeats: int = 3) -> 
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # python -m tiered_ckpt.bench.reshard [width] [blocks]
+if __name__ == "__main__":  # python -m tiered_ckpt.bench.reshard [width] [blocks] [repeats]
     import sys
 
     print(run_reshard_bench(int(sys.argv[1]) if len(sys.argv) > 1 else 256,
-                            int(sys.argv[2]) if len(sys.argv) > 2 else 8, Path(tempfile.gettempdir())))
+                            int(sys.argv[2]) if len(sys.argv) > 2 else 8, Path(tempfile.gettempdir()),
+                            int(sys.argv[3]) if len(sys.argv) > 3 else 3))
     os._exit(0)

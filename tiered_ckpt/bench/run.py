@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reshard", action="store_true",
                    help="only multi-rank loads that change the layout (FSDP2 2 -> 4, FSDP2 x TP 2x2 -> FSDP2 4), "
                         "tiered_ckpt beside DCP, in fresh processes: 8 MLP blocks of width 256 with AdamW, 48 MiB "
-                        "(bench/reshard.py; python -m tiered_ckpt.bench.reshard WIDTH BLOCKS for other sizes)")
+                        "(bench/reshard.py; python -m tiered_ckpt.bench.reshard WIDTH BLOCKS REPEATS for other sizes)")
     p.add_argument("--host-budget", action="store_true",
                    help="only host memory held while saving, with and without [engine] host_memory, each in a fresh "
                         "process: a memory tier with keep_last 4 and a budget for two checkpoints (bench/host_budget.py; "
