@@ -113,7 +113,7 @@ def test_a_part_its_reader_cannot_read_fails_every_rank_and_hangs_none(tmp_path)
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
-    results = run_ranks(_load_expecting_failure, 4, root, timeout=120)
+    results = run_ranks(_load_expecting_failure, 4, root, timeout=60)
     errors = [r["error"] or "" for r in results]
     assert sum("rank-00001/part-000000: no tier returned it intact" in e for e in errors) == 1, errors  # the reader
     assert sum("part (1, 0): rank" in e and "its reader, found no intact copy" in e for e in errors) == 3, errors
