@@ -123,8 +123,9 @@ MUTANTS = {
     "reserve-makes-nothing": ("tiered_ckpt/save/pool.py", "return max(0, most - (self._count - unfit) - fitting_retained)",
                               "return 0", ["tests/unit/test_reserve.py"]),
     "failed-reader-sends-nothing": (  # the ranks waiting for its spans would wait forever
-        "tiered_ckpt/load/broadcast.py", "        ok = status[0] == 1\n", "        ok = status[0] == 1\n        if not ok:\n"
-        "            return\n", ["tests/multirank/test_reshard.py", "-k", "reader_cannot_read"]),
+        "tiered_ckpt/load/broadcast.py", "        sending = asyncio.ensure_future(",
+        "        if buffer is None:\n            return\n        sending = asyncio.ensure_future(",
+        ["tests/multirank/test_reshard.py", "-k", "reader_cannot_read"]),
 }
 
 

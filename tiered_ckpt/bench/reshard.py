@@ -152,7 +152,7 @@ def _spawn(world: int, *args: Any) -> list[dict[str, Any]]:
     return [pickle.loads(Path(args[0], f"{args[1]}{r}.pkl").read_bytes()) for r in range(world)]
 
 
-def run_reshard_bench(width: int, blocks: int, base: Path, repeats: int = 3) -> str:
+def run_reshard_bench(width: int, blocks: int, base: Path, repeats: int = 4) -> str:
     """Every scenario: one save, then `repeats` loads by each library in fresh processes, taking turns at going
     first (4 ranks on a small machine are noisy: one pair of loads says little); a markdown table with every
     load's seconds and the ratio of the medians."""
@@ -190,5 +190,5 @@ if __name__ == "__main__":  # python -m tiered_ckpt.bench.reshard [width] [block
 
     print(run_reshard_bench(int(sys.argv[1]) if len(sys.argv) > 1 else 256,
                             int(sys.argv[2]) if len(sys.argv) > 2 else 8, Path(tempfile.gettempdir()),
-                            int(sys.argv[3]) if len(sys.argv) > 3 else 3))
+                            int(sys.argv[3]) if len(sys.argv) > 3 else 4))
     os._exit(0)

@@ -31,6 +31,7 @@ class Coordinator:
         self.world_size = world_size
         self.group = group
         self.collectives = 0  # how many collectives this coordinator issued (tests count them)
+        self.next_tag = 0  # the first tag the next load's point-to-point transfers may use (load/broadcast.py)
         self.timeout = 600.0  # seconds, for the subgroups too
         self.session = new_session()  # names this opening's key folder on the tiers
         self._subgroups: dict[tuple[int, ...], Any] = {}
@@ -134,17 +135,16 @@ class Coordinator:
     def post_send(self, tensor: Any, dst: int, tag: int) -> Any:
         """Start sending `tensor` to `dst` (a global rank) on the engine's group; the work to wait on. The
         receiver posts a receive with the same tag. Many may be in flight at once, each pair of ranks matching
-        its messages by tag, so transfers that do not depend on each other never wait for each other."""
+        its messages by tag, so transfers that do not depend on each other never wait for each other. (Called
+        from threads: the caller counts them in `collectives`.)"""
         import torch.distributed as dist
 
-        self.collectives += 1
         return dist.isend(tensor, dst, self.group, tag)
 
     def post_recv(self, tensor: Any, src: int, tag: int) -> Any:
         """Start receiving into `tensor` from `src` (a global rank) the message sent with `tag`; the work."""
         import torch.distributed as dist
 
-        self.collectives += 1
         return dist.irecv(tensor, src, self.group, tag)
 
     async def on_first(self, fn: Callable[[], Awaitable[T]], doing: str,

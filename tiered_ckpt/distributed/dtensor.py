@@ -1,7 +1,6 @@
 """DTensor helpers: which box of a global tensor this rank holds. Plain tensors are their own single box."""
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -25,21 +24,27 @@ def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[
     if any(p.is_partial() for p in placements):
         raise StateError("a DTensor with a Partial placement must be reduced (redistribute) before saving")
     coordinate = t.device_mesh.get_coordinate()
-    sizes, offsets = _box_of(tuple(t.shape), t.device_mesh, placements, None if coordinate is None else tuple(coordinate))
-    return tuple(t.shape), offsets, sizes
+    key = (tuple(t.shape), tuple(t.device_mesh.shape), None if coordinate is None else tuple(coordinate), placements)
+    try:
+        box = _boxes.get(key)
+    except TypeError:  # a placement that cannot be hashed (a user's own): not remembered
+        key, box = None, None
+    if box is None:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        box = tuple(sizes), tuple(offsets)
+        if key is not None:
+            if len(_boxes) >= 4096:
+                _boxes.clear()
+            _boxes[key] = box
+    return tuple(t.shape), box[1], box[0]
 
 
-@functools.lru_cache(maxsize=4096)
-def _box_of(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...],
-            coordinate: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(local sizes, global offsets) of the box that the rank at `coordinate` of `mesh` holds, once per layout: a
-    parameter and its optimizer states share one, and DTensor's computation takes 10-100 µs a call (a load of
-    a model with AdamW asked for it twice per tensor). Keyed by the rank's place in the mesh too: a process that
-    joins another group as another rank gets its own answer."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
-    return tuple(sizes), tuple(offsets)
+# (global shape, mesh shape, this rank's place in the mesh, placements) -> (local sizes, global offsets): all
+# that DTensor's computation reads of the mesh, which takes 10-100 µs a call; a parameter and its optimizer
+# states share one layout, and a load asked for it twice per tensor. No mesh is held: groups are not kept alive.
+_boxes: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
 
 def layout_key(t: torch.Tensor) -> tuple[Any, ...]:

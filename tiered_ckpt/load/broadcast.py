@@ -79,19 +79,21 @@ def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]], holdings: Se
 async def _exchange_spans(coordinator: Coordinator, transfers: list[tuple[int, PartId, tuple[int, ...], int]],
                           prefetch: dict[PartId, asyncio.Future[str]], buffers: dict[PartId, torch.Tensor],
                           parts: dict[PartId, PartRead], everyone: list, lengths: dict[PartId, int], io: TierIO,
-                          log: ReadLog) -> list[BaseException]:
+                          log: ReadLog, first_tag: int) -> list[BaseException]:
     """The parts sent as byte spans that this rank reads or receives, `transfers` = [(plan index, part, members,
     reader)], all at once: each part's reader sends each other member, as soon as its read is done, whether the
     read was intact (8 bytes) and then the spans that member wants (all of the part where it wants it whole);
-    a member has posted its receives first, tagged by the part's place in the plan, and scatters each payload
-    as it comes. No transfer waits for another (one at a time, in the plan's order, a rank waited for every
-    part before its own: 60 ms of a 0.4 s resharding load on 4 ranks). A reader whose read failed still sends
-    (a payload of the right length, never used), so every posted receive completes. The errors: the reader's
-    own, or a member's whose reader found no intact copy."""
+    a member has posted its receives first, tagged `first_tag` + twice the part's place in the plan (a load's
+    tags are its own: a receive left behind by an earlier, abandoned load takes none of its messages), and
+    scatters the payloads in the plan's order. No send waits for another (one at a time, in the plan's order, a
+    rank waited for every part before its own: 60 ms of a 0.4 s resharding load on 4 ranks). Every posted
+    message is sent and every posted work waited for, whatever fails: a reader whose read failed (or whose own
+    share could not be written) still sends, a payload of zeros of the right length that no one uses, since a
+    send dropped before it completes is cancelled and its receiver would wait out the group's timeout. The
+    errors: the reader's own, or a member's whose reader found no intact copy."""
     me = coordinator.rank
-    errors: list[BaseException] = []
-    written: list[tuple[str, ...]] = []  # the targets each received payload reached (filled in a thread)
-    received = [0]
+    errors: list[BaseException] = []  # (appended to from threads too)
+    intact, failed = torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)  # never written once sent
 
     def post_receives() -> list[tuple[PartId, int, torch.Tensor, torch.Tensor, object, object]]:
         posted = []
@@ -100,11 +102,13 @@ async def _exchange_spans(coordinator: Coordinator, transfers: list[tuple[int, P
                 part = parts[key]
                 status = torch.zeros(1, dtype=torch.int64)
                 payload = torch.empty(sum(n for _, n in part.spans) if part.spans else lengths[key], dtype=torch.uint8)
-                posted.append((key, reader, status, payload, coordinator.post_recv(status, reader, 2 * i),
-                               coordinator.post_recv(payload, reader, 2 * i + 1)))
+                posted.append((key, reader, status, payload, coordinator.post_recv(status, reader, first_tag + 2 * i),
+                               coordinator.post_recv(payload, reader, first_tag + 2 * i + 1)))
         return posted
 
-    def receive_all(posted: list) -> None:
+    def receive_all(posted: list) -> tuple[int, list[tuple[str, ...]]]:
+        """Wait for every posted receive (a failed fill does not stop the others from being waited for)."""
+        received, written = 0, []
         for key, reader, status, payload, status_work, payload_work in posted:
             status_work.wait()
             payload_work.wait()
@@ -112,45 +116,67 @@ async def _exchange_spans(coordinator: Coordinator, transfers: list[tuple[int, P
                 errors.append(IntegrityError(f"part {key}: rank {reader}, its reader, found no intact copy"))
                 continue
             part = parts[key]
-            fill(part.wanted_views() if part.spans else part.views, [tensor_bytes(payload)])
-            received[0] += payload.numel()
+            try:
+                fill(part.wanted_views() if part.spans else part.views, [tensor_bytes(payload)])
+            except Exception as e:
+                errors.append(e)
+                continue
+            received += payload.numel()
             written.append(part.targets)
+        return received, written
 
-    async def send(i: int, key: PartId, members: tuple[int, ...]) -> None:
-        status = torch.zeros(1, dtype=torch.int64)
+    def payload_for(key: PartId, member: int, buffer: torch.Tensor | None) -> torch.Tensor:
+        wanted = everyone[member][3].get(key, ((0, lengths[key]),))
+        if buffer is None:  # the read failed: the right length, never used
+            return torch.zeros(sum(n for _, n in wanted), dtype=torch.uint8)
+        if len(wanted) == 1:  # one stretch (or the whole part): a view of the read buffer, no copy
+            return buffer[wanted[0][0]:wanted[0][0] + wanted[0][1]]
+        return torch.cat([buffer[a:a + n] for a, n in wanted])
+
+    def post_and_wait(i: int, key: PartId, members: tuple[int, ...], buffer: torch.Tensor | None) -> None:
+        """In one thread, so the works are never dropped unwaited, whatever the caller meets meanwhile."""
+        works = []
         try:
-            await prefetch[key]
-            status[0] = 1
-        except Exception as e:
-            errors.append(e)
-        ok = status[0] == 1
-        buffer = buffers.pop(key, None)
-
-        def post() -> list[object]:
-            works = []
             for m in members:
                 if m != me:
-                    wanted = everyone[m][3].get(key, ((0, lengths[key]),))
-                    payload = (torch.cat([buffer[a:a + n] for a, n in wanted]) if ok and buffer is not None
-                               else torch.empty(sum(n for _, n in wanted), dtype=torch.uint8))
-                    works += [coordinator.post_send(status, m, 2 * i), coordinator.post_send(payload, m, 2 * i + 1)]
-            return works
+                    try:
+                        payload, status = payload_for(key, m, buffer), (intact if buffer is not None else failed)
+                    except Exception as e:  # (no memory for a copy of the spans): zeros, and the word
+                        errors.append(e)
+                        payload, status = payload_for(key, m, None), failed
+                    works.append(coordinator.post_send(status, m, first_tag + 2 * i))
+                    works.append(coordinator.post_send(payload, m, first_tag + 2 * i + 1))
+        finally:
+            for work in works:
+                work.wait()
 
-        works = await asyncio.to_thread(post)
-        if ok and key in parts and buffer is not None:  # the reader's own share
-            await io.run_blocking(fill, parts[key].views, [tensor_bytes(buffer)])
-            log.overwritten.update(parts[key].targets)
-        await asyncio.to_thread(lambda: [w.wait() for w in works])
+    async def send(i: int, key: PartId, members: tuple[int, ...]) -> None:
+        await asyncio.wait([prefetch[key]])  # its outcome, whatever it is: this rank sends either way
+        read, buffer = prefetch[key], buffers.pop(key, None)
+        if read.cancelled():
+            errors.append(IntegrityError(f"part {key}: its read was cancelled"))
+            buffer = None
+        elif read.exception() is not None:
+            errors.append(read.exception())  # type: ignore[arg-type]
+            buffer = None
+        sending = asyncio.ensure_future(asyncio.to_thread(post_and_wait, i, key, members, buffer))
+        try:
+            if buffer is not None and key in parts:  # the reader's own share, while the sends go
+                await io.run_blocking(fill, parts[key].views, [tensor_bytes(buffer)])
+                log.overwritten.update(parts[key].targets)
+        finally:
+            await sending
 
     posted = await asyncio.to_thread(post_receives)  # before any send: no send waits for an unposted receive
-    receiving = asyncio.to_thread(receive_all, posted)
-    try:
-        await asyncio.gather(receiving, *(send(i, key, members) for i, key, members, reader in transfers
-                                          if reader == me))
-    finally:
-        log.bytes_received += received[0]
-        for targets in written:
+    coordinator.collectives += 2 * len(posted) + 2 * sum(len(m) - 1 for _, _, m, reader in transfers if reader == me)
+    outcomes = await asyncio.gather(asyncio.to_thread(receive_all, posted),
+                                    *(send(i, key, members) for i, key, members, reader in transfers if reader == me),
+                                    return_exceptions=True)  # each runs its part of the exchange to the end
+    if isinstance(outcomes[0], tuple):
+        log.bytes_received += outcomes[0][0]
+        for targets in outcomes[0][1]:
             log.overwritten.update(targets)
+    errors.extend(o for o in outcomes if isinstance(o, BaseException))
     return errors
 
 
@@ -172,11 +198,15 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
     wanted = sorted((k, p.length) for k, p in parts.items())
     spans = {k: p.spans for k, p in parts.items() if p.spans and sum(n for _, n in p.spans) < p.length}  # parts I
     # want only some bytes of: the spans I want
-    everyone = await coordinator.all_gather_object((ready, wanted, mine, spans))
-    if not all(ok for ok, _, _, _ in everyone):
+    everyone = await coordinator.all_gather_object((ready, wanted, mine, spans, coordinator.next_tag))
+    if not all(e[0] for e in everyone):
         return  # a rank failed before reading: no one reads; the load's agreement reports it
-    plan, lengths = plan_broadcasts([w for _, w, _, _ in everyone], [h for _, _, h, _ in everyone], order,
-                                    [{k: sum(n for _, n in v) for k, v in sp.items()} for _, _, _, sp in everyone])
+    plan, lengths = plan_broadcasts([e[1] for e in everyone], [e[2] for e in everyone], order,
+                                    [{k: sum(n for _, n in v) for k, v in e[3].items()} for e in everyone])
+    first_tag = max(e[4] for e in everyone)  # this load's tags follow every earlier load's, on every rank
+    if first_tag + 2 * len(plan) >= 2**30:
+        first_tag = 0
+    coordinator.next_tag = first_tag + 2 * len(plan)
     shared = {key for key, _, _ in plan}
     partial = {key for key, members, reader in plan  # some rank wants less than the whole part: sent its spans
                if any(key in everyone[m][3] for m in members if m != reader)}
@@ -210,7 +240,7 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
         transfers = [(i, key, members, reader) for i, (key, members, reader) in enumerate(plan)
                      if key in partial and me in members]
         exchange = asyncio.create_task(_exchange_spans(coordinator, transfers, prefetch, buffers, parts, everyone,
-                                                       lengths, io, log))
+                                                       lengths, io, log, first_tag))
         tasks.append(exchange)
         for key, members, reader in plan:  # whole parts, to every member of a replica group: broadcast, in order
             if me not in members or key in partial:
