@@ -4,6 +4,7 @@ out the group's timeout, and each load's messages carry tags of their own."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import torch
@@ -15,7 +16,7 @@ from tiered_ckpt.storage.verified_read import PartRead, ReadLog
 
 from .spawn import run_ranks
 
-N = 16 << 20  # a part large enough that its sends are still in flight when the reader's own write fails
+N = 64 << 20  # a part large enough that its sends are still in flight when the reader's own write fails
 KEY = (0, 0)
 
 
@@ -47,8 +48,12 @@ async def _exchange(rank: int, world: int, swap: bool, value: int) -> dict:
     errors = await _exchange_spans(coordinator, [(0, KEY, (0, 1), 0)], prefetch, buffers, parts, everyone, {KEY: N},
                                    _Threads(), ReadLog(), coordinator.next_tag)
     coordinator.next_tag += 2
-    return {"errors": [str(e) for e in errors], "seconds": time.perf_counter() - started,
-            "got": sorted(set(mine.tolist()))}
+    seconds, said = time.perf_counter() - started, [str(e) for e in errors]
+    del errors  # with them any frame that still held the sends' works: a work dropped unfinished cancels its send
+    gc.collect()
+    if rank == 0:
+        await asyncio.sleep(2)  # (the member's receive, if its send was cancelled, now waits for the timeout)
+    return {"errors": said, "seconds": seconds, "got": sorted(set(mine.tolist()))}
 
 
 async def _two_loads(rank: int, world: int) -> list[dict]:
