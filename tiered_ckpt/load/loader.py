@@ -261,10 +261,19 @@ class SavedByPath(Mapping[str, SavedTensor]):
     def __init__(self, table: TensorTable):
         self.table = table
         self.index = table.index_by_path()
+        self._dtypes: list[Any] = [None] * len(table.dtype_names)  # by the table's dtype index, made on first use
+        # (a dtype this torch lacks fails only the load of a tensor that has it)
 
     def __getitem__(self, path: str) -> SavedTensor:
         i = self.index[path]
-        return SavedTensor(i, dtype_from_str(self.table.dtype_names[self.table.dtype[i]]), self.table.shape_of(i))
+        d = self.table.dtype[i]
+        dtype = self._dtypes[d]
+        if dtype is None:
+            dtype = self._dtypes[d] = dtype_from_str(self.table.dtype_names[d])
+        return SavedTensor(i, dtype, self.table.shape_of(i))
+
+    def get(self, path: str, default: Any = None) -> Any:  # (Mapping's own goes through a KeyError per miss)
+        return self[path] if path in self.index else default
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.table.paths)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -15,9 +15,9 @@ from .skeleton import (PerRank, PerRankMark, Pickled, TensorAlias, TensorRef, _i
                        path_str, per_rank_name)
 
 
-@dataclass(frozen=True)
-class SavedTensor:
-    """What a load needs to know of one saved tensor: its position in the manifest, dtype and shape."""
+class SavedTensor(NamedTuple):
+    """What a load needs to know of one saved tensor: its position in the manifest, dtype and shape. (A
+    NamedTuple: made once per tensor a load pairs, in half the time of a frozen dataclass.)"""
 
     index: int
     dtype: torch.dtype
@@ -270,10 +270,10 @@ class Matcher:
             raise StateError(f"{where!r} is a tensor in the given state but a {type(saved_value).__name__} "
                              f"in the checkpoint")
         meta = self.saved_tensor(name, where)
-        if tuple(value.shape) != tuple(meta.shape):
+        if value.shape != meta.shape:  # (torch.Size compares with a tuple as a tuple)
             raise StateError(f"tensor {where!r}: the given state has shape {tuple(value.shape)}, the checkpoint "
                              f"has shape {tuple(meta.shape)}")
-        if value.device.type == "meta":
+        if value.is_meta:
             raise StateError(f"tensor {where!r} is on the meta device: it has no memory to load into "
                              f"(materialize it first, e.g. model.to_empty(device=...))")
         if _overlaps_itself(value):
@@ -358,6 +358,8 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     """Several elements of `t` are one memory location (a stride 0 along a dimension of size > 1, or any other
     overlapping view): writing into it is refused by torch."""
     local = t.to_local() if type(t).__name__ == "DTensor" else t
+    if local.is_contiguous():  # the common case, decided in C: a contiguous tensor never overlaps itself
+        return False
     if any(stride == 0 and size > 1 for size, stride in zip(local.shape, local.stride())):
         return True
     check = getattr(torch, "_debug_has_internal_overlap", None)  # 1: overlaps; 0: no; 2: too hard to tell
