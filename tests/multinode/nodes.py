@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -175,13 +176,18 @@ class Node:
 
 
 def free_port(*hosts: str) -> int:
-    """A TCP port free on every one of hosts (a node's redis binds only its own address)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((hosts[0], 0))
-            port = s.getsockname()[1]
+    """A TCP port free on every one of hosts (a node's redis binds only its own address), below the kernel's
+    ephemeral range: a port that bind(0) hands out is from that range, and between this check and the server's
+    own bind an outgoing connection (gloo's, a Redis client's) can take it (a job's TCPStore once failed with
+    EADDRINUSE so)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    for _ in range(200):
+        port = random.randrange(10000, max(ephemeral, 10001))
         try:
-            for host in hosts[1:]:
+            for host in hosts:
                 with socket.socket() as s:
                     s.bind((host, port))
             return port
