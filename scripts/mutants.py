@@ -123,8 +123,8 @@ MUTANTS = {
     "reserve-makes-nothing": ("tiered_ckpt/save/pool.py", "return max(0, most - (self._count - unfit) - fitting_retained)",
                               "return 0", ["tests/unit/test_reserve.py"]),
     "failed-reader-sends-nothing": (  # the ranks waiting for its spans would wait forever
-        "tiered_ckpt/load/broadcast.py", "        sending = asyncio.ensure_future(",
-        "        if buffer is None:\n            return\n        sending = asyncio.ensure_future(",
+        "tiered_ckpt/load/broadcast.py", "        await asyncio.to_thread(post, i, key, members, buffer)\n",
+        "        if buffer is not None:\n            await asyncio.to_thread(post, i, key, members, buffer)\n",
         ["tests/multirank/test_reshard.py", "-k", "reader_cannot_read"]),
 }
 

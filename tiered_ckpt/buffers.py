@@ -89,8 +89,8 @@ class Sinks(Sequence[Any]):
     a CPU tensor's byte view (tensor_bytes: three objects) is made only when the scatter reaches it and is
     dropped after. A load of 100k tensors so holds no view per tensor while it reads; as many views would be
     more for every full collection of Python's garbage collector to walk, and enough to set one off
-    (docs/benchmarks.md, many small tensors). Bytes that no one wants (the other ranks' chunks in a part this
-    rank reads, alignment padding) are skipped: no memory is made for them and nothing is copied there. So
+    (docs/benchmarks.md, many small tensors). Bytes that this rank does not want (other ranks' chunks in a part
+    it reads, alignment padding) are skipped: the scatter makes no memory for them and copies nothing there. So
     only verified reads may fill Sinks (they check the bytes before they scatter them; a read that checks
     what landed in its buffers would find nothing kept there). Indexing gives the view of one buffer."""
 

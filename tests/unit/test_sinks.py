@@ -10,7 +10,8 @@ from tiered_ckpt.storage.tiers.base import scatter
 
 
 def _layout():
-    """A tensor, a memoryview range, an empty buffer, a range of a tensor and a filler: as part_views makes."""
+    """A tensor, a memoryview range, an empty buffer, a range of a tensor and a filler buffer (part_views now
+    skips such bytes: Sinks.skip, tested below against this layout)."""
     a, b = torch.zeros(3, dtype=torch.int32), torch.zeros(10, dtype=torch.uint8)
     raw, filler = bytearray(8), bytearray(5)
     sinks = Sinks()

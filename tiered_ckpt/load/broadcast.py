@@ -7,7 +7,7 @@ ranks on a node holding it). It is read by one rank that reaches it there: one t
 such a rank (the one with the fewest bytes assigned so far, so readers spread), else a rank on the node that
 holds it. It reaches the others whole, broadcast on a subgroup of the ranks that need it and its reader, when
 every one of them wants the whole part (replicas); otherwise the reader sends each rank only the byte spans
-it wants (a rank whose part holds a replicated 0-d optimizer step beside another rank's shard receives 8
+it wants (a rank whose part holds a replicated 0-d optimizer step beside another rank's shard receives its 4
 bytes, not the part), all such transfers at once, each matched by a tag. Every rank walks the same global
 list of broadcasts in the same order, so the collectives cannot cross. Parts only one rank needs and can read
 at their best tier are read by it directly.
@@ -86,11 +86,13 @@ async def _exchange_spans(coordinator: Coordinator, transfers: list[tuple[int, P
     a member has posted its receives first, tagged `first_tag` + twice the part's place in the plan (a load's
     tags are its own: a receive left behind by an earlier, abandoned load takes none of its messages), and
     scatters the payloads in the plan's order. No send waits for another (one at a time, in the plan's order, a
-    rank waited for every part before its own: 60 ms of a 0.4 s resharding load on 4 ranks). Every posted
-    message is sent and every posted work waited for, whatever fails: a reader whose read failed (or whose own
-    share could not be written) still sends, a payload of zeros of the right length that no one uses, since a
-    send dropped before it completes is cancelled and its receiver would wait out the group's timeout. The
-    errors: the reader's own, or a member's whose reader found no intact copy."""
+    rank waited for every part before its own: 60 ms of a 0.4 s resharding load on 4 ranks): a reader posts a
+    part's sends as soon as its read is done, and the works are waited for together at the end. Every posted
+    message is sent and every posted work waited for, whatever fails, since a send dropped before it completes
+    is cancelled and its receiver would wait out the group's timeout: a reader whose read failed still sends, a
+    payload of zeros of the right length with the word that it failed; one whose own share could not be
+    written sends the spans as read. The errors: the reader's own, or a member's whose reader found no intact
+    copy."""
     me = coordinator.rank
     errors: list[BaseException] = []  # (appended to from threads too)
     intact, failed = torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)  # never written once sent
@@ -133,22 +135,25 @@ async def _exchange_spans(coordinator: Coordinator, transfers: list[tuple[int, P
             return buffer[wanted[0][0]:wanted[0][0] + wanted[0][1]]
         return torch.cat([buffer[a:a + n] for a, n in wanted])
 
-    def post_and_wait(i: int, key: PartId, members: tuple[int, ...], buffer: torch.Tensor | None) -> None:
-        """In one thread, so the works are never dropped unwaited, whatever the caller meets meanwhile."""
-        works = []
-        try:
-            for m in members:
-                if m != me:
-                    try:
-                        payload, status = payload_for(key, m, buffer), (intact if buffer is not None else failed)
-                    except Exception as e:  # (no memory for a copy of the spans): zeros, and the word
-                        errors.append(e)
-                        payload, status = payload_for(key, m, None), failed
-                    works.append(coordinator.post_send(status, m, first_tag + 2 * i))
-                    works.append(coordinator.post_send(payload, m, first_tag + 2 * i + 1))
-        finally:
-            for work in works:
+    sent: list[object] = []  # the works of every send posted: all waited for at the end, whatever happened
+
+    def post(i: int, key: PartId, members: tuple[int, ...], buffer: torch.Tensor | None) -> None:
+        for m in members:
+            if m != me:
+                try:
+                    payload, status = payload_for(key, m, buffer), (intact if buffer is not None else failed)
+                except Exception as e:  # (no memory for a copy of the spans): zeros, and the word
+                    errors.append(e)
+                    payload, status = payload_for(key, m, None), failed
+                sent.append(coordinator.post_send(status, m, first_tag + 2 * i))
+                sent.append(coordinator.post_send(payload, m, first_tag + 2 * i + 1))
+
+    def wait_sent() -> None:
+        for work in sent:
+            try:
                 work.wait()
+            except Exception as e:  # (a broken group: the others are still waited for)
+                errors.append(e)
 
     async def send(i: int, key: PartId, members: tuple[int, ...]) -> None:
         await asyncio.wait([prefetch[key]])  # its outcome, whatever it is: this rank sends either way
@@ -159,19 +164,19 @@ async def _exchange_spans(coordinator: Coordinator, transfers: list[tuple[int, P
         elif read.exception() is not None:
             errors.append(read.exception())  # type: ignore[arg-type]
             buffer = None
-        sending = asyncio.ensure_future(asyncio.to_thread(post_and_wait, i, key, members, buffer))
-        try:
-            if buffer is not None and key in parts:  # the reader's own share, while the sends go
-                await io.run_blocking(fill, parts[key].views, [tensor_bytes(buffer)])
-                log.overwritten.update(parts[key].targets)
-        finally:
-            await sending
+        await asyncio.to_thread(post, i, key, members, buffer)
+        if buffer is not None and key in parts:  # the reader's own share, while the sends go
+            await io.run_blocking(fill, parts[key].views, [tensor_bytes(buffer)])
+            log.overwritten.update(parts[key].targets)
 
     posted = await asyncio.to_thread(post_receives)  # before any send: no send waits for an unposted receive
     coordinator.collectives += 2 * len(posted) + 2 * sum(len(m) - 1 for _, _, m, reader in transfers if reader == me)
-    outcomes = await asyncio.gather(asyncio.to_thread(receive_all, posted),
-                                    *(send(i, key, members) for i, key, members, reader in transfers if reader == me),
-                                    return_exceptions=True)  # each runs its part of the exchange to the end
+    try:
+        outcomes = await asyncio.gather(asyncio.to_thread(receive_all, posted),
+                                        *(send(i, key, members) for i, key, members, reader in transfers
+                                          if reader == me), return_exceptions=True)  # each runs to its end
+    finally:  # a send dropped before it completes is cancelled, and its receiver would wait for the timeout
+        await asyncio.to_thread(wait_sent)
     if isinstance(outcomes[0], tuple):
         log.bytes_received += outcomes[0][0]
         for targets in outcomes[0][1]:

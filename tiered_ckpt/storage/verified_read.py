@@ -55,7 +55,7 @@ class PartRead:
     spans: tuple[tuple[int, int], ...] = ()  # (offset, length) in the part of the views the caller wants (a load)
 
     def wanted_views(self) -> list[memoryview] | Sinks:
-        """The views that `spans` names, in order (the others fill the bytes the caller does not want)."""
+        """The views that `spans` names, in order (the others take, or skip, the bytes the caller does not want)."""
         if not isinstance(self.views, list):  # Sinks
             return self.views.select(self.spans)
         wanted, at, out = set(self.spans), 0, []
