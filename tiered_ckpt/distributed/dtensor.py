@@ -23,8 +23,8 @@ def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[
     placements = tuple(t.placements)
     if any(p.is_partial() for p in placements):
         raise StateError("a DTensor with a Partial placement must be reduced (redistribute) before saving")
-    coordinate = t.device_mesh.get_coordinate()
-    key = (tuple(t.shape), tuple(t.device_mesh.shape), None if coordinate is None else tuple(coordinate), placements)
+    shape, coordinate = tuple(t.shape), t.device_mesh.get_coordinate()
+    key = (shape, tuple(t.device_mesh.shape), None if coordinate is None else tuple(coordinate), placements)
     try:
         box = _boxes.get(key)
     except TypeError:  # a placement that cannot be hashed (a user's own): not remembered
@@ -32,13 +32,13 @@ def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[
     if box is None:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        sizes, offsets = compute_local_shape_and_global_offset(shape, t.device_mesh, placements)
         box = tuple(sizes), tuple(offsets)
         if key is not None:
             if len(_boxes) >= 4096:
                 _boxes.clear()
             _boxes[key] = box
-    return tuple(t.shape), box[1], box[0]
+    return shape, box[1], box[0]
 
 
 # (global shape, mesh shape, this rank's place in the mesh, placements) -> (local sizes, global offsets): all
