@@ -16,7 +16,10 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu(shm_dir):
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert r["device"] == "cpu" and 0.99 * (4 << 20) <= r["bytes"] <= 4 << 20
-    assert len(r["save_plain"]) == len(r["save_reserved"]) == len(r["durable_reserved"]) == 4
-    assert r["load_exact"] is True and r["ordering"] == {"eager": True, "lazy": True}
+    assert len(r["save_plain"]) == len(r["save_reserved"]) == len(r["durable_reserved"]) == 6
+    assert len(r["save_reserved_noearly"]) == 6
+    assert r["load_exact"] is True
+    assert r["ordering"] == {"eager": True, "lazy": True, "eager, launched during the walk": True}
+    assert r["early_fallbacks"] == {"same": True, "moved to the host": True, "cut shorter": True, "added": True}
     assert r["loop"]["steps"] == 2 and len(r["loop"]["runs"]["lazy"]) == 1
     assert not list(shm_dir.iterdir())  # its memory tier's folders are gone with it

@@ -2,8 +2,8 @@
 
 `python -m tiered_ckpt.bench.gpu [--size 1GiB] [--json]`, on a machine with CUDA:
 
-- **staging (device → host):** the blocked time of `save()` of a state held in GPU memory (saves 1–4, with
-  and without `reserve`) beside one pinned `cudaMemcpy` of the same bytes (the hardware's D2H bandwidth),
+- **staging (device → host):** the blocked time of `save()` of a state held in GPU memory (saves 1–6, with
+  and without `reserve`, and without the copies launched during the walk) beside one pinned `cudaMemcpy` of the same bytes (the hardware's D2H bandwidth),
   the same tensors copied one by one into a pinned buffer, a copy into pageable memory, and DCP's
   `async_save` with its pinned stager;
 - **ordering:** a save issued right behind a queue of kernels that still write the saved tensor holds the
@@ -100,16 +100,19 @@ def copy_baselines(state: dict[str, torch.Tensor], device: torch.device, repeats
 
 
 async def staging(state: dict[str, torch.Tensor], device: torch.device, shm: Path, work: Path,
-                  saves: int = 4) -> dict[str, Any]:
-    """Blocked time of saves 1..`saves` of `state` (on `device`), without and with reserve(); then a load of
-    the last save into zeroed tensors on `device`, checked bit-exact."""
+                  saves: int = 6) -> dict[str, Any]:
+    """Blocked time of saves 1..`saves` of `state` (on `device`), without and with reserve(), and with the
+    copies launched during the walk turned off (save/early.py) beside the same engine with them on; then a
+    load of the last save into zeroed tensors on `device`, checked bit-exact."""
     import tiered_ckpt as tc
 
     nbytes = state_nbytes(state)
     out: dict[str, Any] = {}
-    for reserved, gather in ((False, True), (True, False), (True, True)):
-        job = ("reserved" if reserved else "plain") + ("" if gather else "_nogather")
+    for reserved, gather, early in ((False, True, True), (True, True, False), (True, False, True), (True, True, True)):
+        job = ("reserved" if reserved else "plain") + ("" if gather else "_nogather") + ("" if early else "_noearly")
         async with tc.Engine(_config(shm, work, job, nbytes, **({} if gather else {"gpu_gather": 0}))) as engine:
+            if not early:
+                engine._saver.early = None  # the walk launches nothing: every copy waits for the plan
             if reserved:
                 await engine.reserve(state)
             blocked, durable = [], []
@@ -151,7 +154,9 @@ async def ordering(device: torch.device, shm: Path, work: Path) -> dict[str, boo
     out = {}
     x = torch.ones(64 << 20, device=device)  # 256 MiB: each kernel on it takes a while
     async with tc.Engine(_config(shm, work, "ordering", x.numel() * 4)) as engine:
-        for step, lazy in ((1, False), (2, True)):
+        _early_on_the_cpu(engine, device)
+        # saves 2 and 3 launch their copy during the walk (save/early.py), with the kernels still queued
+        for step, lazy in ((1, False), (2, True), (3, False)):
             if device.type == "cuda":
                 torch.cuda._sleep(1 << 30)  # holds the training stream for ~0.5 s: the writes below wait behind it
             for _ in range(20):
@@ -162,7 +167,8 @@ async def ordering(device: torch.device, shm: Path, work: Path) -> dict[str, boo
             await handle.wait()
             back = {"x": torch.zeros_like(x)}
             await engine.load(back, step=step, tiers=["host"])
-            out["lazy" if lazy else "eager"] = bool(torch.equal(back["x"], expected))
+            out["lazy" if lazy else "eager" if step == 1 else "eager, launched during the walk"] = \
+                bool(torch.equal(back["x"], expected))
         if device.type == "cuda":  # a load while the caller's own stream still has a write to the target queued
             stream = torch.cuda.Stream(device)
             with torch.cuda.stream(stream):
@@ -171,6 +177,49 @@ async def ordering(device: torch.device, shm: Path, work: Path) -> dict[str, boo
                 await engine.load(back, step=2, tiers=["host"])
             torch.cuda.synchronize(device)
             out["load"] = bool(torch.equal(back["x"], expected))
+    return out
+
+
+def _early_on_the_cpu(engine: Any, device: torch.device) -> None:
+    """On the CPU (the tests' run) the engine launches nothing during the walk: make it launch the host copies,
+    so the checks here run the same guesses and fallbacks as on a GPU."""
+    if device.type == "cpu":
+        from ..save.early import EarlyCopies
+        engine._saver.early = EarlyCopies(host_sources=True)
+
+
+async def early_fallbacks(device: torch.device, shm: Path, work: Path) -> dict[str, bool]:
+    """The copies launched during the walk are a guess from the last save. A save whose state changed since
+    must still hold its own values: checked bit-exact for the same state again, a tensor moved to the host, a
+    tensor cut shorter and a tensor added, each saved between two saves of the first state (which must also
+    come back exact after the change)."""
+    import tiered_ckpt as tc
+
+    first = {"a": torch.randn(4 << 20, device=device), "b": torch.randn(1 << 20, device=device),
+             **{f"n{i}": torch.randn(1000, device=device) for i in range(10)}}  # the ten are gathered
+    changes: dict[str, Callable[[dict], dict]] = {
+        "same": lambda s: s,
+        "moved to the host": lambda s: {**s, "b": s["b"].cpu()},
+        "cut shorter": lambda s: {**s, "b": s["b"][: 1 << 19]},
+        "added": lambda s: {**s, "z": torch.randn(2 << 20, device=device)}}
+    out = {}
+    async with tc.Engine(_config(shm, work, "early", 2 * state_nbytes(first))) as engine:
+        _early_on_the_cpu(engine, device)
+        await (await engine.save(1, first)).wait()
+        step = 1
+        for name, change in changes.items():
+            exact = True
+            for state in (change(first), first):
+                step += 1
+                for t in first.values():
+                    t.add_(1)  # queued on the training stream when save() is called
+                handle = await engine.save(step, state)
+                expected = {k: v.clone() for k, v in state.items()}
+                await handle.wait()
+                back = {k: torch.zeros_like(v) for k, v in state.items()}
+                await engine.load(back, step=step, tiers=["host"])
+                exact = exact and all(torch.equal(back[k], expected[k]) for k in state)
+            out[name] = exact
     return out
 
 
@@ -342,6 +391,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         out.update(copy_baselines(state, device, args.repeats))
         out.update(asyncio.run(staging(state, device, shm, work)))
         out["ordering"] = asyncio.run(ordering(device, shm, work))
+        out["early_fallbacks"] = asyncio.run(early_fallbacks(device, shm, work))
         if args.dcp:
             try:
                 out.update(dcp_async(state, work, args.repeats))
@@ -364,13 +414,14 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"| {name} | {s:.4f} | {gib / s:.1f} | {memcpy / s:.2f} |")
 
     lines.insert(2, "durable on the memory tier (from save()): " + ", ".join(
-        f"{job} {' '.join(f'{d:.3f}' for d in r['durable_' + job])} s" for job in ("plain", "reserved", "reserved_nogather")
-        if "durable_" + job in r))
+        f"{job} {' '.join(f'{d:.3f}' for d in r['durable_' + job])} s"
+        for job in ("plain", "reserved", "reserved_nogather", "reserved_noearly") if "durable_" + job in r))
     lines.insert(3, "")
     row("pinned cudaMemcpy, one flat copy", memcpy)
     row("pinned, tensor by tensor", r["d2h_pinned_per_tensor"])
     row("pageable", r["d2h_pageable"])
-    names = {"plain": "", "reserved": " (reserved)", "reserved_nogather": " (reserved, gpu_gather = 0)"}
+    names = {"plain": "", "reserved": " (reserved)", "reserved_nogather": " (reserved, gpu_gather = 0)",
+             "reserved_noearly": " (reserved, no copies launched during the walk)"}
     for job, suffix in names.items():
         for i, s in enumerate(r.get(f"save_{job}", []), 1):
             row(f"tiered_ckpt save {i}{suffix}", s)
@@ -393,7 +444,8 @@ def report(r: dict[str, Any]) -> str:
     if "pin_alloc_one" in r:
         lines += ["", f"pinning {format_size(r['bytes'])}: {r['pin_alloc_one']:.3f} s in one allocation, "
                       f"{r['pin_alloc_per_tensor']:.3f} s in one per tensor"]
-    lines += ["", f"ordering behind queued kernels: {r['ordering']}"]
+    lines += ["", f"ordering behind queued kernels: {r['ordering']}",
+              f"saves of a changed state, after copies launched for the old one (bit-exact): {r['early_fallbacks']}"]
     if "loop" in r:
         lp = r["loop"]
         lines += ["", f"training loop: GPT of {lp['params'] / 1e6:.0f}M parameters, state "

@@ -13,19 +13,24 @@ import torch
 from ..distributed.dtensor import local_tensor
 
 if TYPE_CHECKING:
+    from .early import EarlyCopies, Launch
     from .gather import Gatherer
     from .plan import Plan
     from .staging_buffer import StagingBuffer
 
 
-def producer_events(tensors: Sequence[torch.Tensor] | None = None) -> dict[torch.device, Any]:
-    """For each CUDA device that `tensors` live on (None: the current device), an event recorded now on the
-    calling thread's current stream: the point after which the tensors hold the values to save. Staging
-    copies wait for it, so a copy can never read a tensor before a pending kernel (the optimizer step, the
-    forward) has written it. Record it in the thread that runs the training step. Empty without CUDA."""
+def producer_events(tensors: Sequence[torch.Tensor] | None = None, *,
+                    devices: Sequence[torch.device] | None = None) -> dict[torch.device, Any]:
+    """For each CUDA device that `tensors` live on (or each of `devices`; neither: the current device), an
+    event recorded now on the calling thread's current stream: the point after which the tensors hold the
+    values to save. Staging copies wait for it, so a copy can never read a tensor before a pending kernel (the
+    optimizer step, the forward) has written it. Record it in the thread that runs the training step. Empty
+    without CUDA."""
     if not torch.cuda.is_available():
         return {}
-    if tensors is None:
+    if devices is not None:  # known already (early.py: the last staging's)
+        indexes = {d.index for d in devices}
+    elif tensors is None:
         indexes = {torch.cuda.current_device()}
     else:  # get_device(): an int (-1 on the host), cheaper than a torch.device per tensor of 100k
         indexes = {t.get_device() for t in map(local_tensor, tensors) if t.is_cuda}
@@ -82,25 +87,49 @@ def _copy_reporting(src: torch.Tensor, dst: torch.Tensor, offset: int, report: C
         report(offset + end * dst.element_size())
 
 
+def _sources(plan: Plan, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+    """The local tensor (rows) each box of the plan is copied from, and its CUDA device (None on the host)."""
+    sources = [local_tensor(tensors[i]) for i in plan.local.index]
+    for at, dim0 in enumerate(plan.local.dim0):
+        if dim0 is not None:
+            sources[at] = sources[at].narrow(0, *dim0)
+    return sources, [s.device if s.is_cuda else None for s in sources]
+
+
+def prepare(plan: Plan, tensors: Sequence[torch.Tensor], gatherer: Gatherer | None,
+            early: EarlyCopies | None) -> None:
+    """What the first staging of `plan` would make, made ahead (`Engine.reserve`): the gather's GPU scratch,
+    and what `early` learns, so the first save already launches its copies during the walk."""
+    _, devices = _sources(plan, tensors)
+    gathered: set[int] = set()
+    if gatherer is not None and any(d is not None for d in devices):
+        with gatherer.lock:
+            gathered = {i for layout in gatherer.layouts(plan, devices).values() for i in layout.indexes}
+    if early is not None:
+        early.learn(plan, devices, gathered)
+
+
 def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
           events: Mapping[torch.device, Any] | None = None, staged_up_to: Callable[[int], None] | None = None,
-          gatherer: Gatherer | None = None) -> None:
+          gatherer: Gatherer | None = None, launch: Launch | None = None, early: EarlyCopies | None = None) -> None:
     """Copy this rank's boxes into `buf` at the plan's offsets. Runs in a worker thread (copy_ drops the
     GIL). CUDA tensors are copied on side streams ordered after `events` (see stream_steps), small ones
     gathered on their GPU first where `gatherer` has room (gather.py).
     `staged_up_to(n)`: the first n bytes of the buffer hold their final bytes (called as CPU copies progress,
     so parts can be checksummed while later ones are still being copied; once more at the end). Never called
-    when a source is on a GPU or the plan is out of buffer order: nothing is known until the end then."""
+    when a source is on a GPU or the plan is out of buffer order: nothing is known until the end then.
+    `launch`: copies already launched during the walk (early.py), kept where they fit this plan and these
+    sources, else waited for and made again. `early` learns from a staging that succeeded."""
     local = plan.local
     report = staged_up_to if local.in_order else None
-    sources = [local_tensor(tensors[i]) for i in local.index]
-    for at, dim0 in enumerate(local.dim0):
-        if dim0 is not None:
-            sources[at] = sources[at].narrow(0, *dim0)
+    sources, devices = _sources(plan, tensors)
     views = buf.views_for(plan)
-    devices = [s.device if s.is_cuda else None for s in sources]
     gathering = gatherer is not None and any(d is not None for d in devices)
-    streams: dict[torch.device, Any] = {}
+    if launch is not None and not launch.fits(plan, devices):
+        launch.synchronize()  # the guess was wrong: its copies land before this staging writes the buffer again
+        launch = None
+    streams: dict[torch.device, Any] = dict(launch.streams) if launch is not None else {}
+    ready = set(streams)  # side streams made, and ordered after the producer, by the launch
     selected: list[Any] = []  # the side stream's context while it is the current stream
     with contextlib.ExitStack() as held, torch.no_grad():
         layouts: dict[Any, Any] = {}
@@ -110,7 +139,8 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
             layouts = gatherer.layouts(plan, devices)
             if not layouts:  # nothing to gather in this plan: other stagings need not wait
                 held.close()
-        skip = {i for layout in layouts.values() for i in layout.indexes}
+        gathered = {i for layout in layouts.values() for i in layout.indexes}
+        skip = gathered | launch.launched if launch is not None else gathered
         try:  # on any error, the side streams' queued copies finish before the buffer can go back to the pool
             for step in stream_steps(devices, events or {}, layouts.keys(), skip):
                 op = step[0]
@@ -123,6 +153,8 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
                         _copy_reporting(src, dst, local.offset[index], report)
                     else:
                         dst.copy_(src)
+                elif step[1] in ready and op in ("stream", "wait_event", "wait_stream"):
+                    pass
                 elif op == "stream":
                     streams[step[1]] = torch.cuda.Stream(device=step[1])
                 elif op == "wait_event":
@@ -154,3 +186,5 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
     # each in a thread of its own (faster than one stream over the whole buffer)
     if report is not None and not streams:
         report(buf.view.nbytes)
+    if early is not None:
+        early.learn(plan, devices, gathered)

@@ -18,6 +18,7 @@ from ..state import FlatState
 from ..storage.tier_io import TierIO
 from .commit import Committer
 from .copy import stage
+from .early import EarlyCopies, Launch
 from .handle import SaveHandle
 from .plan import Plan
 from .pool import StagingPool
@@ -48,7 +49,8 @@ class SaveServices:
 
 class SaveJob:
     def __init__(self, services: SaveServices, step: int, flat: FlatState, plan: Plan, buffer: StagingBuffer,
-                 handle: SaveHandle, tiers: list[str], metadata: dict[str, Any], events: Mapping[Any, Any]):
+                 handle: SaveHandle, tiers: list[str], metadata: dict[str, Any], events: Mapping[Any, Any],
+                 launch: Launch | None = None, early: EarlyCopies | None = None):
         self.services = services
         self.step = step
         self.flat = flat
@@ -56,6 +58,8 @@ class SaveJob:
         self.handle = handle
         self.tiers = tiers
         self.events = events  # CUDA: the producer streams' state at save() time (copy.producer_events)
+        self.launch = launch  # copies launched into `buffer` during the walk (early.py)
+        self.early = early
         io, commit = services.io, services.commit
         self.records = Records(io, commit, step, plan, flat.skeleton, metadata, services.checksum)
         self.source = PartSource(io, services.pool, buffer, self.records, tiers)
@@ -77,10 +81,14 @@ class SaveJob:
         hash_staged = (lambda up_to: self.records.hash_staged(buffer.view, up_to)) if HASH_WHILE_STAGING else None
         try:
             await self.services.io.run_copy(stage, self.plan, self.flat.tensors, buffer, self.events, hash_staged,
-                                            self.services.pool.gatherer)
+                                            self.services.pool.gatherer, self.launch, self.early)
         except BaseException as e:
+            if self.launch is not None:  # its copies land before the buffer can go back to the pool
+                await asyncio.to_thread(self.launch.synchronize)
             self.handle.set_staged(e)
             raise
+        finally:
+            self.launch = None
         self.handle.set_staged()
         self.flat.tensors = []  # drop references to the caller's tensors
         if buffer.files is not None:

@@ -152,6 +152,7 @@ class Planner:
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple, Plan] = OrderedDict()
         self.misses = 0
+        self.last: Plan | None = None  # the plan of the last save (the next one most likely gets it again)
 
     @property
     def rank(self) -> int:
@@ -162,6 +163,7 @@ class Planner:
         plan = self._cache.get(key)
         if plan is not None:
             self._cache.move_to_end(key)
+            self.last = plan
             return plan
         self.misses += 1
         error: BaseException | None = None
@@ -178,6 +180,7 @@ class Planner:
         self._cache[key] = plan
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
+        self.last = plan
         return plan
 
 

@@ -12,6 +12,7 @@ import warnings
 from typing import Any, Callable, Mapping
 
 import msgpack
+import torch
 
 from ..config import Config
 from ..distributed.coordinator import Coordinator
@@ -19,8 +20,9 @@ from ..errors import CheckpointExists, ConfigError, RankFailed, SaveError, State
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.writer import Writer
 from ..sizes import format_size
-from ..state import flatten
-from .copy import producer_events
+from ..state import FlatState, flatten
+from .copy import prepare, producer_events
+from .early import EarlyCopies, Launch
 from .reserve import Reservation, room_error
 from .handle import SaveHandle
 from .host_budget import HostFit, fit_host_memory, ranks_per_machine
@@ -47,6 +49,7 @@ class Saver:
         self._max_jobs = config.engine.max_inflight + 2 * len(config.tiers)
         self._unobserved: list[SaveHandle] = []
         self.host_fit: HostFit | None = None  # how the stack fits [engine] host_memory for the current state size
+        self.early = EarlyCopies() if torch.cuda.is_available() else None  # where the next save's copies go
 
     async def save(self, step: int, state: Any, *, lazy: bool, metadata: dict[str, Any] | None,
                    ready_events: Mapping[Any, Any] | None) -> SaveHandle:
@@ -72,27 +75,45 @@ class Saver:
         # exists": a second trainer of the job learns of the writer it runs beside, not that it should delete N
         await self.writer.become()
         self._check_new(step)
+        launch = await self._launch(ready_events)  # GPU copies launched during the walk (early.py), or None
         try:
-            metadata = _checked_metadata(metadata)
-            # in a thread: a state of 100k tensors takes a second of Python, and the loop serves saves in flight
-            flat = await asyncio.to_thread(flatten, state, allow_pickle=engine.allow_pickle, rank=rank)
-        except Exception as e:
-            if not self.coordinator.distributed:
-                raise
-            raise await self._failed_before_plan(step, targets, e) from e
-        events = producer_events(flat.tensors) if ready_events is None else ready_events
-        handle = SaveHandle(step, targets, started=started)
-        plan = await self.planner.plan(flat.paths, flat.tensors)
-        self._fit_host_memory(plan)  # the same verdict on every rank (from every rank's bytes), before any buffer
+            try:
+                metadata = _checked_metadata(metadata)
+                # in a thread: a state of 100k tensors takes a second of Python, and the loop serves saves in flight
+                flat = await asyncio.to_thread(_walk, state, engine.allow_pickle, rank, launch)
+            except Exception as e:
+                if not self.coordinator.distributed:
+                    raise
+                raise await self._failed_before_plan(step, targets, e) from e
+            if ready_events is not None:
+                events = ready_events
+            elif launch is not None and launch.ok:
+                events = launch.events  # recorded before the walk, for the devices that every box's source is on
+            else:
+                events = producer_events(flat.tensors)
+            handle = SaveHandle(step, targets, started=started)
+            plan = await self.planner.plan(flat.paths, flat.tensors)
+            if launch is not None and plan is not launch.plan:  # the state changed: its buffer may not fit
+                launch, dropped = None, launch
+                await self._drop_launch(dropped)
+            self._fit_host_memory(plan)  # the same verdict on every rank (from every rank's bytes), before any buffer
+        except BaseException:
+            if launch is not None:
+                await self._drop_launch(launch)
+            raise
         handle.nbytes = plan.nbytes
-        while len(self.jobs) >= self._max_jobs:  # bounded: a burst waits here, like a full staging pool
-            await asyncio.wait([j.task for j in self.jobs if j.task is not None], return_when=asyncio.FIRST_COMPLETED)
-        pool = self.services.pool
-        if pool.exhausted:
-            for job in self.jobs:
-                job.request_detach()
-        buffer = await pool.acquire(plan.nbytes)
-        job = SaveJob(self.services, step, flat, plan, buffer, handle, targets, metadata, events)
+        if launch is not None:
+            buffer = launch.buffer
+        else:
+            while len(self.jobs) >= self._max_jobs:  # bounded: a burst waits here, like a full staging pool
+                await asyncio.wait([j.task for j in self.jobs if j.task is not None],
+                                   return_when=asyncio.FIRST_COMPLETED)
+            pool = self.services.pool
+            if pool.exhausted:
+                for job in self.jobs:
+                    job.request_detach()
+            buffer = await pool.acquire(plan.nbytes)
+        job = SaveJob(self.services, step, flat, plan, buffer, handle, targets, metadata, events, launch, self.early)
         job.start()
         self.jobs.append(job)
         self.busy.saving(step, handle)
@@ -101,6 +122,31 @@ class Saver:
         if not lazy:
             await handle.staged()
         return handle
+
+    async def _launch(self, ready_events: Mapping[Any, Any] | None) -> Launch | None:
+        """Take a buffer for the plan of the last save and start a launch into it, where that save had GPU
+        tensors to copy and nothing has to wait (no full pool, no burst of saves): those take the usual path."""
+        known, plan = self.early.learned if self.early is not None else None, self.planner.last
+        if known is None or plan is None or plan is not known.plan or not known.rows:
+            return None
+        pool = self.services.pool
+        if len(self.jobs) >= self._max_jobs or pool.exhausted:
+            return None
+        if ready_events is None:  # recorded at once: the values at save(), as the walk goes on in a thread
+            ready_events = producer_events(devices=known.cuda)
+        buffer = await pool.acquire(plan.nbytes)
+        assert self.early is not None
+        launch = self.early.launch(plan, buffer, ready_events)
+        if launch is None:
+            await pool.release(buffer)
+        return launch
+
+    async def _drop_launch(self, launch: Launch) -> None:
+        """A launch that no save will use: its copies land, then its buffer goes back to the pool."""
+        try:
+            await asyncio.to_thread(launch.synchronize)
+        finally:
+            await self.services.pool.release(launch.buffer)
 
     async def reserve(self, state: Any) -> Reservation:
         """Engine.reserve (collective, like a save: every rank calls it with its state)."""
@@ -137,6 +183,8 @@ class Saver:
         try:
             await pool.drop_unfit(plan.nbytes)  # free buffers made for a state of another size
             await pool.reserve(plan.nbytes, count, plan)
+            if self.early is not None:  # the gather's scratch too, and where the first save's copies go
+                await asyncio.to_thread(prepare, plan, flat.tensors, pool.gatherer, self.early)
         except Exception as e:
             error = e
             if arena is not None and isinstance(e, OSError) and not isinstance(e, TierError) \
@@ -206,6 +254,13 @@ class Saver:
         self.busy.saved(job.step)
         if not job.handle.observed and job.handle.errors:
             self._unobserved.append(job.handle)
+
+
+def _walk(state: Any, allow_pickle: bool, rank: int, launch: Launch | None) -> FlatState:
+    if launch is None:
+        return flatten(state, allow_pickle=allow_pickle, rank=rank)
+    with launch:
+        return flatten(state, allow_pickle=allow_pickle, rank=rank, on_tensor=launch.on_tensor)
 
 
 def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -11,9 +11,11 @@ from .skeleton import (MAX_DEPTH, _PLAIN, _UNSUPPORTED, FlatState, PerRank, PerR
                        _check_text, _data_ptr, _is_stateful, _view_key, check_dtype, path_str, per_rank_name,
                        tensor_ref)
 
-def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0) -> FlatState:
+def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0,
+            on_tensor: Callable[[int, torch.Tensor], None] | None = None) -> FlatState:
     """Walk `state`; tensors go to FlatState.tensors, the rest into the skeleton. Errors name the key: of a
-    value that cannot be stored, and of a container that contains itself (a tree is stored, not a graph)."""
+    value that cannot be stored, and of a container that contains itself (a tree is stored, not a graph).
+    `on_tensor(index, tensor)` is called as each tensor is added (a save launches copies from it: early.py)."""
     flat = FlatState(skeleton=None)
     seen: dict[int, int | list[int]] = {}  # address → index (or indexes) in flat.tensors: ties are saved once
     names: set[str] = set()
@@ -68,6 +70,8 @@ def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0) -> FlatSta
                 seen[ptr] = len(flat.tensors)  # an int: no object per tensor (the common case, no tie)
         flat.tensors.append(value)  # staging copies under no_grad: no detach needed
         flat.paths.append(name)
+        if on_tensor is not None:
+            on_tensor(len(flat.tensors) - 1, value)
         return tensor_ref(len(flat.tensors) - 1)
 
     def walk_leaf(value: Any, path: tuple[Any, ...], where: str, per_rank: bool) -> Any:
