@@ -16,7 +16,7 @@ class Recording(EarlyCopies):
     """Launches host copies, and keeps every launch it hands out."""
 
     def __init__(self):
-        super().__init__(host_sources=True)
+        super().__init__(min_bytes=1, host_sources=True)
         self.launches = []
 
     def launch(self, plan, buffer, events):
@@ -101,7 +101,7 @@ async def test_stage_redoes_a_launch_made_for_another_plan():
     old_plan = await planner.plan(old_flat.paths, old_flat.tensors)
     new_plan = await planner.plan(new_flat.paths, new_flat.tensors)
     buf = StagingBuffer(max(old_plan.nbytes, new_plan.nbytes), pin=False)
-    early = EarlyCopies(host_sources=True)
+    early = EarlyCopies(min_bytes=1, host_sources=True)
     early.learn(old_plan, [None] * len(old_plan.local), set())
     launch = early.launch(old_plan, buf, {})
     with launch:
@@ -118,7 +118,7 @@ def test_a_tensor_on_another_device_stops_the_launch():
     flat = flatten(state(1.0))
     import asyncio
     plan = asyncio.run(Planner(part_size=1 << 20).plan(flat.paths, flat.tensors))
-    early = EarlyCopies()
+    early = EarlyCopies(min_bytes=1)
     early.learn(plan, [torch.device("cuda", 0)] * len(plan.local), set())
     launch = early.launch(plan, StagingBuffer(plan.nbytes, pin=False), {})
     launch.on_tensor(0, flat.tensors[0])  # no `with`: no side stream is made, and none is needed to refuse

@@ -174,7 +174,7 @@ async def ordering(device: torch.device, shm: Path, work: Path) -> dict[str, boo
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(1 << 30)
                 back["x"].fill_(7.0)
-                await engine.load(back, step=2, tiers=["host"])
+                await engine.load(back, step=3, tiers=["host"])
             torch.cuda.synchronize(device)
             out["load"] = bool(torch.equal(back["x"], expected))
     return out
@@ -185,7 +185,7 @@ def _early_on_the_cpu(engine: Any, device: torch.device) -> None:
     so the checks here run the same guesses and fallbacks as on a GPU."""
     if device.type == "cpu":
         from ..save.early import EarlyCopies
-        engine._saver.early = EarlyCopies(host_sources=True)
+        engine._saver.early = EarlyCopies(min_bytes=1, host_sources=True)
 
 
 async def early_fallbacks(device: torch.device, shm: Path, work: Path) -> dict[str, bool]:

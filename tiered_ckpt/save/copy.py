@@ -153,7 +153,7 @@ def stage(plan: Plan, tensors: Sequence[torch.Tensor], buf: StagingBuffer,
                         _copy_reporting(src, dst, local.offset[index], report)
                     else:
                         dst.copy_(src)
-                elif step[1] in ready and op in ("stream", "wait_event", "wait_stream"):
+                elif op in ("stream", "wait_event", "wait_stream") and step[1] in ready:
                     pass
                 elif op == "stream":
                     streams[step[1]] = torch.cuda.Stream(device=step[1])

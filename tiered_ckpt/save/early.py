@@ -4,7 +4,8 @@ A save of GPU tensors blocks for the walk of the state (`flatten`), the plan's k
 DMA that needs no CPU, so the Python before it is time the link sits idle (a third of a 1 GiB save on an H200).
 Saves are SPMD and a state keeps its structure from one save to the next, so the last staging of a plan says
 where each tensor will go: `EarlyCopies` remembers it, and the next save, holding a buffer for that plan
-before it walks, launches each large CUDA tensor's copy on its side stream as soon as the walk reaches it.
+before it walks, launches each large CUDA tensor's copy (over 1 MiB) on its side stream as soon as the walk
+reaches it.
 
 A launch is a guess, checked twice: each copy only where the tensor's device, dtype and shape are those of
 its place in the buffer, and the whole only where the walked state then gets the same plan (its key: names,
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 import torch
 
 from ..distributed.dtensor import local_tensor
+from .gather import SMALL
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -40,7 +42,10 @@ class EarlyCopies:
     """What the last staging of a plan learned: each box's source device, and which boxes to launch early
     (CUDA ones that the gather leaves alone). One per engine; `learn` runs in the staging thread."""
 
-    def __init__(self, *, host_sources: bool = False):
+    def __init__(self, *, min_bytes: int = SMALL + 1, host_sources: bool = False):
+        # smaller boxes are many and cheap to move: their copies cost launches, not link time, and the gather
+        # (or the staging thread) makes them after the walk; launching them here would only slow the walk
+        self.min_bytes = min_bytes
         self.host_sources = host_sources  # launch host tensors' copies too (for CPU tests of the same logic)
         self.learned: Learned | None = None
 
@@ -57,7 +62,7 @@ class EarlyCopies:
         local = plan.local
         for r, (index, nbytes, device) in enumerate(zip(local.index, local.nbytes, devices)):
             device_of[index] = -1 if device is None else device.index
-            if nbytes and r not in gathered and (device is not None or self.host_sources):
+            if nbytes >= self.min_bytes and r not in gathered and (device is not None or self.host_sources):
                 rows.setdefault(index, []).append(r)
         self.learned = Learned(plan, list(devices), rows, device_of,
                                sorted({d for d in devices if d is not None}, key=str))

@@ -44,10 +44,12 @@ def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0,
 
     def walk_container(value: Any, path: tuple[Any, ...], where: str, per_rank: bool) -> Any:
         prefix = where + "/" if path else ""  # (not `if where`: a key "" makes a path whose string is "")
-        if isinstance(value, dict):
-            for k in value:
+        if isinstance(value, dict):  # each key checked as it is reached: a save's copies start at the first tensor
+            out = {}
+            for k, v in value.items():
                 _check_key(k, path)
-            return {k: walk(v, path + (k,), f"{prefix}{k}", per_rank) for k, v in value.items()}
+                out[k] = walk(v, path + (k,), f"{prefix}{k}", per_rank)
+            return out
         if isinstance(value, tuple):
             return tuple(walk(v, path + (i,), f"{prefix}{i}", per_rank) for i, v in enumerate(value))
         return [walk(v, path + (i,), f"{prefix}{i}", per_rank) for i, v in enumerate(value)]
@@ -85,7 +87,7 @@ def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0,
         if type(value) in _PLAIN:
             if type(value) is int and not -(2**63) <= value < 2**64:
                 raise StateError(f"int at {path_str(path)!r} does not fit in 64 bits")
-            if type(value) is str:
+            if type(value) is str and not value.isascii():
                 _check_text(value, f"the string at {path_str(path)!r}")
             return value
         if allow_pickle:

@@ -151,13 +151,15 @@ _UNSUPPORTED = _unsupported_dtypes()
 
 def _check_key(key: Any, path: tuple[Any, ...]) -> None:
     """A dict key the skeleton can store: a str of valid Unicode, or an int of 64 bits."""
-    if type(key) not in (str, int):
+    kind = type(key)
+    if kind is str:
+        if not key.isascii():  # (the message is made only for a key that fails: a state has 100k of them)
+            _check_text(key, f"key {key!r} under {path_str(path)!r}")
+    elif kind is not int:
         raise StateError(f"key {key!r} under {path_str(path)!r} must be a str or int")
-    if type(key) is int and not -(2**63) <= key < 2**64:
+    elif not -(2**63) <= key < 2**64:
         raise StateError(f"key {key} under {path_str(path)!r} does not fit in 64 bits (msgpack stores ints of at "
                          f"most 64 bits); use a str key")
-    if type(key) is str:
-        _check_text(key, f"key {key!r} under {path_str(path)!r}")
 
 
 def _check_text(text: str, what: str) -> None:
