@@ -129,6 +129,15 @@ MUTANTS = {
     "posted-sends-never-waited": (  # a send dropped unfinished is cancelled: its receiver waits out the timeout
         "tiered_ckpt/load/broadcast.py", "        await asyncio.to_thread(wait_sent)\n", "        pass\n",
         ["tests/multirank/test_span_exchange.py"]),
+    "early-copy-never-made": (  # a box counted as launched during the walk, its copy never queued
+        "tiered_ckpt/save/early.py", "                dst.copy_(piece, non_blocking=expected >= 0)\n",
+        "                pass\n", ["tests/unit/test_early_copies.py"]),
+    "early-launch-kept-for-another-plan": (  # staging skips boxes launched for the old layout
+        "tiered_ckpt/save/copy.py", "    if launch is not None and not launch.fits(plan, devices):",
+        "    if False:", ["tests/unit/test_early_copies.py", "-k", "another_plan"]),
+    "early-buffer-kept-after-a-failed-walk": (  # the buffer a dropped launch took never goes back to the pool
+        "tiered_ckpt/save/saver.py", "            await self.services.pool.release(launch.buffer)",
+        "            pass", ["tests/unit/test_early_copies.py", "-k", "refused_mid_walk"]),
 }
 
 

@@ -285,8 +285,10 @@ class Engine:
         saves then block only for their copy. With the memory tier staging, checked first on every rank at once:
         its `capacity` (ConfigError), and the free space of the file system under it for this machine's ranks
         together (`TierFull` naming the tier, the bytes needed and free). Call it on every rank with the state
-        you will save (a collective, as save()); it makes this engine the writer, as a save would. Returns what
-        it made and the host memory the staging holds from now on."""
+        you will save (a collective, as save()); it makes this engine the writer, as a save would. With GPU
+        tensors it also makes the GPU scratch the small ones are gathered in, and learns where each copy goes,
+        so the first save launches its copies during its walk of the state. Returns what it made and the host
+        memory the staging holds from now on."""
         return await self._save_path().reserve(state)
 
     async def should_save(self, step: int) -> bool:

@@ -431,7 +431,8 @@ def report(r: dict[str, Any]) -> str:
         rest = statistics.median(later) - sum(st.values())
         lines.append(f"| GPU scratch the engine keeps to gather small tensors: {format_size(r.get('gather_bytes', 0))} | | | |")
         lines.append("| its steps, timed apart: " + ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in st.items())
-                     + f"; the rest (hand-offs between the loop and its threads) {1000 * rest:.1f} ms | | | |")
+                     + f"; a steady save beyond their sum {1000 * rest:.1f} ms (hand-offs between the loop and its "
+                     f"threads; below 0 where the copy runs during the walk) | | | |")
     if "dcp_async_return" in r:
         row(f"DCP async_save, returned ({r['dcp_staging']})", r["dcp_async_return"])
         row(f"DCP async_save, staged ({r['dcp_staging']})", r["dcp_async_staged"])
