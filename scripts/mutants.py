@@ -138,6 +138,14 @@ MUTANTS = {
     "early-buffer-kept-after-a-failed-walk": (  # the buffer a dropped launch took never goes back to the pool
         "tiered_ckpt/save/saver.py", "            await self.services.pool.release(launch.buffer)",
         "            pass", ["tests/unit/test_early_copies.py", "-k", "refused_mid_walk"]),
+    "lightning-scores-kept-as-tensors": (  # a new set of tensors, so a new plan and buffer, at nearly every save
+        "tiered_ckpt/integrations/lightning.py",
+        "            checkpoint = {**checkpoint, \"callbacks\": scalars_as_values(checkpoint[\"callbacks\"])}",
+        "            checkpoint = dict(checkpoint)", ["tests/integration/test_lightning.py", "-k", "reuses"]),
+    "retired-buffer-dropped-beside-a-new-one": (  # back-to-back saves: each makes a buffer, one is dropped
+        "tiered_ckpt/save/pool.py",
+        "                most = self.max_inflight + (self.arena.held + 1 if self.arena is not None else 0)",
+        "                most = self.max_inflight", ["tests/integration/test_lightning.py", "-k", "reuses"]),
 }
 
 

@@ -3,8 +3,8 @@
     python lightning_script.py CONFIG CKPT_DIR OUT_DIR EPOCHS [--resume]
 
 Lightning's DDP launcher runs this same script again for rank 1. Each rank writes OUT_DIR/rank{r}.json: what
-it saw at on_train_start (global step, epoch, weights) and at the end (weights, and on rank 0 what
-ModelCheckpoint kept)."""
+it saw at on_train_start (global step, epoch, weights) and at the end (weights, the buffers ReserveStaging
+made, and on rank 0 what ModelCheckpoint kept)."""
 from __future__ import annotations
 
 import json
@@ -66,7 +66,7 @@ class Record(Callback):
 def main() -> None:
     config, ckpt_dir, out_dir, epochs = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
     resume = "--resume" in sys.argv
-    from tiered_ckpt.integrations.lightning import TieredCheckpointIO
+    from tiered_ckpt.integrations.lightning import ReserveStaging, TieredCheckpointIO
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -74,12 +74,13 @@ def main() -> None:
     io = TieredCheckpointIO(config)
     mc = ModelCheckpoint(dirpath=ckpt_dir, monitor="score", mode="min", save_top_k=2, save_last=True)
     trainer = L.Trainer(max_epochs=epochs, strategy="ddp", accelerator="cpu", devices=2, plugins=[io],
-                        callbacks=[mc, record], logger=False, enable_progress_bar=False,
+                        callbacks=[mc, record, ReserveStaging()], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=1)
     module = TinyModule()
     trainer.fit(module, loader(), loader(), ckpt_path="last" if resume else None)
     out = {"rank": trainer.global_rank, "at_start": record.at_start, "global_step": trainer.global_step,
-           "epoch": trainer.current_epoch, "weights": weights(module)}
+           "epoch": trainer.current_epoch, "weights": weights(module),
+           "reserved": io.reservation.made if io.reservation is not None else None}
     if trainer.is_global_zero:
         out.update(kept=sorted(mc.best_k_models), last=mc.last_model_path, checkpoints=io.checkpoints())
         io.teardown()

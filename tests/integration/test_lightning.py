@@ -21,14 +21,16 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import tiered_ckpt as tc
-from tiered_ckpt.integrations.lightning import TieredCheckpointIO
+from tiered_ckpt.integrations.lightning import ReserveStaging, TieredCheckpointIO
+from tiered_ckpt.save import plan as plan_module
+from tiered_ckpt.save.pool import StagingPool
 
 from .lightning_script import Record, TinyModule, loader, weights
 
 SCRIPT = Path(__file__).with_name("lightning_script.py")
 
 
-def write_toml(tmp_path: Path, shm_dir: Path, **engine: Any) -> Path:
+def write_toml(tmp_path: Path, shm_dir: Path, host: str = "", **engine: Any) -> Path:
     lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in engine.items())
     path = tmp_path / "tiers.toml"
     path.write_text(f"""
@@ -42,7 +44,7 @@ name = "host"
 kind = "memory"
 path = "{shm_dir}/host"
 capacity = "256MiB"
-
+{host}
 [[tiers]]
 name = "disk"
 kind = "local"
@@ -52,10 +54,11 @@ path = "{tmp_path}/disk"
 
 
 def fit(ckpt_dir: Path, io: TieredCheckpointIO | None, epochs: int, ckpt_path: str | None = None,
-        callbacks: tuple = (), save_last: bool | str = True) -> tuple[L.Trainer, TinyModule, ModelCheckpoint]:
+        callbacks: tuple = (), save_last: bool | str = True,
+        save_top_k: int = 2) -> tuple[L.Trainer, TinyModule, ModelCheckpoint]:
     torch.manual_seed(0)
     module = TinyModule()
-    mc = ModelCheckpoint(dirpath=ckpt_dir, monitor="score", mode="min", save_top_k=2, save_last=save_last)
+    mc = ModelCheckpoint(dirpath=ckpt_dir, monitor="score", mode="min", save_top_k=save_top_k, save_last=save_last)
     trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, plugins=[io] if io else None,
                         callbacks=[mc, *callbacks], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=1)
@@ -222,7 +225,9 @@ def test_torch_load_of_a_pointer_names_the_command_that_converts_it(tmp_path, sh
     config = write_toml(tmp_path, shm_dir)
     io = TieredCheckpointIO(config)
     last = tmp_path / "last.ckpt"
-    io.save_checkpoint({"state_dict": {"w": torch.arange(4.0)}, "global_step": 7}, last)
+    score = torch.tensor(0.25, dtype=torch.float64)  # kept as a value in the skeleton: a tensor again in the file
+    io.save_checkpoint({"state_dict": {"w": torch.arange(4.0)}, "global_step": 7,
+                        "callbacks": {"ModelCheckpoint": {"best_model_score": score}}}, last)
     io.teardown()
 
     with pytest.raises(Exception) as default:  # weights_only=True, torch's default
@@ -240,6 +245,8 @@ def test_torch_load_of_a_pointer_names_the_command_that_converts_it(tmp_path, sh
     assert export.returncode == 0, export.stderr
     exported = torch.load(tmp_path / "step0.pt", weights_only=True)
     assert exported["global_step"] == 7 and torch.equal(exported["state_dict"]["w"], torch.arange(4.0))
+    exported_score = exported["callbacks"]["ModelCheckpoint"]["best_model_score"]
+    assert exported_score.dtype == torch.float64 and torch.equal(exported_score, score)
 
     assert TieredCheckpointIO(config).load_checkpoint(last)["global_step"] == 7
     earlier = last.read_bytes().split(b"\n", 2)[2]  # the JSON alone: a pointer an earlier release wrote
@@ -296,6 +303,8 @@ def test_ddp_two_processes_save_and_resume(tmp_path, shm_dir):
     assert [os.path.basename(p) for p in first[0]["kept"]] == ["epoch=0-step=3.ckpt", "epoch=2-step=9.ckpt"]
     assert sorted(first[0]["checkpoints"]) == sorted([*first[0]["kept"], first[0]["last"]])
     assert first[0]["weights"] == first[1]["weights"]
+    # ReserveStaging: every rank built the checkpoint (no rank waited for another), rank 0, which saves, reserved
+    assert first[0]["reserved"] >= 1 and first[1]["reserved"] is None
 
     out = run_ddp(str(config), str(ckpt_dir), str(tmp_path / "second"), "5", "--resume")
     assert "Restored all states" in out
@@ -306,6 +315,68 @@ def test_ddp_two_processes_save_and_resume(tmp_path, shm_dir):
     assert [os.path.basename(p) for p in second[0]["kept"]] == ["epoch=2-step=9.ckpt", "epoch=4-step=15.ckpt"]
     assert sorted(second[0]["checkpoints"]) == sorted([*second[0]["kept"], second[0]["last"]])
     assert engine_paths(config) == sorted([*second[0]["kept"], second[0]["last"]])
+
+
+def count_buffers_and_plans(monkeypatch) -> tuple[list[int], list[int]]:
+    """The staging buffers the engines of this process make from now on (their sizes), and the plans they make
+    (their sizes): Lightning tears the plugin's engine down at the end of fit, so it is counted from outside."""
+    made: list[int] = []
+    plans: list[int] = []
+    new, make, build = StagingPool._new, StagingPool._make, plan_module.build_plan
+    monkeypatch.setattr(StagingPool, "_new", lambda self, nbytes: (made.append(nbytes), new(self, nbytes))[1])
+    monkeypatch.setattr(StagingPool, "_make", lambda self, nbytes, plan: (made.append(nbytes),
+                                                                          make(self, nbytes, plan))[1])
+
+    def counted_build(*args: Any) -> Any:
+        plan = build(*args)
+        plans.append(plan.nbytes)
+        return plan
+
+    monkeypatch.setattr(plan_module, "build_plan", counted_build)
+    return made, plans
+
+
+def test_saving_every_epoch_reuses_the_staging_buffers(tmp_path, shm_dir, monkeypatch):
+    """ModelCheckpoint's scores are 0-d tensors, one more per kept path: saved as tensors, each save had other
+    tensors, so it planned anew and (with the memory tier staging its files, which must be the state's size)
+    made a staging buffer of its own: 17 for 16 saves with save_top_k=-1. They are stored as values now, and a
+    checkpoint retired while the next save already took a buffer is kept for the save after: every save is of
+    one plan, and the buffers made are the ones the memory tier holds (keep_last + 1) and one in flight."""
+    config = write_toml(tmp_path, shm_dir, host="keep_last = 2")
+    made, plans = count_buffers_and_plans(monkeypatch)
+    io = TieredCheckpointIO(config)
+    ckpt_dir = Path(os.path.realpath(tmp_path / "ckpt"))
+    trainer, _, mc = fit(ckpt_dir, io, epochs=8, save_top_k=-1)
+    assert io._next_step == 16  # every epoch: its own path, and last.ckpt
+    assert len(made) <= 2 + 1 + 1, made
+    assert len(plans) == 1, plans
+    for path, score in mc.best_k_models.items():  # scores come back as the tensors ModelCheckpoint holds
+        state = io.load_checkpoint(path)["callbacks"]
+        (saved,) = [v for k, v in state.items() if k.startswith("ModelCheckpoint")]
+        assert saved["best_k_models"][path].dtype == score.dtype and torch.equal(saved["best_k_models"][path], score)
+    io.teardown()
+
+
+def test_reserve_staging_makes_the_buffers_before_the_first_save(tmp_path, shm_dir, monkeypatch):
+    config = write_toml(tmp_path, shm_dir, host="keep_last = 2")
+    made, plans = count_buffers_and_plans(monkeypatch)
+    io = TieredCheckpointIO(config)
+    reserving = ReserveStaging()
+    saves_at_reserve: list[int] = []
+    reserve = io.reserve
+    io.reserve = lambda checkpoint: (saves_at_reserve.append(io._next_step), reserve(checkpoint))[1]  # type: ignore
+    fit(Path(os.path.realpath(tmp_path / "ckpt")), io, epochs=4, callbacks=(reserving,), save_top_k=-1)
+    assert saves_at_reserve == [0] and reserving.done  # once, before any save
+    assert io.reservation is not None and io.reservation.made == 2 + 1  # keep_last + max_inflight
+    assert io._next_step == 8
+    assert len(made) == io.reservation.made + 1, made  # the one the tier holds beyond keep_last, made once
+    assert len(plans) == 1, plans  # the reservation's plan is every save's
+    io.teardown()
+
+
+def test_reserve_staging_needs_the_plugin(tmp_path):
+    with pytest.raises(ValueError, match="TieredCheckpointIO"):
+        fit(tmp_path / "ckpt", None, epochs=1, callbacks=(ReserveStaging(),))
 
 
 def test_save_on_sigterm_is_refused_since_nothing_asks_should_save(tmp_path, shm_dir):

@@ -43,6 +43,7 @@ try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.fabric.utilities.cloud_io import get_filesystem
+    from lightning.pytorch.callbacks import Callback
     from lightning_utilities.core.apply_func import apply_to_collection
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tiered_ckpt.integrations.lightning needs Lightning >= 2.2: "
@@ -51,7 +52,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ..config import Config, load_config
 from ..errors import IncompleteCheckpoint, StateError, TieredCkptError
 from ..state import PerRankMark, Pickled, decode_skeleton
+from ..save.reserve import Reservation
 from ..sync import Checkpointer, SyncSaveHandle
+from ..state.scalars import scalars_as_values, values_as_scalars
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,7 @@ class TieredCheckpointIO(CheckpointIO):
         self._failures: list[BaseException] = []  # background save failures not yet raised
         self._meta: dict[int, dict[str, Any]] = {}  # step → this plugin's metadata of that checkpoint
         self._next_step = 0
+        self.reservation: Reservation | None = None  # what reserve() made
 
     @property
     def job(self) -> str:
@@ -126,8 +130,7 @@ class TieredCheckpointIO(CheckpointIO):
         meta = {"path": key, "id": uuid.uuid4().hex, "epoch": _int_or_none(checkpoint.get("epoch")),
                 "global_step": _int_or_none(checkpoint.get("global_step"))}
         try:
-            checkpoint = _wrap_hyperparameter_objects(checkpoint, self.config.engine.allow_pickle)
-            handle = ckpt.save(step, checkpoint, metadata={METADATA_KEY: meta})
+            handle = ckpt.save(step, self._storable(checkpoint), metadata={METADATA_KEY: meta})
         except StateError as e:
             raise StateError(
                 f"Lightning checkpoint {key}: {e}. For hyper-parameters that are objects: leave them out with "
@@ -160,7 +163,25 @@ class TieredCheckpointIO(CheckpointIO):
         holder = _Holder()
         ckpt.load(holder, step=step)
         state = apply_to_collection(holder.state, _Pickle, lambda p: p.value)
+        if "callbacks" in state:
+            state["callbacks"] = values_as_scalars(state["callbacks"])
         return _relocate(state, map_location)
+
+    def reserve(self, checkpoint: dict[str, Any]) -> Reservation:
+        """Make now the staging buffers that saves of `checkpoint` (a dict as Lightning saves it) will use
+        (`Engine.reserve`): the first saves then block only for their copy. `ReserveStaging` calls it once the
+        first optimizer step has made the optimizers' state. Sets and returns `self.reservation`."""
+        self.reservation = self.checkpointer.reserve(self._storable(checkpoint))
+        return self.reservation
+
+    def _storable(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """What the engine saves of `checkpoint`: hyper-parameter objects wrapped or refused, and the callbacks'
+        0-d tensors as values (state/scalars.py), so every save has the same tensors. A new dict: the
+        checkpoint itself is not modified."""
+        checkpoint = _wrap_hyperparameter_objects(checkpoint, self.config.engine.allow_pickle)
+        if "callbacks" in checkpoint:
+            checkpoint = {**checkpoint, "callbacks": scalars_as_values(checkpoint["callbacks"])}
+        return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer at `path`, then every checkpoint saved under it (waiting for a save of it that is
@@ -334,6 +355,33 @@ class TieredCheckpointIO(CheckpointIO):
         state = self.__dict__.copy()
         state.update(_ckpt=None, _inflight={}, _supersedes={}, _failures=[])
         return state
+
+
+class ReserveStaging(Callback):
+    """Makes the staging buffers of the Trainer's `TieredCheckpointIO` right after the first optimizer step, when
+    the optimizers' state exists and the checkpoint has the size every save will have (`TieredCheckpointIO.reserve`,
+    `Engine.reserve`): the first saves then block only for their copy, and a memory tier that cannot hold its
+    checkpoints fails there (`TierFull`), not hours later. The checkpoint is built as a save builds it, so the
+    `on_save_checkpoint` hooks run once more. Every rank builds it (a strategy may gather the optimizer state);
+    global rank 0, the one that saves, reserves."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit" and not isinstance(trainer.strategy.checkpoint_io, TieredCheckpointIO):
+            raise ValueError(f"ReserveStaging reserves a TieredCheckpointIO's buffers, but this Trainer's checkpoint_io "
+                             f"is a {type(trainer.strategy.checkpoint_io).__name__}: pass "
+                             f"plugins=[TieredCheckpointIO(...)] to the Trainer")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.done or trainer.global_step < 1:  # before the first optimizer step: no optimizer state yet
+            return
+        self.done = True
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # as trainer.save_checkpoint
+        if trainer.is_global_zero:
+            reservation = trainer.strategy.checkpoint_io.reserve(checkpoint)
+            log.info("reserved %d staging buffer(s) of %d bytes", reservation.made, reservation.state_bytes)
 
 
 class _Holder:

@@ -244,8 +244,12 @@ class StagingPool:
             await self._take_home(buf, counted=False)
 
     async def _take_home(self, buf: StagingBuffer, *, counted: bool) -> None:
-        """`buf` is free again: kept for the next save while fewer than max_inflight buffers exist, else
-        dropped (a burst must not leave buffers behind). `counted`: it still counts in `_count`."""
+        """`buf` is free again: kept for the next save while the pool holds fewer buffers than it may, else dropped
+        (a burst must not leave buffers behind). It may hold max_inflight; with the memory tier's files also what
+        that tier holds at most, keep_last (+ keep_best) + 1 (retention retires the oldest after the next
+        commit), the bound its `capacity` is checked against. A checkpoint retired while the next save already
+        made its buffer (two saves back to back, as Lightning's top-k and last.ckpt) is then kept for the save
+        after, instead of that save making one more. `counted`: it still counts in `_count`."""
         reusable = True
         try:
             if buf.files is not None and self.arena is not None:
@@ -260,7 +264,8 @@ class StagingPool:
         finally:
             buf.step = None
             async with self._cond:
-                keep = reusable and (self._count - counted) < self.max_inflight
+                most = self.max_inflight + (self.arena.held + 1 if self.arena is not None else 0)
+                keep = reusable and (self._count - counted) + len(self._retained) < most
                 if keep:
                     self._free.append(buf)
                     self._count += not counted

@@ -12,7 +12,8 @@ world size) are assembled into one full tensor. They are read in groups of about
 - dcp: `torch.distributed.checkpoint.save` plans with placeholder tensors, and each tensor is read when its
   writer asks for it (a small cache keeps the rest of its group);
 - torch: one `torch.save` of the nested state, which needs the whole selected state in memory (as
-  `torch.load` of the file will).
+  `torch.load` of the file will). 0-d tensors that the Lightning plugin keeps as values are tensors again
+  (state/scalars.py).
 
 Names are the state's paths joined with "."; `select` keeps one subtree, with names relative to it.
 """
@@ -30,6 +31,7 @@ from ...errors import IncompleteCheckpoint
 from ...storage.tier_io import TierIO
 from ...storage.verified_read import Fallback, ReadLog
 from ..catalog import Catalog
+from ...state.scalars import values_as_scalars
 from .formats import write_dcp, write_safetensors, write_torch
 from .output import check_output
 from .reader import TensorReader
@@ -90,8 +92,8 @@ async def export(catalog: Catalog, io: TierIO, protect: Callable[[int], Abstract
         try:
             if to == "safetensors":
                 await write_safetensors(out, tree, manifest, reader, info, force)
-            elif to == "torch":
-                await write_torch(out, tree, reader, info, force)
+            elif to == "torch":  # 0-d tensors a checkpoint keeps as values (Lightning's scores) are tensors again
+                await write_torch(out, values_as_scalars(tree), reader, info, force)
             else:
                 await write_dcp(out, tree, reader, info, force)
         finally:
