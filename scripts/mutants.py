@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # name: (file, code as it is, the mutant, the tests that must catch it)
 MUTANTS = {
-    "lazy": ("tiered_ckpt/save/saver.py", "        if not lazy:\n            await handle.staged()",
-             "        if True:\n            await handle.staged()",
+    "lazy": ("tiered_ckpt/save/saver.py", "        if not lazy:\n            try:\n                await handle.staged()",
+             "        if True:\n            try:\n                await handle.staged()",
              ["tests/unit/test_save_semantics.py", "-k", "lazy"]),
     "load-protects-from-retention": (
         "tiered_ckpt/load/loader.py", "with self.busy.loading(status.step):",

@@ -103,6 +103,13 @@ class Checkpointer:
             raise RuntimeError("this Checkpointer is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
+        """Start `coro` on the loop and return without waiting (the integrations' background deletes)."""
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("this Checkpointer is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
     def save(self, step: int, state: Any, *, lazy: bool = False, metadata: dict[str, Any] | None = None) -> SyncSaveHandle:
         """Blocks until the tensors are staged (lazy=False) and returns; persistence goes on in the background."""
         events = producer_events()  # here, in the training thread, whose streams produce the tensors

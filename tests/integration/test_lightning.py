@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -372,6 +373,33 @@ def test_reserve_staging_makes_the_buffers_before_the_first_save(tmp_path, shm_d
     assert len(made) == io.reservation.made + 1, made  # the one the tier holds beyond keep_last, made once
     assert len(plans) == 1, plans  # the reservation's plan is every save's
     io.teardown()
+
+
+def test_a_superseded_version_is_deleted_in_the_background(tmp_path, shm_dir, monkeypatch):
+    """Saving last.ckpt again deletes its older version once the new one is complete. That delete (a tenth of a
+    second and more for a large checkpoint) runs beside training: save_checkpoint does not wait for it, and
+    teardown does."""
+    config = write_toml(tmp_path, shm_dir)
+    delete = tc.Engine.delete
+    deleting = threading.Event()
+
+    async def slow_delete(engine: tc.Engine, step: int) -> None:
+        deleting.set()
+        await asyncio.sleep(2.0)
+        await delete(engine, step)
+
+    monkeypatch.setattr(tc.Engine, "delete", slow_delete)
+    io = TieredCheckpointIO(config)
+    last = tmp_path / "last.ckpt"
+    for epoch in (0, 1):
+        io.save_checkpoint({"state_dict": {"w": torch.full((4,), float(epoch))}, "epoch": epoch}, last)
+    io._inflight[1].wait()  # the second version is complete: the first goes at the next save
+    started = time.perf_counter()
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(4)}, "epoch": 2}, tmp_path / "other.ckpt")
+    assert time.perf_counter() - started < 1.5 and deleting.is_set()  # returned while the delete sleeps
+    io.teardown()  # waits for it
+    assert engine_paths(config) == sorted([str(last), str(tmp_path / "other.ckpt")])
+    assert io.load_checkpoint(last)["epoch"] == 1
 
 
 def test_reserve_staging_needs_the_plugin(tmp_path):

@@ -1,6 +1,10 @@
 """Copies launched during the walk (save/early.py). On a GPU they are the large CUDA tensors' copies; CI has no GPU,
 so these tests launch the host tensors' copies instead (`host_sources=True`): the same guesses, checks and
 fallbacks, with each copy done at once rather than queued on a side stream."""
+import asyncio
+import threading
+import time
+
 import pytest
 import torch
 
@@ -19,8 +23,8 @@ class Recording(EarlyCopies):
         super().__init__(min_bytes=1, host_sources=True)
         self.launches = []
 
-    def launch(self, plan, buffer, events):
-        launch = super().launch(plan, buffer, events)
+    def launch(self, known, buffer, events):
+        launch = super().launch(known, buffer, events)
         self.launches.append(launch)
         return launch
 
@@ -103,9 +107,9 @@ async def test_stage_redoes_a_launch_made_for_another_plan():
     buf = StagingBuffer(max(old_plan.nbytes, new_plan.nbytes), pin=False)
     early = EarlyCopies(min_bytes=1, host_sources=True)
     early.learn(old_plan, [None] * len(old_plan.local), set())
-    launch = early.launch(old_plan, buf, {})
+    launch = early.launch(early.learned, buf, {})
     with launch:
-        flatten(old, on_tensor=launch.on_tensor)
+        flatten(old, on_tensor=launch.on_tensor, on_state_dict=launch.on_state_dict)
     assert len(launch.launched) == 3 and not launch.fits(new_plan, [None] * len(new_plan.local))
     stage(new_plan, new_flat.tensors, buf, launch=launch)
     for view, i in zip(buf.views_for(new_plan), new_plan.local.index):
@@ -120,7 +124,66 @@ def test_a_tensor_on_another_device_stops_the_launch():
     plan = asyncio.run(Planner(part_size=1 << 20).plan(flat.paths, flat.tensors))
     early = EarlyCopies(min_bytes=1)
     early.learn(plan, [torch.device("cuda", 0)] * len(plan.local), set())
-    launch = early.launch(plan, StagingBuffer(plan.nbytes, pin=False), {})
+    launch = early.launch(early.learned, StagingBuffer(plan.nbytes, pin=False), {})
     launch.on_tensor(0, flat.tensors[0])  # no `with`: no side stream is made, and none is needed to refuse
     assert not launch.ok and not launch.launched
     assert not launch.fits(plan, [None] * len(plan.local))
+
+
+class Slow:
+    """A stateful object whose state_dict() takes a while: the save is cancelled while the walk waits in it."""
+
+    def __init__(self, started):
+        self.started = started
+
+    def state_dict(self):
+        self.started.set()
+        time.sleep(0.5)
+        return {"b": torch.full((300, 10), 9.0, dtype=torch.float64)}
+
+    def load_state_dict(self, state):
+        pass
+
+
+async def test_a_save_cancelled_mid_walk_launches_nothing_more_and_gives_its_buffer_back(make_config):
+    async with tc.Engine(make_config(max_inflight=1)) as engine:
+        early = engine._saver.early = Recording()
+        started = threading.Event()
+        state = {"a": torch.arange(50_000, dtype=torch.float32), "opt": Slow(started)}
+        await (await engine.save(1, state)).wait()
+        started.clear()
+        saving = asyncio.create_task(engine.save(2, state))
+        await asyncio.to_thread(started.wait, 10)
+        assert early.launches[-1].launched == {0}  # "a" was launched before the walk reached "opt"
+        saving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await saving
+        await asyncio.sleep(1.0)  # the walk's thread went on meanwhile, and reached "opt/b"
+        launch = early.launches[-1]
+        assert launch.closed and launch.launched == {0}  # nothing was launched into the buffer after it was dropped
+        assert engine.pool.held == 0
+        await (await engine.save(3, state)).wait()
+        out = {"a": torch.zeros(50_000), "opt": {"b": torch.zeros(300, 10, dtype=torch.float64)}}
+        assert (await engine.load(out, tiers=["host"])).step == 3 and torch.all(out["opt"]["b"] == 9.0)
+
+
+class Broken(Recording):
+    """Launches whose copies can never be waited for (a device that failed)."""
+
+    def launch(self, known, buffer, events):
+        launch = super().launch(known, buffer, events)
+
+        def synchronize():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        launch.fits = lambda plan, devices: False
+        launch.synchronize = synchronize
+        return launch
+
+
+async def test_a_launch_that_cannot_be_waited_for_fails_the_save_and_never_hangs(make_config):
+    async with tc.Engine(make_config(max_inflight=1)) as engine:
+        engine._saver.early = Broken()
+        await (await engine.save(1, state(1.0))).wait()
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            await asyncio.wait_for(engine.save(2, state(2.0)), 30)

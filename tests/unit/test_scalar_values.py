@@ -37,4 +37,6 @@ def test_other_values_are_left_alone():
     assert stored["t"] is tree["t"] and stored["c"] is tree["c"] and stored["n"] == [1, (2.5, "x")]
     back = values_as_scalars(stored)
     assert back["d"] == tree["d"]  # a dict with another key beside the marker is a dict
+    for lookalike in ({SCALAR: "x"}, {SCALAR: ["float8_e4m3fn", 1.0]}, {SCALAR: ["float32", "1"]}, {SCALAR: [1]}):
+        assert values_as_scalars({"v": lookalike}) == {"v": lookalike}  # not one this version wrote: as it is
     assert type(back["n"][1]) is tuple

@@ -28,6 +28,7 @@ which waits for every save.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -101,6 +102,7 @@ class TieredCheckpointIO(CheckpointIO):
         self._meta: dict[int, dict[str, Any]] = {}  # step → this plugin's metadata of that checkpoint
         self._next_step = 0
         self.reservation: Reservation | None = None  # what reserve() made
+        self._deleting: dict[int, concurrent.futures.Future[None]] = {}  # superseded versions being deleted
 
     @property
     def job(self) -> str:
@@ -132,10 +134,7 @@ class TieredCheckpointIO(CheckpointIO):
         try:
             handle = ckpt.save(step, self._storable(checkpoint), metadata={METADATA_KEY: meta})
         except StateError as e:
-            raise StateError(
-                f"Lightning checkpoint {key}: {e}. For hyper-parameters that are objects: leave them out with "
-                f"self.save_hyperparameters(ignore=[...]), or store them with pickle by passing allow_pickle=True "
-                f"to TieredCheckpointIO (loading them then runs pickle: only for checkpoints you trust)") from e
+            raise _hinted(e, f"Lightning checkpoint {key}") from e
         self._meta[step] = meta
         self._inflight[step] = handle
         self._supersedes[step] = sorted(older)
@@ -171,7 +170,10 @@ class TieredCheckpointIO(CheckpointIO):
         """Make now the staging buffers that saves of `checkpoint` (a dict as Lightning saves it) will use
         (`Engine.reserve`): the first saves then block only for their copy. `ReserveStaging` calls it once the
         first optimizer step has made the optimizers' state. Sets and returns `self.reservation`."""
-        self.reservation = self.checkpointer.reserve(self._storable(checkpoint))
+        try:
+            self.reservation = self.checkpointer.reserve(self._storable(checkpoint))
+        except StateError as e:
+            raise _hinted(e, "a checkpoint to reserve for") from e
         return self.reservation
 
     def _storable(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -308,15 +310,32 @@ class TieredCheckpointIO(CheckpointIO):
         for old in self._supersedes.pop(step, []):
             if old in self._inflight:
                 self._settle(old, block=True)
-            self._delete(old, quiet=True)
+            # in the background: deleting a large checkpoint takes a tenth of a second and more, which
+            # save_checkpoint would block training for (the next _reap, remove_checkpoint or teardown sees it done)
+            self._deleting[old] = self.checkpointer._submit(self.checkpointer.engine.delete(old))
+            self._meta.pop(old, None)
         return True
 
     def _reap(self, *, block: bool) -> None:
         for step in sorted(self._inflight):
             self._settle(step, block=block)
+        for old, future in list(self._deleting.items()):
+            if not block and not future.done():
+                continue
+            del self._deleting[old]
+            try:
+                future.result()
+            except IncompleteCheckpoint:
+                pass  # already gone
+            except TieredCkptError as e:
+                log.warning("the superseded checkpoint %d was not deleted: %s", old, e)
 
     def _delete(self, step: int, *, quiet: bool) -> None:
         try:
+            pending = self._deleting.pop(step, None)
+            if pending is not None:  # being deleted in the background already: that delete is this one
+                pending.result()
+                return
             self.checkpointer.delete(step)
         except IncompleteCheckpoint:
             pass  # already gone
@@ -353,7 +372,7 @@ class TieredCheckpointIO(CheckpointIO):
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: the engine is per process
         state = self.__dict__.copy()
-        state.update(_ckpt=None, _inflight={}, _supersedes={}, _failures=[])
+        state.update(_ckpt=None, _inflight={}, _supersedes={}, _failures=[], _deleting={})
         return state
 
 
@@ -362,8 +381,9 @@ class ReserveStaging(Callback):
     the optimizers' state exists and the checkpoint has the size every save will have (`TieredCheckpointIO.reserve`,
     `Engine.reserve`): the first saves then block only for their copy, and a memory tier that cannot hold its
     checkpoints fails there (`TierFull`), not hours later. The checkpoint is built as a save builds it, so the
-    `on_save_checkpoint` hooks run once more. Every rank builds it (a strategy may gather the optimizer state);
-    global rank 0, the one that saves, reserves."""
+    `on_save_checkpoint` hooks run once more; weights only where every ModelCheckpoint has
+    `save_weights_only=True`. Every rank builds it (a strategy may gather the optimizer state); global rank 0,
+    the one that saves, reserves."""
 
     def __init__(self) -> None:
         self.done = False
@@ -378,10 +398,20 @@ class ReserveStaging(Callback):
         if self.done or trainer.global_step < 1:  # before the first optimizer step: no optimizer state yet
             return
         self.done = True
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # as trainer.save_checkpoint
+        # as trainer.save_checkpoint builds it; weights only when every ModelCheckpoint saves weights only
+        callbacks = trainer.checkpoint_callbacks
+        weights_only = bool(callbacks) and all(getattr(c, "save_weights_only", False) for c in callbacks)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=weights_only)
         if trainer.is_global_zero:
             reservation = trainer.strategy.checkpoint_io.reserve(checkpoint)
             log.info("reserved %d staging buffer(s) of %d bytes", reservation.made, reservation.state_bytes)
+
+
+def _hinted(error: StateError, what: str) -> StateError:
+    return StateError(f"{what}: {error}. For hyper-parameters that are objects: leave them out with "
+                      f"self.save_hyperparameters(ignore=[...]), or store them with pickle by passing "
+                      f"allow_pickle=True to TieredCheckpointIO (loading them then runs pickle: only for "
+                      f"checkpoints you trust)")
 
 
 class _Holder:

@@ -15,6 +15,7 @@ been made. Small tensors are left to the gather (gather.py); host tensors to the
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import torch
@@ -67,32 +68,30 @@ class EarlyCopies:
         self.learned = Learned(plan, list(devices), rows, device_of,
                                sorted({d for d in devices if d is not None}, key=str))
 
-    def launch(self, plan: Plan, buffer: StagingBuffer, events: Mapping[torch.device, Any]) -> Launch | None:
-        """A launch for a save expected to get `plan` (the planner's last), or None when nothing would go early."""
-        known = self.learned
-        if known is None or plan is not known.plan or not known.rows:
-            return None
+    def launch(self, known: Learned, buffer: StagingBuffer, events: Mapping[torch.device, Any]) -> Launch:
+        """A launch into `buffer` of what `known` (this object's `learned`, read once by the caller) says."""
         return Launch(known, buffer, events)
 
 
 class Launch:
-    """One save's early copies. Used as `with launch: flatten(state, on_tensor=launch.on_tensor)` in one thread,
-    then handed to `copy.stage`, which keeps them (`fits`) or waits for them and stages everything itself."""
+    """One save's early copies. Used as `with launch: flatten(state, on_tensor=launch.on_tensor,
+    on_state_dict=launch.on_state_dict)` in one thread, then handed to `copy.stage`, which keeps them (`fits`)
+    or waits for them and stages everything itself. `close()` (any thread) stops further launches: a walk
+    that goes on after its save was cancelled queues nothing into a buffer that went back to the pool."""
 
     def __init__(self, learned: Learned, buffer: StagingBuffer, events: Mapping[torch.device, Any]):
         self.plan, self.devices, self.rows, self.device_of, self.cuda = learned
         self.buffer = buffer
         self.events = events
-        self.views = buffer.views_for(self.plan)
+        self.views: list[torch.Tensor] = []
         self.streams: dict[torch.device, Any] = {}
         self.launched: set[int] = set()  # boxes whose copy is queued (or done, on the host)
         self.ok = True  # every tensor walked so far matched its place
-        self._held = contextlib.ExitStack()
-        self._selected: int | None = None
-        self._selection: contextlib.ExitStack | None = None
+        self.closed = False
+        self._lock = threading.Lock()  # a launch in progress, against close()
 
     def __enter__(self) -> Launch:
-        self._held.enter_context(torch.no_grad())  # grad mode is per thread: a copy from a parameter records nothing
+        self.views = self.buffer.views_for(self.plan)  # (here, in the walk's thread: a new buffer makes them)
         for d in self.cuda:
             stream = self.streams[d] = torch.cuda.Stream(device=d)
             if d in self.events:  # ordered after the producer, as the staging thread orders its own copies
@@ -102,10 +101,13 @@ class Launch:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._selection is not None:
-            self._selection.close()
-            self._selection = None
-        self._held.close()
+        pass
+
+    def on_state_dict(self) -> None:
+        """The walk called a stateful object's state_dict(), which may have queued kernels that make the tensors
+        it returned (on this thread's current stream): later copies wait for them."""
+        for d, stream in self.streams.items():
+            stream.wait_stream(torch.cuda.current_stream(d))
 
     def on_tensor(self, index: int, value: torch.Tensor) -> None:
         """The walk reached tensor `index`: launch its boxes' copies if it is what the plan expects there."""
@@ -128,23 +130,27 @@ class Launch:
                 if piece.dtype != dst.dtype or piece.shape != dst.shape:
                     self.ok = False
                     return
-                if expected >= 0 and self._selected != expected:
-                    self._select(expected)
-                dst.copy_(piece, non_blocking=expected >= 0)
-                self.launched.add(r)
+                with self._lock:
+                    if self.closed:
+                        self.ok = False
+                        return
+                    # the side stream is current only for the copy (user state_dict() code runs on its own
+                    # streams), and grad mode is off only for it (a copy from a parameter records nothing)
+                    with torch.no_grad(), (torch.cuda.stream(self.streams[torch.device("cuda", expected)])
+                                           if expected >= 0 else contextlib.nullcontext()):
+                        dst.copy_(piece, non_blocking=expected >= 0)
+                    self.launched.add(r)
         except Exception:  # e.g. a broken device: the staging thread copies again and raises what it finds
             self.ok = False
-
-    def _select(self, device_index: int) -> None:
-        if self._selection is not None:
-            self._selection.close()
-        self._selection = contextlib.ExitStack()
-        self._selection.enter_context(torch.cuda.stream(self.streams[torch.device("cuda", device_index)]))
-        self._selected = device_index
 
     def fits(self, plan: Plan, devices: Sequence[Any]) -> bool:
         """Whether the staging of `plan`, whose sources are on `devices`, can keep these copies."""
         return self.ok and plan is self.plan and devices == self.devices
+
+    def close(self) -> None:
+        """No launch after this returns (one in progress finishes first)."""
+        with self._lock:
+            self.closed = True
 
     def synchronize(self) -> None:
         """Wait for every launched copy (before the buffer is written again, or handed back)."""

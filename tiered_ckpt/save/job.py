@@ -83,9 +83,12 @@ class SaveJob:
             await self.services.io.run_copy(stage, self.plan, self.flat.tensors, buffer, self.events, hash_staged,
                                             self.services.pool.gatherer, self.launch, self.early)
         except BaseException as e:
-            if self.launch is not None:  # its copies land before the buffer can go back to the pool
-                await asyncio.to_thread(self.launch.synchronize)
             self.handle.set_staged(e)
+            if self.launch is not None:  # its copies land before the buffer can go back to the pool
+                try:
+                    await asyncio.to_thread(self.launch.synchronize)
+                except Exception:  # a broken device: the error being raised says more
+                    pass
             raise
         finally:
             self.launch = None

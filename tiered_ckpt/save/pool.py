@@ -4,7 +4,8 @@ Buffers are allocated once, touched once (first-touch page faults cost 4-5x a me
 then recycled: a save never allocates host memory proportional to the state after the first one.
 At most `max_inflight` buffers are in flight; a save that needs one waits for a release, it never drops.
 With an `Arena` (arena.py) a buffer is the memory tier's own files; it stays with the checkpoint it holds
-there (`retain`) until retention retires it (`reclaim`). Host memory: about keep_last + max_inflight states.
+there (`retain`) until retention retires it (`reclaim`). Host memory: at most keep_last (+ keep_best) + 1 +
+max_inflight states, the bound the arena checks the tier's capacity against (`_take_home`).
 """
 from __future__ import annotations
 
@@ -136,9 +137,9 @@ class StagingPool:
     async def reserve(self, nbytes: int, count: int, plan: Plan | None = None) -> None:
         """Make `count` buffers of `nbytes` now, populated, as free buffers (Engine.reserve): the first saves then
         take them instead of allocating while training waits. Unlike a save's own buffer, one that cannot be made
-        in the memory tier's files (its tmpfs full) raises instead of falling back to anonymous memory. A buffer
-        beyond max_inflight is used once: retention hands back each retired one and the pool keeps at most
-        max_inflight free, as without a reservation. With `plan`, every free buffer also gets its views of the
+        in the memory tier's files (its tmpfs full) raises instead of falling back to anonymous memory. The
+        buffers are kept as the pool keeps any (`_take_home`), as without a reservation. With `plan`, every free
+        buffer also gets its views of the
         plan's tensors now (StagingBuffer.views_for: an object per tensor, made at set-up, not in a save)."""
         for buf in list(self._free) if plan is not None else ():
             await asyncio.to_thread(buf.views_for, plan)

@@ -50,6 +50,7 @@ class Saver:
         self._unobserved: list[SaveHandle] = []
         self.host_fit: HostFit | None = None  # how the stack fits [engine] host_memory for the current state size
         self.early = EarlyCopies() if torch.cuda.is_available() else None  # where the next save's copies go
+        self._dropping: set[asyncio.Future[None]] = set()  # launches being dropped (held: a task is weakly kept)
 
     async def save(self, step: int, state: Any, *, lazy: bool, metadata: dict[str, Any] | None,
                    ready_events: Mapping[Any, Any] | None) -> SaveHandle:
@@ -120,13 +121,17 @@ class Saver:
         assert job.task is not None
         job.task.add_done_callback(lambda _: self._finished(job))
         if not lazy:
-            await handle.staged()
+            try:
+                await handle.staged()
+            except Exception:
+                handle.observed = True  # raised here, to the caller: not again at the next save or close()
+                raise
         return handle
 
     async def _launch(self, ready_events: Mapping[Any, Any] | None) -> Launch | None:
         """Take a buffer for the plan of the last save and start a launch into it, where that save had GPU
         tensors to copy and nothing has to wait (no full pool, no burst of saves): those take the usual path."""
-        known, plan = self.early.learned if self.early is not None else None, self.planner.last
+        known, plan = self.early.learned if self.early is not None else None, self.planner.last  # read once
         if known is None or plan is None or plan is not known.plan or not known.rows:
             return None
         pool = self.services.pool
@@ -136,17 +141,23 @@ class Saver:
             ready_events = producer_events(devices=known.cuda)
         buffer = await pool.acquire(plan.nbytes)
         assert self.early is not None
-        launch = self.early.launch(plan, buffer, ready_events)
-        if launch is None:
-            await pool.release(buffer)
-        return launch
+        return self.early.launch(known, buffer, ready_events)
 
     async def _drop_launch(self, launch: Launch) -> None:
-        """A launch that no save will use: its copies land, then its buffer goes back to the pool."""
-        try:
-            await asyncio.to_thread(launch.synchronize)
-        finally:
+        """A launch that no save will use: no more copies are launched (a walk cancelled with its save may go on
+        in its thread), those launched land, then its buffer goes back to the pool. Shielded: a cancel here does
+        not hand the buffer back before the copies have landed."""
+        async def drop() -> None:
+            try:
+                await asyncio.to_thread(_close_and_wait, launch)
+            except Exception as e:  # a broken device: nothing more lands
+                log.warning("waiting for a dropped save's copies: %s: %s", type(e).__name__, e)
             await self.services.pool.release(launch.buffer)
+
+        task = asyncio.ensure_future(drop())
+        self._dropping.add(task)
+        task.add_done_callback(self._dropping.discard)
+        await asyncio.shield(task)
 
     async def reserve(self, state: Any) -> Reservation:
         """Engine.reserve (collective, like a save: every rank calls it with its state)."""
@@ -256,11 +267,17 @@ class Saver:
             self._unobserved.append(job.handle)
 
 
+def _close_and_wait(launch: Launch) -> None:
+    launch.close()
+    launch.synchronize()
+
+
 def _walk(state: Any, allow_pickle: bool, rank: int, launch: Launch | None) -> FlatState:
     if launch is None:
         return flatten(state, allow_pickle=allow_pickle, rank=rank)
     with launch:
-        return flatten(state, allow_pickle=allow_pickle, rank=rank, on_tensor=launch.on_tensor)
+        return flatten(state, allow_pickle=allow_pickle, rank=rank, on_tensor=launch.on_tensor,
+                       on_state_dict=launch.on_state_dict)
 
 
 def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:

@@ -12,10 +12,12 @@ from .skeleton import (MAX_DEPTH, _PLAIN, _UNSUPPORTED, FlatState, PerRank, PerR
                        tensor_ref)
 
 def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0,
-            on_tensor: Callable[[int, torch.Tensor], None] | None = None) -> FlatState:
+            on_tensor: Callable[[int, torch.Tensor], None] | None = None,
+            on_state_dict: Callable[[], None] | None = None) -> FlatState:
     """Walk `state`; tensors go to FlatState.tensors, the rest into the skeleton. Errors name the key: of a
     value that cannot be stored, and of a container that contains itself (a tree is stored, not a graph).
-    `on_tensor(index, tensor)` is called as each tensor is added (a save launches copies from it: early.py)."""
+    `on_tensor(index, tensor)` is called as each tensor is added, `on_state_dict()` after each stateful
+    object's state_dict() returned (a save launches copies as it walks: save/early.py)."""
     flat = FlatState(skeleton=None)
     seen: dict[int, int | list[int]] = {}  # address → index (or indexes) in flat.tensors: ties are saved once
     names: set[str] = set()
@@ -83,7 +85,10 @@ def flatten(state: Any, *, allow_pickle: bool = False, rank: int = 0,
         if isinstance(value, PerRank):
             return PerRankMark(walk(value.value, path, where, True))
         if _is_stateful(value):
-            return walk(value.state_dict(), path, where, per_rank)
+            inner = value.state_dict()
+            if on_state_dict is not None:
+                on_state_dict()
+            return walk(inner, path, where, per_rank)
         if type(value) in _PLAIN:
             if type(value) is int and not -(2**63) <= value < 2**64:
                 raise StateError(f"int at {path_str(path)!r} does not fit in 64 bits")

@@ -40,10 +40,11 @@ def scalars_as_values(tree: Any) -> Any:
 def values_as_scalars(tree: Any) -> Any:
     """`tree` with each value that stands for a 0-d tensor made that tensor again (on the CPU)."""
     if isinstance(tree, dict):
-        if len(tree) == 1 and SCALAR in tree:
-            name, value = tree[SCALAR]
-            return torch.tensor(value, dtype=_DTYPES[name])
-        return {k: values_as_scalars(v) for k, v in tree.items()}
+        marker = tree.get(SCALAR) if len(tree) == 1 else None
+        if (type(marker) in (list, tuple) and len(marker) == 2 and marker[0] in _DTYPES
+                and type(marker[1]) in (int, float, bool)):
+            return torch.tensor(marker[1], dtype=_DTYPES[marker[0]])
+        return {k: values_as_scalars(v) for k, v in tree.items()}  # (anything else that looks like one: as is)
     if type(tree) in (list, tuple):
         return type(tree)(values_as_scalars(v) for v in tree)
     return tree
