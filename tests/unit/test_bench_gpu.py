@@ -19,7 +19,8 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu(shm_dir):
     assert len(r["save_plain"]) == len(r["save_reserved"]) == len(r["durable_reserved"]) == 6
     assert len(r["save_reserved_noearly"]) == 6
     assert r["load_exact"] is True
-    assert r["ordering"] == {"eager": True, "lazy": True, "eager, launched during the walk": True}
+    assert r["ordering"] == {"eager": True, "lazy": True, "eager, launched during the walk": True,
+                             "state_dict kernels": True, "state_dict kernels, launched during the walk": True}
     assert r["early_fallbacks"] == {"same": True, "moved to the host": True, "cut shorter": True, "added": True}
     assert r["loop"]["steps"] == 2 and len(r["loop"]["runs"]["lazy"]) == 1
     assert not list(shm_dir.iterdir())  # its memory tier's folders are gone with it

@@ -177,7 +177,32 @@ async def ordering(device: torch.device, shm: Path, work: Path) -> dict[str, boo
                 await engine.load(back, step=3, tiers=["host"])
             torch.cuda.synchronize(device)
             out["load"] = bool(torch.equal(back["x"], expected))
+        # a stateful object whose state_dict() queues the kernels that make what it returns (during the walk, on
+        # the walk's thread): the copy launched during the walk must wait for them
+        maker = _Doubling(x, device)
+        for step in (4, 5):
+            handle = await engine.save(step, {"m": maker})
+            await handle.wait()
+            back = {"m": {"y": torch.zeros_like(x)}}
+            await engine.load(back, step=step, tiers=["host"])
+            out["state_dict kernels" + (", launched during the walk" if step == 5 else "")] = \
+                bool(torch.equal(back["m"]["y"], x * 2))
     return out
+
+
+class _Doubling:
+    """A stateful object whose state_dict() makes a new tensor with kernels queued behind a 0.5 s sleep."""
+
+    def __init__(self, x: torch.Tensor, device: torch.device):
+        self.x, self.device = x, device
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if self.device.type == "cuda":
+            torch.cuda._sleep(1 << 30)
+        return {"y": self.x * 2}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 def _early_on_the_cpu(engine: Any, device: torch.device) -> None:
