@@ -21,6 +21,7 @@ from ..layout import job_prefix, parse_key
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.rules import Best
 from ..manifest import Manifest, dtype_from_str
+from ..state.gc_pause import automatic_gc_paused
 from ..state import LoadTarget, SavedTensor, decode_skeleton, match
 from ..storage.index import CheckpointStatus
 from ..manifest.table import TensorTable
@@ -65,41 +66,42 @@ class Loader:
         reads: Reads | None = None
         holdings: dict[str, frozenset[int]] = {}
         target: LoadTarget | None = None
-        with self.busy.loading(status.step):
-            try:  # local work: a failure here must not make this rank skip the collectives below
-                manifest = await self.catalog.read_manifest(status.step, order, status.incarnation)
-                # in threads: pairing 100k entries with the saved ones is seconds of Python
-                target = await asyncio.to_thread(self._match, state, manifest)
-                reads = await asyncio.to_thread(plan_reads, manifest, target.tensors)
-                await asyncio.to_thread(lambda: wait_for_devices(target_devices(target.tensors)))  # (100k: a thread)
-                # each part is read where it is fastest: what this node holds, and what the shared tiers hold
-                holdings = {**{t: r for t, r in held.items() if self.io.file_tier(t) is None},
-                            **await node_holdings(self.io, manifest, order)}
-                if self.coordinator.distributed:
-                    self._warn_if_moved(manifest)
-            except Exception as e:
-                error = error or e
-            try:  # every rank enters the same collectives, whatever happened above
-                refused = await self._unexpected(target if error is None else None)
-                error = error or refused
-            except Exception as e:
-                error = error or e
-            try:
-                await read_parts(self.io, self.coordinator, manifest if error is None else None, order, reads,
-                                 info.reads, holdings)
-            except Exception as e:
-                error = error or e
-            finally:  # loads are rare: do not hold part-sized buffers between them (freed in a thread: munmap)
-                await self.io.run_blocking(self.io.bounce.clear)
-            try:
-                await self.coordinator.agree(error)  # every rank succeeds, or every rank raises
-            except Exception as e:
-                raise _partly_overwritten(e, info.reads.overwritten) if info.reads.overwritten else e
-            assert reads is not None and target is not None
-            await self.io.run_blocking(reads.finish)  # scratch → targets, only once every rank read everything
-            await self.io.run_blocking(reads.release)
-            await self.io.run_blocking(target.copy_ties)
-        await asyncio.to_thread(target.apply)  # load_state_dict() of modules and optimizers: seconds for large ones
+        with automatic_gc_paused():  # its per-tensor Python would set off full collections (state/gc_pause.py)
+            with self.busy.loading(status.step):
+                try:  # local work: a failure here must not make this rank skip the collectives below
+                    manifest = await self.catalog.read_manifest(status.step, order, status.incarnation)
+                    # in threads: pairing 100k entries with the saved ones is seconds of Python
+                    target = await asyncio.to_thread(self._match, state, manifest)
+                    reads = await asyncio.to_thread(plan_reads, manifest, target.tensors)
+                    await asyncio.to_thread(lambda: wait_for_devices(target_devices(target.tensors)))  # (100k: a thread)
+                    # each part is read where it is fastest: what this node holds, and what the shared tiers hold
+                    holdings = {**{t: r for t, r in held.items() if self.io.file_tier(t) is None},
+                                **await node_holdings(self.io, manifest, order)}
+                    if self.coordinator.distributed:
+                        self._warn_if_moved(manifest)
+                except Exception as e:
+                    error = error or e
+                try:  # every rank enters the same collectives, whatever happened above
+                    refused = await self._unexpected(target if error is None else None)
+                    error = error or refused
+                except Exception as e:
+                    error = error or e
+                try:
+                    await read_parts(self.io, self.coordinator, manifest if error is None else None, order, reads,
+                                     info.reads, holdings)
+                except Exception as e:
+                    error = error or e
+                finally:  # loads are rare: do not hold part-sized buffers between them (freed in a thread: munmap)
+                    await self.io.run_blocking(self.io.bounce.clear)
+                try:
+                    await self.coordinator.agree(error)  # every rank succeeds, or every rank raises
+                except Exception as e:
+                    raise _partly_overwritten(e, info.reads.overwritten) if info.reads.overwritten else e
+                assert reads is not None and target is not None
+                await self.io.run_blocking(reads.finish)  # scratch → targets, only once every rank read everything
+                await self.io.run_blocking(reads.release)
+                await self.io.run_blocking(target.copy_ties)
+            await asyncio.to_thread(target.apply)  # load_state_dict() of modules and optimizers: seconds for large ones
         if self.heal and manifest is not None:
             running = next((t for t, s in self.heals.items() if s == manifest.step), None)  # one heal a step
             damaged = [(f.tier, f.part) for f in info.fallbacks  # this node's copy was to hold the part

@@ -12,6 +12,7 @@ from ..checksum import CHUNK_SIZE, Running, chunk_digest, of_chunk_digests, part
 from ..layout import manifest_key, rank_meta_key
 from ..manifest import Manifest, RankMeta
 from ..state import encode_skeleton
+from ..state.gc_pause import automatic_gc_paused
 from ..storage.tier_io import TierIO
 from ..storage.tiers.base import machine_name
 from .commit import Committer
@@ -159,14 +160,16 @@ class Records:
             skeleton=b"",  # each rank's record carries its own skeleton
             created=time.time(), metadata=self.metadata, index=self.commit.index.identity,
             incarnation=self.commit.incarnation, chunk_size=self.chunk_size)
-        data = await asyncio.to_thread(manifest.to_bytes)  # 100k tensors: ~0.3 s of Python, off the loop
+        with automatic_gc_paused():  # 100k tensors: ~0.3 s of Python, off the loop (state/gc_pause.py)
+            data = await asyncio.to_thread(manifest.to_bytes)
         await self.commit.put_manifest(self.step, data)
         return data
 
     async def _build_rank_meta(self) -> bytes:
         sums, chunk_sums = await self.checksums(), await self.chunk_sums()
-        skeleton = await asyncio.to_thread(encode_skeleton, self.skeleton)
-        data = await asyncio.to_thread(lambda: RankMeta(self.plan.rank, self.plan.nbytes, tuple(sums), skeleton,
-                                                        chunk_sums, machine_name()).to_bytes())
+        with automatic_gc_paused():
+            skeleton = await asyncio.to_thread(encode_skeleton, self.skeleton)
+            data = await asyncio.to_thread(lambda: RankMeta(self.plan.rank, self.plan.nbytes, tuple(sums), skeleton,
+                                                            chunk_sums, machine_name()).to_bytes())
         await self.commit.put_rank_meta(self.step, data)
         return data

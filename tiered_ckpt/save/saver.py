@@ -21,6 +21,7 @@ from ..lifecycle.busy import BusySteps
 from ..lifecycle.writer import Writer
 from ..sizes import format_size
 from ..state import FlatState, flatten
+from ..state.gc_pause import automatic_gc_paused
 from .copy import prepare, producer_events
 from .early import EarlyCopies, Launch
 from .reserve import Reservation, room_error
@@ -81,7 +82,8 @@ class Saver:
             try:
                 metadata = _checked_metadata(metadata)
                 # in a thread: a state of 100k tensors takes a second of Python, and the loop serves saves in flight
-                flat = await asyncio.to_thread(_walk, state, engine.allow_pickle, rank, launch)
+                with automatic_gc_paused():  # (state/gc_pause.py)
+                    flat = await asyncio.to_thread(_walk, state, engine.allow_pickle, rank, launch)
             except Exception as e:
                 if not self.coordinator.distributed:
                     raise
@@ -93,7 +95,8 @@ class Saver:
             else:
                 events = producer_events(flat.tensors)
             handle = SaveHandle(step, targets, started=started)
-            plan = await self.planner.plan(flat.paths, flat.tensors)
+            with automatic_gc_paused():  # a plan of 100k tensors (a cached one: its key alone)
+                plan = await self.planner.plan(flat.paths, flat.tensors)
             if launch is not None and plan is not launch.plan:  # the state changed: its buffer may not fit
                 launch, dropped = None, launch
                 await self._drop_launch(dropped)
@@ -161,11 +164,15 @@ class Saver:
 
     async def reserve(self, state: Any) -> Reservation:
         """Engine.reserve (collective, like a save: every rank calls it with its state)."""
-        engine, coordinator = self.config.engine, self.coordinator
-        if engine.role == "reader":
+        if self.config.engine.role == "reader":
             raise ConfigError(f"job {self.job!r}: this engine is a reader: it never saves, so it reserves nothing",
                               key="engine.role", file=self.config.source)
         await self.writer.become()  # as a save's start: the lease, the probes, the leftovers
+        with automatic_gc_paused():  # its per-tensor Python: walk, plan, every buffer's views (state/gc_pause.py)
+            return await self._reserve(state)
+
+    async def _reserve(self, state: Any) -> Reservation:
+        engine, coordinator = self.config.engine, self.coordinator
         try:
             flat = await asyncio.to_thread(flatten, state, allow_pickle=engine.allow_pickle, rank=coordinator.rank)
         except Exception as e:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..buffers import tensor_bytes
+from ..state.gc_pause import automatic_gc_paused
 
 if TYPE_CHECKING:
     from .mapped import MappedParts
@@ -49,13 +50,14 @@ class StagingBuffer:
             typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
             views = []
             local = plan.local
-            for dtype, shape, offset in zip(local.dtype, local.shape, local.offset):
-                if dtype not in typed:
-                    size = dtype.itemsize
-                    whole = self.tensor[: self.tensor.numel() // size * size].view(dtype)
-                    typed[dtype] = (whole, size)
-                whole, size = typed[dtype]
-                views.append(whole.as_strided(shape, _strides(shape), whole.storage_offset() + offset // size))
+            with automatic_gc_paused():  # a view per tensor: 100k objects (state/gc_pause.py)
+                for dtype, shape, offset in zip(local.dtype, local.shape, local.offset):
+                    if dtype not in typed:
+                        size = dtype.itemsize
+                        whole = self.tensor[: self.tensor.numel() // size * size].view(dtype)
+                        typed[dtype] = (whole, size)
+                    whole, size = typed[dtype]
+                    views.append(whole.as_strided(shape, _strides(shape), whole.storage_offset() + offset // size))
             self._views = (plan.key, views)
         return self._views[1]
 
