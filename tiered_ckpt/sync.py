@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import threading
 from typing import Any, Callable, Coroutine, Sequence, TypeVar
@@ -69,6 +70,10 @@ class SyncSaveHandle:
 
     def __repr__(self) -> str:
         return f"<SyncSaveHandle step={self.step} tiers={list(self.tiers)} done={self.done()}>"
+
+
+log = logging.getLogger(__name__)
+STOP_GRACE = 10.0  # seconds the loop's pending work gets to unwind at close()
 
 
 class Checkpointer:
@@ -183,6 +188,19 @@ class Checkpointer:
             self._stop()
 
     def _stop(self) -> None:
+        """Stop the loop thread. Work still running on it (a call the caller stopped waiting for, e.g. on Ctrl+C)
+        is cancelled first and given time to unwind, so its cleanup runs (a load's pause of automatic garbage
+        collection ends, its buffers go back)."""
+        async def cancel_pending() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=STOP_GRACE) if tasks else None
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_pending(), self._loop).result(STOP_GRACE + 5)
+        except Exception as e:  # a loop that no longer runs its tasks: stop it anyway
+            log.warning("stopping the checkpointer's loop: pending work did not unwind: %s: %s", type(e).__name__, e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

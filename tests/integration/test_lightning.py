@@ -383,7 +383,10 @@ def test_a_superseded_version_is_deleted_in_the_background(tmp_path, shm_dir, mo
     delete = tc.Engine.delete
     deleting = threading.Event()
 
+    deleted: list[int] = []
+
     async def slow_delete(engine: tc.Engine, step: int) -> None:
+        deleted.append(step)
         deleting.set()
         await asyncio.sleep(2.0)
         await delete(engine, step)
@@ -397,9 +400,25 @@ def test_a_superseded_version_is_deleted_in_the_background(tmp_path, shm_dir, mo
     started = time.perf_counter()
     io.save_checkpoint({"state_dict": {"w": torch.zeros(4)}, "epoch": 2}, tmp_path / "other.ckpt")
     assert time.perf_counter() - started < 1.5 and deleting.is_set()  # returned while the delete sleeps
+    io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "epoch": 3}, last)  # while version 0 is being deleted
     io.teardown()  # waits for it
     assert engine_paths(config) == sorted([str(last), str(tmp_path / "other.ckpt")])
-    assert io.load_checkpoint(last)["epoch"] == 1
+    assert io.load_checkpoint(last)["epoch"] == 3
+    assert deleted == [0, 1], deleted  # each superseded version deleted once (0 was not listed as 3's older one)
+
+
+def test_a_failed_background_delete_is_logged_not_raised(tmp_path, shm_dir, monkeypatch, caplog):
+    async def failing_delete(engine: tc.Engine, step: int) -> None:
+        raise RuntimeError("the tier went away")
+
+    monkeypatch.setattr(tc.Engine, "delete", failing_delete)
+    io = TieredCheckpointIO(write_toml(tmp_path, shm_dir))
+    last = tmp_path / "last.ckpt"
+    for epoch in range(3):  # the third save reaps the second, which supersedes the first
+        io.save_checkpoint({"state_dict": {"w": torch.full((4,), float(epoch))}}, last)
+        io._inflight[epoch].wait()
+    io.teardown()
+    assert "the superseded checkpoint 0 was not deleted: RuntimeError: the tier went away" in caplog.text
 
 
 def test_reserve_staging_needs_the_plugin(tmp_path):

@@ -3,6 +3,7 @@ collection walks every tracked object of the process, and with many tensors aliv
 for 100-170 ms in the middle of a first save, a load or a reserve(). Counted with gc.callbacks, not timed."""
 import asyncio
 import gc
+import os
 import threading
 
 import pytest
@@ -77,3 +78,32 @@ async def test_a_first_save_and_a_load_run_without_automatic_collections(make_co
     assert len(during_save) < 20, during_save
     assert len(during_load) < 20, during_load
     assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_a_child_forked_during_a_pause_collects_as_the_parent_did_before_it():
+    with automatic_gc_paused():
+        pid = os.fork()
+        if pid == 0:  # the child runs none of the parent's blocks
+            ok = gc.isenabled()
+            with automatic_gc_paused():
+                ok = ok and not gc.isenabled()
+            os._exit(0 if ok and gc.isenabled() else 3)
+        _, status = os.waitpid(pid, 0)
+        assert not gc.isenabled()  # the parent's block still runs
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()
+
+
+def test_closing_a_checkpointer_ends_the_pause_of_work_its_caller_stopped_waiting_for(make_config):
+    """A blocking call the caller gave up on (Ctrl+C, a timeout) goes on in the loop's thread; close() cancels
+    it, so its pause ends (it would otherwise keep automatic collection off for good)."""
+    async def paused_forever():
+        with automatic_gc_paused():
+            await asyncio.sleep(3600)
+
+    ckpt = tc.Checkpointer(make_config())
+    with pytest.raises(TimeoutError):
+        ckpt._run(paused_forever(), timeout=0.2)
+    assert not gc.isenabled()
+    ckpt.close()
+    assert gc.isenabled()

@@ -127,7 +127,7 @@ class TieredCheckpointIO(CheckpointIO):
         self._raise_failure()
         key = _key(path)
         ckpt = self.checkpointer
-        older = self._versions(key)
+        older = self._versions(key) - self._deleting.keys()  # (one being deleted in the background: not again)
         step = self._new_step()
         meta = {"path": key, "id": uuid.uuid4().hex, "epoch": _int_or_none(checkpoint.get("epoch")),
                 "global_step": _int_or_none(checkpoint.get("global_step"))}
@@ -213,7 +213,12 @@ class TieredCheckpointIO(CheckpointIO):
             self._reap(block=True)
         finally:
             ckpt, self._ckpt = self._ckpt, None
-            ckpt.close(raise_errors=not failing)
+            try:
+                ckpt.close(raise_errors=not failing)
+            finally:
+                for future in self._deleting.values():  # (not reaped: teardown was interrupted) their loop is gone
+                    future.cancel()
+                self._deleting.clear()
         if failing:
             self._failures.clear()  # logged in _settle; do not hide the exception Lightning is handling
         else:
@@ -308,6 +313,8 @@ class TieredCheckpointIO(CheckpointIO):
         finally:
             self._inflight.pop(step, None)
         for old in self._supersedes.pop(step, []):
+            if old in self._deleting:
+                continue
             if old in self._inflight:
                 self._settle(old, block=True)
             # in the background: deleting a large checkpoint takes a tenth of a second and more, which
@@ -327,15 +334,18 @@ class TieredCheckpointIO(CheckpointIO):
                 future.result()
             except IncompleteCheckpoint:
                 pass  # already gone
-            except TieredCkptError as e:
-                log.warning("the superseded checkpoint %d was not deleted: %s", old, e)
+            except Exception as e:  # noqa: BLE001 - a leftover for `tiered-ckpt gc`, not a failed save
+                log.warning("the superseded checkpoint %d was not deleted: %s: %s", old, type(e).__name__, e)
 
     def _delete(self, step: int, *, quiet: bool) -> None:
         try:
             pending = self._deleting.pop(step, None)
             if pending is not None:  # being deleted in the background already: that delete is this one
-                pending.result()
-                return
+                try:
+                    pending.result()
+                    return
+                except Exception:  # noqa: BLE001 - it failed: delete it here, where a failure is raised
+                    pass
             self.checkpointer.delete(step)
         except IncompleteCheckpoint:
             pass  # already gone

@@ -8,19 +8,35 @@ collection, though almost all of it is freed again when the work is done: measur
 stalled the event loop 130-180 ms, and with collections off 15-40 ms (docs/benchmarks.md, *Many small
 tensors*). So automatic collection is off while such work runs, and back on when the last of it ends (if it
 was on before): what it allocated and freed is then gone without a collection. Explicit `gc.collect()` calls
-still run. Trainers that turn automatic collection off themselves (torchtitan, Megatron-LM) are left as they
-are: it stays off.
+still run. Trainers that turn automatic collection off themselves (torchtitan, Megatron-LM) before their first
+save or load are left as they are: it stays off. A process forked during a pause (a DataLoader's workers)
+starts with collection as it was before the pause.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from typing import Iterator
 
 _lock = threading.Lock()
 _depth = 0  # blocks running now, in any thread
 _was_enabled = False  # automatic collection was on when the first of them began
+
+
+def _after_fork_in_child() -> None:
+    """The child runs none of the parent's blocks: end their pause there (and a lock a parent's thread held)."""
+    global _depth, _lock
+    _lock = threading.Lock()
+    if _depth:
+        _depth = 0
+        if _was_enabled:
+            gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
