@@ -103,10 +103,7 @@ class Checkpointer:
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         if threading.current_thread() is self._thread:
             raise RuntimeError("Checkpointer methods cannot be called from its own event loop thread")
-        if self._loop.is_closed():
-            coro.close()
-            raise RuntimeError("this Checkpointer is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self._submit(coro).result(timeout)
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
         """Start `coro` on the loop and return without waiting (the integrations' background deletes)."""

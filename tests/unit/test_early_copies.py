@@ -108,8 +108,8 @@ async def test_stage_redoes_a_launch_made_for_another_plan():
     early = EarlyCopies(min_bytes=1, host_sources=True)
     early.learn(old_plan, [None] * len(old_plan.local), set())
     launch = early.launch(early.learned, buf, {})
-    with launch:
-        flatten(old, on_tensor=launch.on_tensor, on_state_dict=launch.on_state_dict)
+    launch.start()
+    flatten(old, on_tensor=launch.on_tensor, on_state_dict=launch.on_state_dict)
     assert len(launch.launched) == 3 and not launch.fits(new_plan, [None] * len(new_plan.local))
     stage(new_plan, new_flat.tensors, buf, launch=launch)
     for view, i in zip(buf.views_for(new_plan), new_plan.local.index):
@@ -125,7 +125,7 @@ def test_a_tensor_on_another_device_stops_the_launch():
     early = EarlyCopies(min_bytes=1)
     early.learn(plan, [torch.device("cuda", 0)] * len(plan.local), set())
     launch = early.launch(early.learned, StagingBuffer(plan.nbytes, pin=False), {})
-    launch.on_tensor(0, flat.tensors[0])  # no `with`: no side stream is made, and none is needed to refuse
+    launch.on_tensor(0, flat.tensors[0])  # not started: no side stream is made, and none is needed to refuse
     assert not launch.ok and not launch.launched
     assert not launch.fits(plan, [None] * len(plan.local))
 

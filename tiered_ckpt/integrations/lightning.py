@@ -201,7 +201,7 @@ class TieredCheckpointIO(CheckpointIO):
         for step in sorted(steps):
             if step in self._inflight:
                 self._settle(step, block=True)
-            self._delete(step, quiet=False)
+            self._delete(step)
 
     def teardown(self) -> None:
         """Wait for every save in flight, retire superseded versions, close the engine. Raises a failed save
@@ -337,7 +337,9 @@ class TieredCheckpointIO(CheckpointIO):
             except Exception as e:  # noqa: BLE001 - a leftover for `tiered-ckpt gc`, not a failed save
                 log.warning("the superseded checkpoint %d was not deleted: %s: %s", old, type(e).__name__, e)
 
-    def _delete(self, step: int, *, quiet: bool) -> None:
+    def _delete(self, step: int) -> None:
+        """Delete `step` now (remove_checkpoint): a failure is raised. Superseded versions go in the
+        background instead (_settle)."""
         try:
             pending = self._deleting.pop(step, None)
             if pending is not None:  # being deleted in the background already: that delete is this one
@@ -349,10 +351,6 @@ class TieredCheckpointIO(CheckpointIO):
             self.checkpointer.delete(step)
         except IncompleteCheckpoint:
             pass  # already gone
-        except TieredCkptError as e:
-            if not quiet:
-                raise
-            log.warning("the superseded checkpoint %d was not deleted: %s", step, e)
         self._meta.pop(step, None)
 
     def _raise_failure(self) -> None:

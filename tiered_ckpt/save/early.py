@@ -50,10 +50,6 @@ class EarlyCopies:
         self.host_sources = host_sources  # launch host tensors' copies too (for CPU tests of the same logic)
         self.learned: Learned | None = None
 
-    @property
-    def plan(self) -> Plan | None:
-        return self.learned.plan if self.learned is not None else None
-
     def learn(self, plan: Plan, devices: Sequence[Any], gathered: set[int]) -> None:
         known = self.learned
         if known is not None and plan is known.plan and devices == known.devices:
@@ -74,9 +70,9 @@ class EarlyCopies:
 
 
 class Launch:
-    """One save's early copies. Used as `with launch: flatten(state, on_tensor=launch.on_tensor,
-    on_state_dict=launch.on_state_dict)` in one thread, then handed to `copy.stage`, which keeps them (`fits`)
-    or waits for them and stages everything itself. `close()` (any thread) stops further launches: a walk
+    """One save's early copies. In one thread, `launch.start()` then `flatten(state, on_tensor=launch.on_tensor,
+    on_state_dict=launch.on_state_dict)`; then handed to `copy.stage`, which keeps them (`fits`) or waits for
+    them and stages everything itself. `close()` (any thread) stops further launches: a walk
     that goes on after its save was cancelled queues nothing into a buffer that went back to the pool."""
 
     def __init__(self, learned: Learned, buffer: StagingBuffer, events: Mapping[torch.device, Any]):
@@ -90,18 +86,16 @@ class Launch:
         self.closed = False
         self._lock = threading.Lock()  # a launch in progress, against close()
 
-    def __enter__(self) -> Launch:
-        self.views = self.buffer.views_for(self.plan)  # (here, in the walk's thread: a new buffer makes them)
+    def start(self) -> None:
+        """The buffer's views and the side streams, ordered after the producer (in the walk's thread: a new
+        buffer makes its views here)."""
+        self.views = self.buffer.views_for(self.plan)
         for d in self.cuda:
             stream = self.streams[d] = torch.cuda.Stream(device=d)
             if d in self.events:  # ordered after the producer, as the staging thread orders its own copies
                 stream.wait_event(self.events[d])
             else:
                 stream.wait_stream(torch.cuda.current_stream(d))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
 
     def on_state_dict(self) -> None:
         """The walk called a stateful object's state_dict(), which may have queued kernels that make the tensors

@@ -139,8 +139,8 @@ class StagingPool:
         take them instead of allocating while training waits. Unlike a save's own buffer, one that cannot be made
         in the memory tier's files (its tmpfs full) raises instead of falling back to anonymous memory. The
         buffers are kept as the pool keeps any (`_take_home`), as without a reservation. With `plan`, every free
-        buffer also gets its views of the
-        plan's tensors now (StagingBuffer.views_for: an object per tensor, made at set-up, not in a save)."""
+        buffer also gets its views of the plan's tensors now (StagingBuffer.views_for: an object per tensor, made
+        at set-up, not in a save)."""
         for buf in list(self._free) if plan is not None else ():
             await asyncio.to_thread(buf.views_for, plan)
         for _ in range(count):

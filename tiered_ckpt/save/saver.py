@@ -282,9 +282,9 @@ def _close_and_wait(launch: Launch) -> None:
 def _walk(state: Any, allow_pickle: bool, rank: int, launch: Launch | None) -> FlatState:
     if launch is None:
         return flatten(state, allow_pickle=allow_pickle, rank=rank)
-    with launch:
-        return flatten(state, allow_pickle=allow_pickle, rank=rank, on_tensor=launch.on_tensor,
-                       on_state_dict=launch.on_state_dict)
+    launch.start()
+    return flatten(state, allow_pickle=allow_pickle, rank=rank, on_tensor=launch.on_tensor,
+                   on_state_dict=launch.on_state_dict)
 
 
 def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:

@@ -6,9 +6,9 @@ included. The per-tensor work of a first save (walking the state, planning, maki
 a load (pairing each tensor with its saved entry, scattering the reads) allocates enough to set off such a
 collection, though almost all of it is freed again when the work is done: measured, each of those operations
 stalled the event loop 130-180 ms, and with collections off 15-40 ms (docs/benchmarks.md, *Automatic
-collection paused during the per-tensor work*). So automatic collection is off while such work runs, and back on when the last of it ends (if it
-was on before): what it allocated and freed is then gone without a collection. Explicit `gc.collect()` calls
-still run. Trainers that turn automatic collection off themselves (torchtitan, Megatron-LM) before their first
+collection paused during the per-tensor work*). So automatic collection is off while such work runs, and back
+on when the last of it ends (if it was on before): what it allocated and freed is then gone without a
+collection. Explicit `gc.collect()` calls still run. Trainers that turn automatic collection off themselves (torchtitan, Megatron-LM) before their first
 save or load are left as they are: it stays off. A process forked during a pause (a DataLoader's workers)
 starts with collection as it was before the pause.
 """
