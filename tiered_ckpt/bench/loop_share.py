@@ -1,12 +1,24 @@
 """What checkpointing takes from the training loop: the same small GPT trained for the same steps with no
-checkpoint, with tiered_ckpt saving lazily every few steps (memory + disk tiers), and with DCP saving
-synchronously, interleaved A B C A B C, in one process; the slowdown of each against no checkpoint."""
+checkpoint, with tiered_ckpt saving lazily every few steps (memory + disk tiers), with DCP saving
+synchronously, and with no checkpoint but a few milliseconds of pure Python handed to a background thread at
+each save point, interleaved A B C D A B C D, in one process; the slowdown of each against no checkpoint.
+
+The last run is the yardstick for the others: the training thread runs Python between its kernels, so any
+Python another thread runs meanwhile (the engine's event loop, its pipelines, the index) holds the GIL that the
+training thread then waits for. The report splits tiered_ckpt's cost per save into the `save()` call, the wait
+for the lazy copy and the slower step after a save, and gives the CPU each group of the engine's threads used
+per save (Linux)."""
 from __future__ import annotations
 
+import os
+import queue
+import re
 import shutil
 import statistics
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,45 +50,143 @@ def gpt(vocab: int = 256, ctx: int = 64, dim: int = 208, layers: int = 4, heads:
     return model
 
 
-def _train(steps: int, every: int, save: Callable[[int, dict[str, Any]], Any] | None) -> float:
-    """Seconds for `steps` training steps, saving every `every` steps through `save` (None: never)."""
+@dataclass
+class Run:
+    """One training run: its seconds, and per save (runs that save): how long `save()` took to return, how
+    long the step waited for the lazy copy before `optimizer.step()`, and each step's seconds, those right
+    after a save apart from the others (background work runs mostly then)."""
+
+    seconds: float
+    save_calls: list[float] = field(default_factory=list)
+    staged_waits: list[float] = field(default_factory=list)
+    steps_after_save: list[float] = field(default_factory=list)
+    other_steps: list[float] = field(default_factory=list)
+
+
+def _python_for(ms: float) -> None:
+    """`ms` of pure Python (no call that releases the GIL)."""
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        sum(i * i for i in range(64))
+
+
+def _train(steps: int, every: int, save: Callable[[int, dict[str, Any]], Any] | None) -> Run:
+    """Train for `steps` steps, saving every `every` steps through `save` (None: never)."""
     torch.manual_seed(0)
     model = gpt()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     state = {"model": model, "optim": optim}
     g = torch.Generator().manual_seed(0)
     pending = None
+    run = Run(0.0)
+    saved_before = False
     start = time.perf_counter()
     for step in range(1, steps + 1):
+        began = time.perf_counter()
         x = torch.randint(0, 256, (16, 65), generator=g)
         loss = F.cross_entropy(model(x[:, :-1]).reshape(-1, 256), x[:, 1:].reshape(-1))
         loss.backward()
         if pending is not None and hasattr(pending, "staged"):
+            waited = time.perf_counter()
             pending.staged()  # the lazy copy is done before the weights change
+            run.staged_waits.append(time.perf_counter() - waited)
         pending = None
         optim.step()
         optim.zero_grad(set_to_none=True)
+        (run.steps_after_save if saved_before else run.other_steps).append(time.perf_counter() - began)
+        saved_before = False
         if save is not None and step % every == 0:
+            called = time.perf_counter()
             pending = save(step, state)
-    seconds = time.perf_counter() - start
-    return seconds
+            run.save_calls.append(time.perf_counter() - called)
+            saved_before = True
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+def _background_python(ms: float) -> Callable[[int, dict[str, Any]], None]:
+    """A "save" that hands `ms` of pure Python to a background thread and returns at once: what any Python
+    work beside the training thread costs it (the GIL), with no checkpoint at all."""
+    work: queue.SimpleQueue[float | None] = queue.SimpleQueue()
+
+    def serve() -> None:
+        while (job := work.get()) is not None:
+            _python_for(job)
+
+    threading.Thread(target=serve, daemon=True, name="loop-share-background-python").start()
+    return lambda step, state: work.put(ms)
+
+
+def thread_cpu() -> dict[str, tuple[float, float]]:
+    """CPU seconds (user, system) of each live thread of this process by its name (Linux: /proc; else {})."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[str, tuple[float, float]] = {}
+    for t in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[t.name] = (int(fields[11]) / tick, int(fields[12]) / tick)
+    return out
+
+
+def _thread_group(name: str) -> str:
+    """The engine's threads by job: its event loop, the copy, the CPU pool, each tier's I/O, the default
+    executor (the index's file operations, the walk)."""
+    if name == "tiered_ckpt-loop":
+        return "event loop"
+    if name.startswith("tiered_ckpt-copy"):
+        return "staging copy"
+    if name.startswith("tiered_ckpt-hash") or re.fullmatch(r"tiered_ckpt_\d+", name):
+        return "checksums and scatters"
+    if name.startswith("tiered_ckpt-"):
+        return f"tier {name[len('tiered_ckpt-'):].rsplit('_', 1)[0]}"
+    if name.startswith(("asyncio_", "uvloop_", "ThreadPoolExecutor-")):
+        return "default executor (index files, the walk)"
+    return ""
 
 
 def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None = None, shm: str = "/dev/shm",
-            dcp: bool = True) -> dict[str, Any]:
+            dcp: bool = True, calibrate_ms: float = 10.0) -> dict[str, Any]:
+    """Interleaved runs A B C D (no checkpoint, tiered_ckpt, DCP, background Python), `repeats` times."""
+    if base is not None:
+        base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="loop-", dir=base))
     shm_dir = Path(tempfile.mkdtemp(prefix="tiered_ckpt-loop-", dir=shm))
     nbytes = sum(p.numel() * p.element_size() for p in gpt().parameters()) * 3  # weights and two AdamW moments
     config = parse_config({"engine": {"job": "loop", "index": f"file://{work}/index"},
                            "tiers": [{"name": "host", "kind": "memory", "path": str(shm_dir), "keep_last": 2},
                                      {"name": "disk", "kind": "local", "path": str(work / "disk"), "keep_last": 2}]})
-    times: dict[str, list[float]] = {"none": [], "tiered_ckpt": [], "dcp": []}
+    runs: dict[str, list[Run]] = {"none": [], "tiered_ckpt": [], "dcp": [], "python": []}
+    cpu: dict[str, list[tuple[float, float]]] = {}  # per thread group: (user, system) per save, one per repeat
     try:
         _train(5, every, None)  # warm up the allocator and the kernels
         for r in range(repeats):
-            times["none"].append(_train(steps, every, None))
+            runs["none"].append(_train(steps, every, None))
             with Checkpointer(config.replace_engine(job=f"loop{r}")) as ckpt:
-                times["tiered_ckpt"].append(_train(steps, every, lambda s, st: ckpt.save(s, st, lazy=True)))
+                marks: dict[str, Any] = {}
+
+                def save(step: int, state: dict[str, Any]) -> Any:
+                    if step == 2 * every:  # from the second save on: the first one plans and makes the buffers
+                        marks["before"] = thread_cpu()
+                    return ckpt.save(step, state, lazy=True)
+
+                run = _train(steps, every, save)
+                ckpt.wait_all()  # the last save's background work counts too
+                after, before = thread_cpu(), marks["before"]
+            runs["tiered_ckpt"].append(run)
+            counted = len(run.save_calls) - 1
+            groups: dict[str, list[float]] = {}
+            for name, (user, system) in after.items():
+                group = _thread_group(name)
+                if group:
+                    u0, s0 = before.get(name, (0.0, 0.0))
+                    g = groups.setdefault(group, [0.0, 0.0])
+                    g[0] += user - u0
+                    g[1] += system - s0
+            for group, (user, system) in groups.items():
+                cpu.setdefault(group, []).append((user / counted, system / counted))
             if dcp:
                 import torch.distributed.checkpoint as dcp_
 
@@ -84,24 +194,67 @@ def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None
                     dcp_.save({"model": state["model"].state_dict(), "optim": state["optim"].state_dict()},
                               checkpoint_id=str(work / f"dcp{r}-{step}"), no_dist=True)
 
-                times["dcp"].append(_train(steps, every, dcp_save))
+                runs["dcp"].append(_train(steps, every, dcp_save))
+            if calibrate_ms > 0:
+                runs["python"].append(_train(steps, every, _background_python(calibrate_ms)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
-    none = statistics.median(times["none"])
-    return {"steps": steps, "every": every, "state_bytes": nbytes, "seconds": {k: statistics.median(v) for k, v in
-                                                                                 times.items() if v},
-            "slowdown": {k: statistics.median(v) / none - 1 for k, v in times.items() if v and k != "none"},
-            "runs": times}
+    saves = steps // every
+
+    def per_save_cost(name: str) -> float:
+        """What the loop lost per save: the median of the pairs' (run - no checkpoint) / saves."""
+        return statistics.median((a.seconds - b.seconds) / saves for a, b in zip(runs[name], runs["none"]))
+
+    def step_after(name: str) -> float:
+        """How much slower the step after a save is than the run's other steps (medians; within one run, so
+        the machine's drift between runs cancels)."""
+        return statistics.median(statistics.median(r.steps_after_save) - statistics.median(r.other_steps)
+                                 for r in runs[name])
+
+    tiered = runs["tiered_ckpt"]
+    breakdown = {
+        "save_call": statistics.median(x for r in tiered for x in r.save_calls[1:]),  # (the first one plans)
+        "staged_wait": statistics.median(x for r in tiered for x in r.staged_waits),
+        "step_after_save": step_after("tiered_ckpt"),
+        "per_save": per_save_cost("tiered_ckpt"),
+    }
+    return {"steps": steps, "every": every, "state_bytes": nbytes, "calibrate_ms": calibrate_ms,
+            "seconds": {k: statistics.median(r.seconds for r in v) for k, v in runs.items() if v},
+            "slowdown": {k: statistics.median(a.seconds / b.seconds - 1 for a, b in zip(v, runs["none"]))
+                         for k, v in runs.items() if v and k != "none"},
+            "breakdown": breakdown,
+            "python_per_save": per_save_cost("python") if runs["python"] else None,
+            "python_step_after": step_after("python") if runs["python"] else None,
+            "background_cpu_per_save": {g: (statistics.median(u for u, _ in v), statistics.median(s for _, s in v))
+                                        for g, v in sorted(cpu.items())},
+            "runs": {k: [r.seconds for r in v] for k, v in runs.items()}}
 
 
 def report(r: dict[str, Any]) -> str:
     lines = [f"training loop: {r['steps']} steps of a ~2.2M-parameter GPT (a {r['state_bytes'] / 2**20:.0f} MiB "
-             f"state with AdamW), a save every {r['every']} steps; medians of interleaved runs", "",
+             f"state with AdamW), a save every {r['every']} steps; interleaved runs, slowdown = median of the "
+             f"runs' ratios to the run without checkpoints beside them", "",
              "| run | seconds | slowdown |", "|---|---:|---:|", f"| no checkpoint | {r['seconds']['none']:.2f} | |"]
-    for name, label in (("tiered_ckpt", "tiered_ckpt, lazy saves (memory + disk)"), ("dcp", "DCP save, synchronous")):
+    labels = (("tiered_ckpt", "tiered_ckpt, lazy saves (memory + disk)"), ("dcp", "DCP save, synchronous"),
+              ("python", f"no checkpoint; {r['calibrate_ms']:g} ms of pure Python on a background thread at each save"))
+    for name, label in labels:
         if name in r["slowdown"]:
             lines.append(f"| {label} | {r['seconds'][name]:.2f} | {100 * r['slowdown'][name]:.1f}% |")
+    b = r["breakdown"]
+    lines += ["", "tiered_ckpt, per save (ms, medians):", "", "| where | ms |", "|---|---:|",
+              f"| `save()` returns (the walk, the cached plan, handing the copy on) | {1000 * b['save_call']:.2f} |",
+              f"| waiting for the lazy copy before `optimizer.step()` | {1000 * b['staged_wait']:.2f} |",
+              f"| the step after a save, beyond the other steps | {1000 * b['step_after_save']:.2f} |",
+              f"| all the loop lost per save (run minus no checkpoint, / saves) | {1000 * b['per_save']:.2f} |"]
+    if r.get("python_per_save") is not None:
+        lines += [f"| for comparison, {r['calibrate_ms']:g} ms of background Python at each save point: the step "
+                  f"after it, beyond the other steps | {1000 * r['python_step_after']:.2f} |",
+                  f"| the same: all the loop lost per save point | {1000 * r['python_per_save']:.2f} |"]
+    if r.get("background_cpu_per_save"):
+        lines += ["", "the engine's threads, CPU per save from the second save on (ms):", "", "| threads | user | system |",
+                  "|---|---:|---:|"]
+        lines += [f"| {g} | {1000 * u:.1f} | {1000 * s:.1f} |" for g, (u, s) in r["background_cpu_per_save"].items()]
     return "\n".join(lines)
 
 

@@ -1,0 +1,66 @@
+"""`tiered-ckpt bench --training-loop` (bench/loop_share.py): the training loop's share, split per save.
+Checked for what it reports and that the split adds up, never for how fast."""
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tiered_ckpt.bench import loop_share
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    shm = Path(tempfile.mkdtemp(prefix="tiered_ckpt-test-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield loop_share.measure(steps=6, every=3, repeats=1, base=tmp_path_factory.mktemp("loop"), shm=str(shm),
+                                     dcp=False, calibrate_ms=5.0)
+        assert not list(shm.iterdir())  # its memory tier's folder is gone with it
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_each_run_and_the_split_of_a_save_are_reported(result):
+    assert set(result["runs"]) == {"none", "tiered_ckpt", "dcp", "python"}
+    assert [len(result["runs"][k]) for k in ("none", "tiered_ckpt", "python")] == [1, 1, 1] and not result["runs"]["dcp"]
+    assert set(result["slowdown"]) == {"tiered_ckpt", "python"}
+    b = result["breakdown"]
+    assert b["save_call"] > 0 and b["staged_wait"] >= 0
+    # the per-save cost is the runs' difference over the saves: the same figure the slowdown gives
+    saves = result["steps"] // result["every"]
+    expected = (result["runs"]["tiered_ckpt"][0] - result["runs"]["none"][0]) / saves
+    assert b["per_save"] == pytest.approx(expected)
+    assert result["python_per_save"] is not None and result["python_step_after"] is not None
+
+
+def test_the_engine_threads_are_grouped_by_what_they_do(result):
+    groups = result["background_cpu_per_save"]
+    assert {"event loop", "staging copy", "tier host", "tier disk"} <= set(groups)
+    assert all(user >= 0 and system >= 0 for user, system in groups.values())
+    assert sum(user + system for user, system in groups.values()) > 0  # the engine's work is counted somewhere
+
+
+def test_the_report_names_every_part():
+    text = loop_share.report({
+        "steps": 6, "every": 3, "state_bytes": 25 << 20, "calibrate_ms": 5.0,
+        "seconds": {"none": 1.0, "tiered_ckpt": 1.1, "python": 1.05},
+        "slowdown": {"tiered_ckpt": 0.1, "python": 0.05},
+        "breakdown": {"save_call": 0.002, "staged_wait": 0.0003, "step_after_save": 0.004, "per_save": 0.05},
+        "python_per_save": 0.025, "python_step_after": 0.009, "background_cpu_per_save": {"event loop": (0.004, 0.0)}, "runs": {}})
+    for row in ("no checkpoint | 1.00", "10.0%", "5 ms of pure Python", "`save()` returns", "| 2.00 |",
+                "waiting for the lazy copy", "the step after a save", "| 50.00 |", "| 9.00 |", "| 25.00 |",
+                "| event loop | 4.0 | 0.0 |"):
+        assert row in text, row
+
+
+def test_thread_groups():
+    g = loop_share._thread_group
+    assert g("tiered_ckpt-loop") == "event loop"
+    assert g("tiered_ckpt-copy_0") == "staging copy"
+    assert g("tiered_ckpt_1") == g("tiered_ckpt-hash_0") == "checksums and scatters"
+    assert g("tiered_ckpt-disk_0") == "tier disk" and g("tiered_ckpt-host_2") == "tier host"
+    assert g("uvloop_0") == g("asyncio_3") == "default executor (index files, the walk)"
+    assert g("MainThread") == ""
