@@ -145,6 +145,12 @@ def structure_key(paths: list[str], tensors: list[torch.Tensor], world_size: int
     return (world_size, part_size, tuple(paths), tuple([t.dtype for t in tensors]), layout)
 
 
+# A state of up to this many tensors is keyed on the event loop (well under a millisecond of Python): a trip to a
+# worker thread and back costs more than that, most of it holding the GIL that the training thread wants. (The
+# walk stays in a thread whatever the size: it runs the caller's state_dict(), whose cost is not ours to bound.)
+SMALL_STATE = 1024
+
+
 class Planner:
     def __init__(self, part_size: int, coordinator: Coordinator | None = None, *, cache_size: int = 8):
         self.part_size = part_size
@@ -159,7 +165,8 @@ class Planner:
         return self.coordinator.rank
 
     async def plan(self, paths: list[str], tensors: list[torch.Tensor]) -> Plan:
-        key = await asyncio.to_thread(structure_key, paths, tensors, self.coordinator.world_size, self.part_size)
+        args = (paths, tensors, self.coordinator.world_size, self.part_size)
+        key = structure_key(*args) if len(tensors) <= SMALL_STATE else await asyncio.to_thread(structure_key, *args)
         plan = self._cache.get(key)
         if plan is not None:
             self._cache.move_to_end(key)

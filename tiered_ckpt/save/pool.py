@@ -20,6 +20,7 @@ from .staging_buffer import StagingBuffer
 
 if TYPE_CHECKING:
     from .arena import Arena
+    from .mapped import MappedParts
     from .plan import Plan
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class StagingPool:
                     self._count += 1
                 self._making += 1
         if buf is not None:
-            if buf.files is None or await asyncio.to_thread(buf.files.intact):
+            if buf.files is None or await _intact(buf.files):
                 return buf
             log.warning("a staging buffer's files in the memory tier were removed, truncated or replaced by someone "
                         "else; it is dropped and a new one made (staging into it would kill the process: SIGBUS)")
@@ -322,3 +323,8 @@ class StagingPool:
         """step → the buffer whose files hold that checkpoint on the memory tier (a copy of the mapping)."""
         return dict(self._retained)
 
+
+async def _intact(files: MappedParts) -> bool:
+    """`files.intact()`: a stat per part file, on the loop for a few parts (tmpfs answers in microseconds; a trip
+    to a thread costs more, and a save waits for it before its first copy), in a thread for many."""
+    return files.intact() if len(files.paths) <= 16 else await asyncio.to_thread(files.intact)

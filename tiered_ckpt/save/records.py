@@ -167,9 +167,11 @@ class Records:
 
     async def _build_rank_meta(self) -> bytes:
         sums, chunk_sums = await self.checksums(), await self.chunk_sums()
+        def encode() -> bytes:  # one trip to a thread for both (each trip costs the loop, and the GIL, more)
+            return RankMeta(self.plan.rank, self.plan.nbytes, tuple(sums), encode_skeleton(self.skeleton), chunk_sums,
+                            machine_name()).to_bytes()
+
         with automatic_gc_paused():
-            skeleton = await asyncio.to_thread(encode_skeleton, self.skeleton)
-            data = await asyncio.to_thread(lambda: RankMeta(self.plan.rank, self.plan.nbytes, tuple(sums), skeleton,
-                                                            chunk_sums, machine_name()).to_bytes())
+            data = await asyncio.to_thread(encode)
         await self.commit.put_rank_meta(self.step, data)
         return data

@@ -124,19 +124,27 @@ class LocalTier(FileTier):
 
     async def write(self, key: str, data: memoryview) -> None:
         path = self._path(key)
-        if self.options.capacity is not None:
-            await self._reserve(path, len(data))
         try:
-            await self.run_blocking(self._write_sync, path, data)
+            await self.run_blocking(self._reserve_and_write, path, data)
+        except TierFull:  # (an OSError too) raised by the capacity check: nothing was counted or written
+            raise
         except OSError as e:
             self._add_used(-len(data))
             if e.errno == errno.ENOSPC:
                 raise TierFull(f"no space left writing {path}", tier=self.name) from e
             raise TierError(f"writing {path}: {e}", tier=self.name) from e
 
-    async def _reserve(self, path: Path, nbytes: int) -> None:
+    def _reserve_and_write(self, path: Path, data: memoryview) -> None:
+        """One trip to a worker thread for both (the capacity check stats the file it replaces): a save writes
+        several small records per tier, and each trip costs the event loop, and so the training thread's GIL,
+        more than the stat."""
+        if self.options.capacity is not None:
+            self._reserve(path, len(data))
+        self._write_sync(path, data)
+
+    def _reserve(self, path: Path, nbytes: int) -> None:
         assert self._used is not None, "open() counts the used bytes of a tier with a capacity"
-        old = await self.run_blocking(_size_or_zero, path)
+        old = _size_or_zero(path)
         with self._used_lock:
             if self._used - old + nbytes > self.options.capacity:
                 raise TierFull(
