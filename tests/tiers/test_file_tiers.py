@@ -79,6 +79,14 @@ class TestMemoryTier(TierConformance):
         await tier.delete("job/")
         await tier.write("job/b", memoryview(bytes(1_000_000)))  # room again after delete
 
+    async def test_a_failed_write_gives_back_what_the_capacity_check_counted(self, tier):
+        await tier.write("job/a", memoryview(bytes(600_000)))
+        strided = memoryview(bytearray(1_800_000))[::2]  # 900,000 bytes that the write cannot take (not contiguous)
+        with pytest.raises(TypeError):
+            await tier.write("job/a", strided)
+        assert await tier.read("job/a") == bytes(600_000)  # the value it would have replaced is untouched
+        await tier.write("job/b", memoryview(bytes(440_000)))  # fits only if the failed write is not counted
+
     async def test_capacity_counts_what_a_previous_process_left(self, shm_dir, tier):
         await tier.write("job/a", memoryview(bytes(700_000)))
         again = MemoryTier("host", MemoryOptions(path=str(shm_dir / "host"), capacity=1 << 20))

@@ -1,5 +1,5 @@
 """`tiered-ckpt bench --training-loop` (bench/loop_share.py): the training loop's share, split per save.
-Checked for what it reports and that the split adds up, never for how fast."""
+Checked for what it reports and how its figures are made from the runs, never for how fast."""
 import shutil
 import tempfile
 import warnings
@@ -33,9 +33,12 @@ def test_each_run_and_the_split_of_a_save_are_reported(result):
     saves = result["steps"] // result["every"]
     expected = (result["runs"]["tiered_ckpt"][0] - result["runs"]["none"][0]) / saves
     assert b["per_save"] == pytest.approx(expected)
+    assert b["split_share"] == pytest.approx((b["save_call"] + b["step_after_save"]) / (result["every"] * b["step"]))
+    assert 0 < b["step"] < result["runs"]["tiered_ckpt"][0] / result["steps"] * 3  # a step, not a run
     assert result["python_per_save"] is not None and result["python_step_after"] is not None
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads' CPU is read from Linux's /proc")
 def test_the_engine_threads_are_grouped_by_what_they_do(result):
     groups = result["background_cpu_per_save"]
     assert {"event loop", "staging copy", "tier host", "tier disk"} <= set(groups)
@@ -48,10 +51,11 @@ def test_the_report_names_every_part():
         "steps": 6, "every": 3, "state_bytes": 25 << 20, "calibrate_ms": 5.0,
         "seconds": {"none": 1.0, "tiered_ckpt": 1.1, "python": 1.05},
         "slowdown": {"tiered_ckpt": 0.1, "python": 0.05},
-        "breakdown": {"save_call": 0.002, "staged_wait": 0.0003, "step_after_save": 0.004, "per_save": 0.05},
+        "breakdown": {"save_call": 0.002, "staged_wait": 0.0003, "step_after_save": 0.004, "per_save": 0.05,
+                      "split_share": 0.021},
         "python_per_save": 0.025, "python_step_after": 0.009, "background_cpu_per_save": {"event loop": (0.004, 0.0)}, "runs": {}})
     for row in ("no checkpoint | 1.00", "10.0%", "5 ms of pure Python", "`save()` returns", "| 2.00 |",
-                "waiting for the lazy copy", "the step after a save", "| 50.00 |", "| 9.00 |", "| 25.00 |",
+                "waiting for the lazy copy", "the step after a save", "| 50.00 |", "over 3 steps | 2.1% |", "| 9.00 |", "| 25.00 |",
                 "| event loop | 4.0 | 0.0 |"):
         assert row in text, row
 
@@ -63,4 +67,17 @@ def test_thread_groups():
     assert g("tiered_ckpt_1") == g("tiered_ckpt-hash_0") == "checksums and scatters"
     assert g("tiered_ckpt-disk_0") == "tier disk" and g("tiered_ckpt-host_2") == "tier host"
     assert g("uvloop_0") == g("asyncio_3") == "default executor (index files, the walk)"
+    assert g("tiered_ckpt-events_0") == "event log"
     assert g("MainThread") == ""
+
+
+def test_too_few_steps_for_two_saves_is_refused_before_any_run():
+    with pytest.raises(ValueError, match="at least twice every"):
+        loop_share.measure(steps=5, every=3)
+
+
+def test_the_yardstick_thread_ends_when_closed():
+    background = loop_share.BackgroundPython(1.0)
+    background(3, {})
+    background.close()
+    assert not background._thread.is_alive()

@@ -70,8 +70,10 @@ def _python_for(ms: float) -> None:
         sum(i * i for i in range(64))
 
 
-def _train(steps: int, every: int, save: Callable[[int, dict[str, Any]], Any] | None) -> Run:
-    """Train for `steps` steps, saving every `every` steps through `save` (None: never)."""
+def _train(steps: int, every: int, save: Callable[[int, dict[str, Any]], Any] | None,
+           before_save: Callable[[int], None] | None = None) -> Run:
+    """Train for `steps` steps, saving every `every` steps through `save` (None: never); `before_save(step)` is
+    called before each save, outside the timed call."""
     torch.manual_seed(0)
     model = gpt()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -96,6 +98,8 @@ def _train(steps: int, every: int, save: Callable[[int, dict[str, Any]], Any] | 
         (run.steps_after_save if saved_before else run.other_steps).append(time.perf_counter() - began)
         saved_before = False
         if save is not None and step % every == 0:
+            if before_save is not None:
+                before_save(step)
             called = time.perf_counter()
             pending = save(step, state)
             run.save_calls.append(time.perf_counter() - called)
@@ -104,30 +108,43 @@ def _train(steps: int, every: int, save: Callable[[int, dict[str, Any]], Any] | 
     return run
 
 
-def _background_python(ms: float) -> Callable[[int, dict[str, Any]], None]:
+class BackgroundPython:
     """A "save" that hands `ms` of pure Python to a background thread and returns at once: what any Python
-    work beside the training thread costs it (the GIL), with no checkpoint at all."""
-    work: queue.SimpleQueue[float | None] = queue.SimpleQueue()
+    work beside the training thread costs it (the GIL), with no checkpoint at all. `close()` waits for the
+    last job and ends the thread, so nothing of it runs into the next run."""
 
-    def serve() -> None:
-        while (job := work.get()) is not None:
+    def __init__(self, ms: float):
+        self.ms = ms
+        self._work: queue.SimpleQueue[float | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="loop-share-background-python")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._work.get()) is not None:
             _python_for(job)
 
-    threading.Thread(target=serve, daemon=True, name="loop-share-background-python").start()
-    return lambda step, state: work.put(ms)
+    def __call__(self, step: int, state: dict[str, Any]) -> None:
+        self._work.put(self.ms)
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._thread.join()
 
 
-def thread_cpu() -> dict[str, tuple[float, float]]:
-    """CPU seconds (user, system) of each live thread of this process by its name (Linux: /proc; else {})."""
+def thread_cpu() -> dict[int, tuple[str, float, float]]:
+    """Each live thread of this process by its native id: its name and CPU seconds, user and system (Linux:
+    /proc; elsewhere {}). By id, not name: a closed engine's threads may outlive it under the same names."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    out: dict[str, tuple[float, float]] = {}
+    out: dict[int, tuple[str, float, float]] = {}
     for t in threading.enumerate():
+        if t.native_id is None:
+            continue
         try:
             with open(f"/proc/self/task/{t.native_id}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        out[t.name] = (int(fields[11]) / tick, int(fields[12]) / tick)
+        out[t.native_id] = (t.name, int(fields[11]) / tick, int(fields[12]) / tick)
     return out
 
 
@@ -136,6 +153,8 @@ def _thread_group(name: str) -> str:
     executor (the index's file operations, the walk)."""
     if name == "tiered_ckpt-loop":
         return "event loop"
+    if name.startswith("tiered_ckpt-events"):
+        return "event log"
     if name.startswith("tiered_ckpt-copy"):
         return "staging copy"
     if name.startswith("tiered_ckpt-hash") or re.fullmatch(r"tiered_ckpt_\d+", name):
@@ -150,6 +169,9 @@ def _thread_group(name: str) -> str:
 def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None = None, shm: str = "/dev/shm",
             dcp: bool = True, calibrate_ms: float = 10.0) -> dict[str, Any]:
     """Interleaved runs A B C D (no checkpoint, tiered_ckpt, DCP, background Python), `repeats` times."""
+    if every < 1 or steps < 2 * every:
+        raise ValueError(f"steps ({steps}) must be at least twice every ({every}): the split of a save's cost "
+                         f"needs two saves (the first one plans and makes the buffers)")
     if base is not None:
         base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="loop-", dir=base))
@@ -167,21 +189,20 @@ def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None
             with Checkpointer(config.replace_engine(job=f"loop{r}")) as ckpt:
                 marks: dict[str, Any] = {}
 
-                def save(step: int, state: dict[str, Any]) -> Any:
+                def mark(step: int) -> None:
                     if step == 2 * every:  # from the second save on: the first one plans and makes the buffers
                         marks["before"] = thread_cpu()
-                    return ckpt.save(step, state, lazy=True)
 
-                run = _train(steps, every, save)
+                run = _train(steps, every, lambda s, st: ckpt.save(s, st, lazy=True), mark)
                 ckpt.wait_all()  # the last save's background work counts too
                 after, before = thread_cpu(), marks["before"]
             runs["tiered_ckpt"].append(run)
             counted = len(run.save_calls) - 1
             groups: dict[str, list[float]] = {}
-            for name, (user, system) in after.items():
+            for tid, (name, user, system) in after.items():
                 group = _thread_group(name)
                 if group:
-                    u0, s0 = before.get(name, (0.0, 0.0))
+                    _, u0, s0 = before.get(tid, (name, 0.0, 0.0))
                     g = groups.setdefault(group, [0.0, 0.0])
                     g[0] += user - u0
                     g[1] += system - s0
@@ -196,7 +217,11 @@ def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None
 
                 runs["dcp"].append(_train(steps, every, dcp_save))
             if calibrate_ms > 0:
-                runs["python"].append(_train(steps, every, _background_python(calibrate_ms)))
+                background = BackgroundPython(calibrate_ms)
+                try:
+                    runs["python"].append(_train(steps, every, background))
+                finally:
+                    background.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
@@ -219,6 +244,10 @@ def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None
         "step_after_save": step_after("tiered_ckpt"),
         "per_save": per_save_cost("tiered_ckpt"),
     }
+    step = statistics.median(statistics.median(r.other_steps) for r in tiered)
+    # the split's share of the loop: steadier than the whole runs' ratio, whose runs the machine's drift moves
+    breakdown["step"] = step
+    breakdown["split_share"] = (breakdown["save_call"] + breakdown["step_after_save"]) / (every * step)
     return {"steps": steps, "every": every, "state_bytes": nbytes, "calibrate_ms": calibrate_ms,
             "seconds": {k: statistics.median(r.seconds for r in v) for k, v in runs.items() if v},
             "slowdown": {k: statistics.median(a.seconds / b.seconds - 1 for a, b in zip(v, runs["none"]))
@@ -245,8 +274,11 @@ def report(r: dict[str, Any]) -> str:
     lines += ["", "tiered_ckpt, per save (ms, medians):", "", "| where | ms |", "|---|---:|",
               f"| `save()` returns (the walk, the cached plan, handing the copy on) | {1000 * b['save_call']:.2f} |",
               f"| waiting for the lazy copy before `optimizer.step()` | {1000 * b['staged_wait']:.2f} |",
-              f"| the step after a save, beyond the other steps | {1000 * b['step_after_save']:.2f} |",
-              f"| all the loop lost per save (run minus no checkpoint, / saves) | {1000 * b['per_save']:.2f} |"]
+              f"| the step after a save, beyond the other steps (the wait above included) | "
+              f"{1000 * b['step_after_save']:.2f} |",
+              f"| all the loop lost per save (run minus no checkpoint, / saves) | {1000 * b['per_save']:.2f} |",
+              f"| the share of the loop by this split: the call and the step after it, over {r['every']} steps | "
+              f"{100 * b['split_share']:.1f}% |"]
     if r.get("python_per_save") is not None:
         lines += [f"| for comparison, {r['calibrate_ms']:g} ms of background Python at each save point: the step "
                   f"after it, beyond the other steps | {1000 * r['python_step_after']:.2f} |",

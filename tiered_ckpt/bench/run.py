@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--size, default 256MiB)")
     p.add_argument("--training-loop", action="store_true",
                    help="only what checkpointing takes from a training loop: a ~2.2M-parameter GPT trained with no "
-                        "checkpoint, with lazy saves every 3 steps, and with DCP saving synchronously "
+                        "checkpoint, with lazy saves every 3 steps, with DCP saving synchronously, and with 10 ms of "
+                        "background Python at each save point as a yardstick; the saves' cost split per save "
                         "(bench/loop_share.py)")
 
 

@@ -145,10 +145,11 @@ def structure_key(paths: list[str], tensors: list[torch.Tensor], world_size: int
     return (world_size, part_size, tuple(paths), tuple([t.dtype for t in tensors]), layout)
 
 
-# A state of up to this many tensors is keyed on the event loop (well under a millisecond of Python): a trip to a
-# worker thread and back costs more than that, most of it holding the GIL that the training thread wants. (The
+# A state of up to this many plain tensors is keyed on the event loop (about a microsecond of Python a tensor): a
+# trip to a worker thread and back costs more than that, most of it holding the GIL that the training thread
+# wants. A DTensor's key reads its mesh (tens of microseconds): any DTensor, and the key is made in a thread. (The
 # walk stays in a thread whatever the size: it runs the caller's state_dict(), whose cost is not ours to bound.)
-SMALL_STATE = 1024
+SMALL_STATE = 512
 
 
 class Planner:
@@ -166,7 +167,8 @@ class Planner:
 
     async def plan(self, paths: list[str], tensors: list[torch.Tensor]) -> Plan:
         args = (paths, tensors, self.coordinator.world_size, self.part_size)
-        key = structure_key(*args) if len(tensors) <= SMALL_STATE else await asyncio.to_thread(structure_key, *args)
+        small = len(tensors) <= SMALL_STATE and all(type(t) is torch.Tensor for t in tensors)
+        key = structure_key(*args) if small else await asyncio.to_thread(structure_key, *args)
         plan = self._cache.get(key)
         if plan is not None:
             self._cache.move_to_end(key)

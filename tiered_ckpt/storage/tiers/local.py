@@ -129,7 +129,6 @@ class LocalTier(FileTier):
         except TierFull:  # (an OSError too) raised by the capacity check: nothing was counted or written
             raise
         except OSError as e:
-            self._add_used(-len(data))
             if e.errno == errno.ENOSPC:
                 raise TierFull(f"no space left writing {path}", tier=self.name) from e
             raise TierError(f"writing {path}: {e}", tier=self.name) from e
@@ -137,12 +136,16 @@ class LocalTier(FileTier):
     def _reserve_and_write(self, path: Path, data: memoryview) -> None:
         """One trip to a worker thread for both (the capacity check stats the file it replaces): a save writes
         several small records per tier, and each trip costs the event loop, and so the training thread's GIL,
-        more than the stat."""
-        if self.options.capacity is not None:
-            self._reserve(path, len(data))
-        self._write_sync(path, data)
+        more than the stat. A write that fails gives back what the check counted."""
+        counted = self._reserve(path, len(data)) if self.options.capacity is not None else 0
+        try:
+            self._write_sync(path, data)
+        except BaseException:
+            self._add_used(-counted)
+            raise
 
-    def _reserve(self, path: Path, nbytes: int) -> None:
+    def _reserve(self, path: Path, nbytes: int) -> int:
+        """Count `nbytes` replacing the file at `path` against the capacity; return the change counted."""
         assert self._used is not None, "open() counts the used bytes of a tier with a capacity"
         old = _size_or_zero(path)
         with self._used_lock:
@@ -151,6 +154,7 @@ class LocalTier(FileTier):
                     f"capacity {self.options.capacity} bytes exceeded: {self._used} used, writing {nbytes} more "
                     f"({path}); raise `capacity` or lower `keep_last`", tier=self.name)
             self._used += nbytes - old
+        return nbytes - old
 
     def _write_sync(self, path: Path, data: memoryview) -> None:
         tmp = path.with_name(f"{TMP}{path.name}.{uuid.uuid4().hex[:8]}")
