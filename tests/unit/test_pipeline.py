@@ -78,6 +78,27 @@ async def test_timeout_becomes_tier_timeout_and_is_retried():
     assert len(calls) == 2
 
 
+async def test_a_caller_cancelled_during_an_operation_is_cancelled_not_timed_out():
+    """The timeout runs in the caller's own task: cancelling the caller cancels the operation and raises
+    CancelledError, never a TierTimeout, and gives the budget back."""
+    p, started, ended = pipeline(timeout=5.0, retries=3), asyncio.Event(), []
+
+    async def stall():
+        started.set()
+        try:
+            await asyncio.sleep(10)
+        finally:
+            ended.append(1)
+
+    task = asyncio.create_task(p.submit(7, stall, "write x"))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ended == [1] and p.retried == 0
+    assert p._budget.used == 0
+
+
 def concurrency_probe():
     running, peak = {"bytes": 0, "ops": 0}, {"bytes": 0, "ops": 0}
 
