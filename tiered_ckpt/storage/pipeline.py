@@ -107,8 +107,7 @@ class TierPipeline:
     async def once(self, op: Callable[[], Awaitable[T]], what: str, timeout: float) -> T:
         """Run `op` one time within `timeout` (a check, not work to get done: no retries, no budget)."""
         try:
-            async with asyncio.timeout(timeout):  # in this task: wait_for would make a task for every operation
-                return await op()
+            return await asyncio.wait_for(op(), timeout)
         except TierError:  # the driver's own (an OSError too): full, retryable or not, as it said
             raise
         except asyncio.TimeoutError:
