@@ -79,8 +79,8 @@ async def test_timeout_becomes_tier_timeout_and_is_retried():
 
 
 async def test_a_caller_cancelled_during_an_operation_is_cancelled_not_timed_out():
-    """The timeout runs in the caller's own task: cancelling the caller cancels the operation and raises
-    CancelledError, never a TierTimeout, and gives the budget back."""
+    """Cancelling the caller cancels the operation and raises CancelledError, never a TierTimeout, with no
+    retry, and gives the budget back."""
     p, started, ended = pipeline(timeout=5.0, retries=3), asyncio.Event(), []
 
     async def stall():

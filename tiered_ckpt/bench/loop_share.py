@@ -243,11 +243,10 @@ def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None
         "staged_wait": statistics.median(x for r in tiered for x in r.staged_waits),
         "step_after_save": step_after("tiered_ckpt"),
         "per_save": per_save_cost("tiered_ckpt"),
+        "step": statistics.median(statistics.median(r.other_steps) for r in tiered),
     }
-    step = statistics.median(statistics.median(r.other_steps) for r in tiered)
     # the split's share of the loop: steadier than the whole runs' ratio, whose runs the machine's drift moves
-    breakdown["step"] = step
-    breakdown["split_share"] = (breakdown["save_call"] + breakdown["step_after_save"]) / (every * step)
+    breakdown["split_share"] = (breakdown["save_call"] + breakdown["step_after_save"]) / (every * breakdown["step"])
     return {"steps": steps, "every": every, "state_bytes": nbytes, "calibrate_ms": calibrate_ms,
             "seconds": {k: statistics.median(r.seconds for r in v) for k, v in runs.items() if v},
             "slowdown": {k: statistics.median(a.seconds / b.seconds - 1 for a, b in zip(v, runs["none"]))
