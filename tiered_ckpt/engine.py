@@ -267,8 +267,9 @@ class Engine:
         staging buffers; a further save waits here for one. CUDA copies wait for `ready_events` (per device,
         from `tiered_ckpt.save.copy.producer_events()` in the thread that runs the training step); by default
         they are recorded here, on the calling thread's current streams. A failure of an earlier save that no
-        one waited for is raised here (once), and this save is not started. The save after should_save() said
-        yes for a SIGTERM is the last: it waits for every tier, and then the process ends (should_save)."""
+        one waited for is raised here (once), and this save is not started. Saves called at once (from several
+        tasks) start one at a time, in call order. The save after should_save() said yes for a SIGTERM is the
+        last: it waits for every tier, and then the process ends (should_save)."""
         handle = await self._save_path().save(step, state, lazy=lazy, metadata=metadata, ready_events=ready_events)
         self.events.watch_save(handle, time.perf_counter() - handle.started)  # records it as its tiers finish
         self.policy.saved()

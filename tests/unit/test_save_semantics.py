@@ -1,6 +1,8 @@
 """What a training loop relies on: mutation after save, lazy staging, the plan cache without stale data, a
 step saved twice, errors that are never lost."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -89,3 +91,27 @@ async def test_a_background_failure_nobody_waited_for_is_raised_once_at_the_next
         await (await engine.save(2, {"w": torch.ones(10)})).wait()
     finally:
         await engine.close()  # the failure was raised once already: not again
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+async def test_saves_called_at_once_start_one_at_a_time_in_call_order(make_config, lazy):
+    """A fresh engine's first saves, called together (asyncio.gather, callbacks): each would become the job's
+    writer, and the second used to take the writer lease beside the first and be refused as a second writer
+    (naming this very process). They now start in call order; every one lands; a step given twice is refused."""
+    async with tc.Engine(make_config(max_inflight=2, tiers=[{"keep_last": 8}, {"keep_last": 8}])) as engine:
+        states = [state_of(float(step)) for step in range(1, 5)]
+        handles = await asyncio.gather(*(engine.save(step, s, lazy=lazy) for step, s in enumerate(states, 1)))
+        assert [h.step for h in handles] == [1, 2, 3, 4]
+        for h in handles:
+            await h.wait()
+        listed = [s.step async for s in engine.list() if s.is_complete]
+        assert listed == [1, 2, 3, 4]
+        for step in range(1, 5):
+            _, out = await load_values(engine, step=step)
+            assert torch.all(out["w"] == step) and out["step"] == step
+        twice = await asyncio.gather(engine.save(5, state_of(5.0), lazy=lazy), engine.save(5, state_of(6.0), lazy=lazy),
+                                     return_exceptions=True)
+        assert isinstance(twice[0], tc.SaveHandle) and isinstance(twice[1], tc.CheckpointExists)
+        await twice[0].wait()
+        _, out = await load_values(engine, step=5)
+        assert torch.all(out["w"] == 5.0)

@@ -1,6 +1,8 @@
 """`Engine.save`: check the step, flatten and plan the state, wait for room, then start a SaveJob. Tracks the
 saves in flight, and raises a background failure that nobody observed (no `wait()` on its handle) once, at
-the next `save()`, as well as at `close()`: an error is never lost."""
+the next `save()`, as well as at `close()`: an error is never lost. Saves (and `reserve()`) called at once on
+one engine start one at a time, in call order: each start may become the writer and runs collectives, which
+every rank must run in the same order."""
 from __future__ import annotations
 
 import asyncio
@@ -52,10 +54,24 @@ class Saver:
         self.host_fit: HostFit | None = None  # how the stack fits [engine] host_memory for the current state size
         self.early = EarlyCopies() if torch.cuda.is_available() else None  # where the next save's copies go
         self._dropping: set[asyncio.Future[None]] = set()  # launches being dropped (held: a task is weakly kept)
+        self._starting = asyncio.Lock()  # one save or reserve starts at a time (FIFO: in call order)
 
     async def save(self, step: int, state: Any, *, lazy: bool, metadata: dict[str, Any] | None,
                    ready_events: Mapping[Any, Any] | None) -> SaveHandle:
         started = time.perf_counter()  # handle.durable_at counts from here
+        async with self._starting:
+            handle = await self._start(step, state, started, metadata, ready_events)
+        if not lazy:
+            try:
+                await handle.staged()
+            except Exception:
+                handle.observed = True  # raised here, to the caller: not again at the next save or close()
+                raise
+        return handle
+
+    async def _start(self, step: int, state: Any, started: float, metadata: dict[str, Any] | None,
+                     ready_events: Mapping[Any, Any] | None) -> SaveHandle:
+        """Everything of a save up to its SaveJob running: checks, the writer, walk, plan, a buffer."""
         if type(step) is not int or not 0 <= step < MAX_STEP:
             raise ValueError(f"step must be an int from 0 to 2**53 - 1 (the Redis index orders steps as doubles), "
                              f"got {step!r}")
@@ -123,12 +139,6 @@ class Saver:
         self.busy.saving(step, handle)
         assert job.task is not None
         job.task.add_done_callback(lambda _: self._finished(job))
-        if not lazy:
-            try:
-                await handle.staged()
-            except Exception:
-                handle.observed = True  # raised here, to the caller: not again at the next save or close()
-                raise
         return handle
 
     async def _launch(self, ready_events: Mapping[Any, Any] | None) -> Launch | None:
@@ -167,9 +177,10 @@ class Saver:
         if self.config.engine.role == "reader":
             raise ConfigError(f"job {self.job!r}: this engine is a reader: it never saves, so it reserves nothing",
                               key="engine.role", file=self.config.source)
-        await self.writer.become()  # as a save's start: the lease, the probes, the leftovers
-        with automatic_gc_paused():  # its per-tensor Python: walk, plan, every buffer's views (state/gc_pause.py)
-            return await self._reserve(state)
+        async with self._starting:
+            await self.writer.become()  # as a save's start: the lease, the probes, the leftovers
+            with automatic_gc_paused():  # its per-tensor Python: walk, plan, every buffer's views (state/gc_pause.py)
+                return await self._reserve(state)
 
     async def _reserve(self, state: Any) -> Reservation:
         engine, coordinator = self.config.engine, self.coordinator
