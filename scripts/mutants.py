@@ -154,6 +154,15 @@ MUTANTS = {
         "        except TierFull:  # (an OSError too) raised by the capacity check: nothing was counted or written\n"
         "            raise\n", "",
         ["tests/tiers/test_file_tiers.py", "-k", "capacity_is_enforced"]),
+    "capacity-write-beside-write": (  # a retry beside a timed-out write of the same file counts it twice
+        "tiered_ckpt/storage/tiers/local.py",
+        "            while path in self._writing:\n", "            while False:\n",
+        ["tests/tiers/test_file_tiers.py", "-k", "retry_beside"]),
+    "save-starts-at-once": (  # saves called together each became the writer: the second was refused as a second
+        "tiered_ckpt/save/saver.py",  # writer of its own job
+        "        async with self._starting:\n            handle = await self._start(",
+        "        if True:\n            handle = await self._start(",
+        ["tests/unit/test_save_semantics.py", "-k", "one_at_a_time"]),
 }
 
 

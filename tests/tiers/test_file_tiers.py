@@ -35,6 +35,56 @@ class TestLocalTier(TierConformance):
         await tier.write("job/x", memoryview(b"abc"))
         assert (root / "job" / "x").read_bytes() == b"abc"
 
+    async def test_a_write_whose_folder_sync_fails_after_the_rename_stays_counted(self, tmp_path, monkeypatch):
+        """The rename put the bytes in place: a failing fsync of the folder fails the write, but the tier holds
+        them, so the capacity must go on counting them (giving them back let the next write overfill it)."""
+        import errno
+        from tiered_ckpt.storage.tiers import local
+
+        tier = LocalTier("disk", LocalOptions(path=str(tmp_path / "disk"), capacity=1 << 20))
+        tier.executor = ThreadPoolExecutor(1)
+        await tier.open()
+
+        def failing_sync(path, missing_ok=False):
+            raise OSError(errno.EIO, "fsync of the folder failed", str(path))
+
+        monkeypatch.setattr(local, "fsync_dir", failing_sync)
+        with pytest.raises(TierError, match="fsync of the folder failed"):
+            await tier.write("job/a", memoryview(bytes(600_000)))
+        monkeypatch.undo()
+        assert await tier.read("job/a") == bytes(600_000)  # in place
+        with pytest.raises(TierFull):
+            await tier.write("job/b", memoryview(bytes(600_000)))
+
+    async def test_a_retry_beside_a_write_still_running_counts_the_file_once(self, tmp_path, monkeypatch):
+        """A tier operation that timed out goes on in its thread while the pipeline retries it: the retry must
+        not count the same file again against the capacity (a spurious TierFull, then checkpoints retired
+        early to make room). It waits for the write still running, then counts only the difference."""
+        import asyncio
+        import threading
+
+        tier = LocalTier("disk", LocalOptions(path=str(tmp_path / "disk"), capacity=1 << 20))
+        tier.executor = ThreadPoolExecutor(2)
+        await tier.open()
+        entered, go_on, write = threading.Event(), threading.Event(), LocalTier._write_sync
+
+        def stuck_once(self, path, data):
+            if not entered.is_set():
+                entered.set()
+                assert go_on.wait(10)
+            write(self, path, data)
+
+        monkeypatch.setattr(LocalTier, "_write_sync", stuck_once)
+        first = asyncio.ensure_future(tier.write("job/a", memoryview(bytes(600_000))))
+        assert await asyncio.to_thread(entered.wait, 10)
+        retry = asyncio.ensure_future(tier.write("job/a", memoryview(bytes(600_000))))
+        await asyncio.wait([retry], timeout=0.5)  # the old code counted it again at once: TierFull
+        go_on.set()
+        await first
+        await retry
+        assert await tier.read("job/a") == bytes(600_000)
+        await tier.write("job/b", memoryview(bytes(440_000)))  # fits only if job/a is counted once
+
     async def test_opening_a_path_with_a_file_in_the_way_fails_at_once(self, tmp_path):
         (tmp_path / "file").write_text("not a folder")
         tier = LocalTier("disk", LocalOptions(path=str(tmp_path / "file" / "disk")))

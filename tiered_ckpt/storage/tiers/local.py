@@ -5,6 +5,7 @@ straight into the caller's buffers, so a load copies each byte once.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -14,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, Sequence
+from typing import Callable, ClassVar, Iterator, Sequence
 
 from ...errors import ConfigError, TierError, TierFull, TierNotFound
 from ..files import check_creatable, fsync_dir, not_private
@@ -48,6 +49,8 @@ class LocalTier(FileTier):
         self.root = Path(options.path)
         self._used: int | None = None  # bytes stored; counted at open() when a capacity is set
         self._used_lock = threading.Lock()  # account() runs in worker threads, the rest on the event loop
+        self._writing: set[Path] = set()  # files being written, with a capacity: one write of a file at a time
+        self._written = threading.Condition(self._used_lock)
         self._owned: Callable[[str], bool] = lambda key: True  # what counts toward the capacity (count_only)
         self._root_checked = False  # the tier's folder was found this user's own (private tiers)
 
@@ -136,13 +139,34 @@ class LocalTier(FileTier):
     def _reserve_and_write(self, path: Path, data: memoryview) -> None:
         """One trip to a worker thread for both (the capacity check stats the file it replaces): a save writes
         several small records per tier, and each trip costs the event loop, and so the training thread's GIL,
-        more than the stat. A write that fails gives back what the check counted."""
-        counted = self._reserve(path, len(data)) if self.options.capacity is not None else 0
-        try:
+        more than the stat. A write that fails gives back what the check counted. With a capacity, writes of one
+        file run one at a time: a retry beside a timed-out write still running in its thread would otherwise
+        count the same file twice (each check stats the file before either rename)."""
+        if self.options.capacity is None:
             self._write_sync(path, data)
-        except BaseException:
-            self._add_used(-counted)
-            raise
+        else:
+            with self._sole_writer(path):
+                counted = self._reserve(path, len(data))
+                try:
+                    self._write_sync(path, data)
+                except BaseException:
+                    self._add_used(-counted)
+                    raise
+        if self.options.fsync:  # after the rename the bytes are the tier's: a failure here keeps them counted
+            fsync_dir(path.parent)
+
+    @contextlib.contextmanager
+    def _sole_writer(self, path: Path) -> Iterator[None]:
+        with self._written:
+            while path in self._writing:
+                self._written.wait()
+            self._writing.add(path)
+        try:
+            yield
+        finally:
+            with self._written:
+                self._writing.discard(path)
+                self._written.notify_all()
 
     def _reserve(self, path: Path, nbytes: int) -> int:
         """Count `nbytes` replacing the file at `path` against the capacity; return the change counted."""
@@ -157,6 +181,7 @@ class LocalTier(FileTier):
         return nbytes - old
 
     def _write_sync(self, path: Path, data: memoryview) -> None:
+        """Write a temporary file and rename it over `path` (the caller makes the rename durable)."""
         tmp = path.with_name(f"{TMP}{path.name}.{uuid.uuid4().hex[:8]}")
         for attempt in range(3):  # a cleaner (gc) may remove an empty folder between the mkdir and the open
             try:
@@ -178,8 +203,6 @@ class LocalTier(FileTier):
             raise
         os.close(fd)
         os.replace(tmp, path)
-        if self.options.fsync:
-            fsync_dir(path.parent)
 
     async def read_into(self, key: str, out: Sequence[memoryview]) -> int:
         path = self._path(key)
