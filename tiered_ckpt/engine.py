@@ -79,6 +79,7 @@ class Engine:
         self._saver: Saver | None = None  # built at open(): they need the rank
         self._loader: Loader | None = None
         self._state = EngineState.NEW
+        self._closing: asyncio.Future[None] | None = None  # close()'s work, once begun (shared by every close())
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> "Engine":
@@ -169,12 +170,22 @@ class Engine:
                      first.keep_last, self.job, keep_best=first.keep_best or 0)  # nothing changes before a first save
 
     async def close(self, *, raise_errors: bool = True) -> None:
-        """Wait for every save in flight, close tiers and index; raise an unobserved background error."""
-        if self._state is not EngineState.OPEN:
+        """Wait for every save in flight, close tiers and index; raise an unobserved background error. From the
+        call on, new saves, loads and the rest are refused. The closing is not stopped by a cancel: a cancelled
+        close() leaves it running, and a second close() waits for the same closing."""
+        if self._state is EngineState.OPEN:
+            self._state = EngineState.CLOSING
+            self._closing = asyncio.ensure_future(self._shut_down())
+        if self._closing is None:  # never opened
             self._state = EngineState.CLOSED
             return
-        self._state = EngineState.CLOSING
-        saver, loader = self._save_path(), self._load_path()
+        await asyncio.shield(self._closing)
+        if raise_errors and self._saver is not None:
+            self._saver.raise_unobserved()
+
+    async def _shut_down(self) -> None:
+        saver, loader = self._saver, self._loader
+        assert saver is not None and loader is not None
         self.policy.disarm()
         await saver.wait_all()
         await loader.wait_healed(timeout=self.config.engine.commit_timeout)  # then cancelled
@@ -183,8 +194,6 @@ class Engine:
         await self.pool.clear()
         await self._close_sinks()
         self._state = EngineState.CLOSED
-        if raise_errors:
-            saver.raise_unobserved()
 
     async def _close_sinks(self) -> None:
         while self._sinks:  # in a thread: stopping the HTTP server waits for its poll, flushing the file writes
@@ -211,9 +220,14 @@ class Engine:
             await self._saver.wait_all()
 
     def _check_open(self) -> None:
-        if self._state not in (EngineState.OPEN, EngineState.CLOSING) or self._saver is None:
-            raise RuntimeError(f"engine is {self._state.value}: use `async with Engine(...)` or "
-                               f"`await engine.open()`")
+        if self._state is EngineState.NEW:
+            raise RuntimeError("engine is not open yet: use `async with Engine(...)` or `await engine.open()`")
+        if self._state is EngineState.CLOSING:
+            raise RuntimeError("engine is closing: it takes no more saves or loads (close() waits for the saves "
+                               "already in flight)")
+        if self._state is not EngineState.OPEN or self._saver is None:
+            raise RuntimeError("engine is closed: an engine opens once; make a new Engine (or Checkpointer) to save "
+                               "or load again")
 
     def _save_path(self) -> Saver:
         self._check_open()
@@ -268,8 +282,10 @@ class Engine:
         from `tiered_ckpt.save.copy.producer_events()` in the thread that runs the training step); by default
         they are recorded here, on the calling thread's current streams. A failure of an earlier save that no
         one waited for is raised here (once), and this save is not started. Saves called at once (from several
-        tasks) start one at a time, in call order. The save after should_save() said yes for a SIGTERM is the
-        last: it waits for every tier, and then the process ends (should_save)."""
+        tasks) start one at a time, in call order. A save cancelled once its copy has started (asyncio.wait_for
+        timing out, say) raises CancelledError only when the copy is done, and the checkpoint goes on in the
+        background. The save after should_save() said yes for a SIGTERM is the last: it waits for every tier,
+        and then the process ends (should_save)."""
         handle = await self._save_path().save(step, state, lazy=lazy, metadata=metadata, ready_events=ready_events)
         self.events.watch_save(handle, time.perf_counter() - handle.started)  # records it as its tiers finish
         self.policy.saved()

@@ -102,6 +102,7 @@ class Checkpointer:
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         if threading.current_thread() is self._thread:
+            coro.close()  # never started: no "never awaited" warning on top of the error
             raise RuntimeError("Checkpointer methods cannot be called from its own event loop thread")
         return self._submit(coro).result(timeout)
 

@@ -57,6 +57,10 @@ class SaveHandle:
         """Return once the tensors are copied to host buffers (raise if staging failed)."""
         await asyncio.shield(self._staged)
 
+    async def copy_ended(self) -> None:
+        """Return once staging ended, copied or failed (raises nothing of it)."""
+        await asyncio.wait([self._staged])
+
     async def wait(self, tier: str | None = None) -> None:
         """Wait for one tier, or all; raise the tier's error, or SaveError naming every failed tier."""
         self.observed = True

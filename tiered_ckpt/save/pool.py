@@ -78,8 +78,16 @@ class StagingPool:
                     self._count += 1
                 self._making += 1
         if buf is not None:
-            if buf.files is None or await _intact(buf.files):
-                return buf
+            try:
+                if buf.files is None or await _intact(buf.files):
+                    return buf
+            except BaseException:  # cancelled during the check (a thread's, for many parts): the buffer goes back
+                async with self._cond:
+                    buf.in_use = False
+                    self._held.discard(id(buf))
+                    self._free.append(buf)
+                    self._cond.notify()
+                raise
             log.warning("a staging buffer's files in the memory tier were removed, truncated or replaced by someone "
                         "else; it is dropped and a new one made (staging into it would kill the process: SIGBUS)")
             stale, buf.in_use = buf, False

@@ -64,6 +64,11 @@ class Saver:
         if not lazy:
             try:
                 await handle.staged()
+            except asyncio.CancelledError:
+                # the save goes on: the caller gets its tensors back only once the copy is done, so that nothing
+                # it changes after the cancel reaches the checkpoint (a failure is raised at the next save)
+                await handle.copy_ended()
+                raise
             except Exception:
                 handle.observed = True  # raised here, to the caller: not again at the next save or close()
                 raise
@@ -258,7 +263,10 @@ class Saver:
                 raise SaveError(handle.step, handle.errors)
 
     async def wait_all(self) -> None:
-        """Wait until every save in flight has finished on every tier (errors stay in the handles)."""
+        """Wait until every save in flight has finished on every tier (errors stay in the handles), those
+        still starting too (called before close() began: close() refuses later ones)."""
+        async with self._starting:
+            pass
         while self.jobs:
             await asyncio.wait([j.task for j in self.jobs if j.task is not None])
 

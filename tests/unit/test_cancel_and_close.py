@@ -1,0 +1,84 @@
+"""Cancels and closes at awkward moments: a cancelled save never lets later changes into its checkpoint nor
+keeps a staging buffer; close() refuses new work, survives a cancel and is shared by every caller."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+import tiered_ckpt as tc
+import tiered_ckpt.save.job as job_module
+import tiered_ckpt.save.mapped as mapped
+
+from .common import load_values, state_of
+
+
+def slowed(monkeypatch, module, name, seconds):
+    """`module.name` taking `seconds` longer (a slow copy, a busy machine's stat): the window a cancel hits."""
+    original = getattr(module, name)
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, slow)
+
+
+async def test_a_plain_save_cancelled_during_its_copy_keeps_what_the_state_held(make_config, monkeypatch):
+    """The caller's timeout ends save() while the copy runs; the caller then changes its tensors. The old code
+    let the copy (still running) take those changes into the checkpoint it went on to commit."""
+    slowed(monkeypatch, job_module, "stage", 0.3)
+    async with tc.Engine(make_config()) as engine:
+        state = state_of(5.0)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.save(5, state), 0.05)
+        state["w"].fill_(-7.0)  # the caller has its tensors back
+        await engine.wait_all()
+        _, out = await load_values(engine, step=5)
+        assert torch.all(out["w"] == 5.0)
+
+
+async def test_a_save_cancelled_while_a_reused_buffer_is_checked_gives_it_back(make_config, monkeypatch):
+    """A buffer of more than 16 part files is checked in a thread; a cancel there used to leave it held for
+    ever, and every later save waited for a buffer."""
+    state = {"w": torch.full((1 << 19,), 1.0)}  # 2 MiB in 64 KiB parts: 32 part files
+    async with tc.Engine(make_config(tiers=[{"keep_last": 1}])) as engine:
+        for step in (1, 2, 3):
+            await (await engine.save(step, state)).wait()
+        slowed(monkeypatch, mapped.MappedParts, "intact", 0.3)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.save(4, state), 0.05)
+        await engine.wait_all()
+        assert engine.pool.held == 0
+        await (await asyncio.wait_for(engine.save(5, state), 20)).wait()
+
+
+async def test_close_refuses_new_saves_and_loads_and_is_shared_by_every_caller(make_config, monkeypatch):
+    slowed(monkeypatch, job_module, "stage", 0.3)
+    engine = await tc.Engine(make_config()).open()
+    handle = await engine.save(1, state_of(1.0), lazy=True)
+    first = asyncio.ensure_future(engine.close())
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="engine is closing"):
+        await engine.save(2, state_of(2.0))
+    with pytest.raises(RuntimeError, match="engine is closing"):
+        await engine.load(state_of(0.0))
+    await engine.close()  # a second close() returns only when the closing is done
+    assert handle.done() and first.done()
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        await engine.save(3, state_of(3.0))
+
+
+async def test_a_cancelled_close_goes_on_and_a_second_close_waits_for_it(make_config, monkeypatch):
+    """The old code marked the engine closed at a second close() and closed nothing: the writer lease stayed
+    held, so a new engine of the job in this process was refused as a second writer."""
+    slowed(monkeypatch, job_module, "stage", 0.3)
+    engine = await tc.Engine(make_config()).open()
+    await engine.save(1, state_of(1.0), lazy=True)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(engine.close(), 0.05)
+    await engine.close()
+    async with tc.Engine(make_config()) as again:
+        await (await again.save(2, state_of(2.0))).wait()
+        assert [s.step async for s in again.list() if s.is_complete] == [1, 2]
