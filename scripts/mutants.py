@@ -158,6 +158,18 @@ MUTANTS = {
         "tiered_ckpt/storage/tiers/local.py",
         "            while path in self._writing:\n", "            while False:\n",
         ["tests/tiers/test_file_tiers.py", "-k", "retry_beside"]),
+    "retention-ignores-picking-loads": (  # a pass removed the step a load was still picking
+        "tiered_ckpt/lifecycle/retention.py",
+        "                            await self.busy.no_load_picking()\n", "",
+        ["tests/unit/test_retention.py", "-k", "still_picking"]),
+    "cancelled-check-keeps-buffer": (  # a save cancelled while its reused buffer is checked kept it held
+        "tiered_ckpt/save/pool.py",
+        "                    self._held.discard(id(buf))\n                    self._free.append(buf)\n", "",
+        ["tests/unit/test_cancel_and_close.py", "-k", "reused_buffer"]),
+    "second-close-returns-at-once": (  # a second close() returned before the closing was done
+        "tiered_ckpt/engine.py",
+        "        await asyncio.shield(self._closing)\n", "",
+        ["tests/unit/test_cancel_and_close.py", "-k", "close"]),
     "save-starts-at-once": (  # saves called together each became the writer: the second was refused as a second
         "tiered_ckpt/save/saver.py",  # writer of its own job
         "        async with self._starting:\n            handle = await self._start(",

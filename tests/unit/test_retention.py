@@ -50,6 +50,38 @@ async def test_retention_spares_a_checkpoint_being_loaded(make_config, monkeypat
         assert [c.step async for c in engine.list()] == [4]  # once the load is done, retention takes it
 
 
+async def test_retention_spares_a_checkpoint_a_load_is_still_picking(make_config, monkeypatch):
+    """The load marked its step busy only after the pick; a retention pass between the two removed the step
+    under it (`IntegrityError`: no tier returned it intact). Now no pass removes anything while a load
+    picks, and the load holds its step before the pick ends."""
+    from tiered_ckpt.load.catalog import Catalog
+
+    real_pick, picked, go_on = Catalog.pick, asyncio.Event(), asyncio.Event()
+
+    async def held_pick(self, *args, **kwargs):
+        status = await real_pick(self, *args, **kwargs)
+        if status.step == 1:
+            picked.set()
+            await go_on.wait()
+        return status
+
+    monkeypatch.setattr(Catalog, "pick", held_pick)
+    async with tc.Engine(make_config(tiers=[{"keep_last": 1}, {"keep_last": 1}])) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        loading = asyncio.create_task(load_values(engine, step=1))
+        await picked.wait()
+        saving = await engine.save(2, state_of(2.0))  # its retention pass, once committed, would retire step 1
+        while not any(s.step == 2 and s.complete == {"host", "disk"} for s in await engine.statuses()):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # (the old code's pass removed step 1 here)
+        go_on.set()
+        info, out = await loading
+        await saving.wait()  # (its retention waited for the pick)
+        assert info.step == 1 and torch.all(out["w"] == 1.0)
+        await (await engine.save(3, state_of(3.0))).wait()
+        assert [c.step async for c in engine.list()] == [3]  # the passes deferred take it once the load is done
+
+
 async def test_a_tier_that_cannot_keep_up_skips_to_the_newest_and_retention_holds_during_a_burst(make_config,
                                                                                               monkeypatch):
     """30 saves in a row with keep_last = 2 and a disk far slower than the saves: the disk skips saves that

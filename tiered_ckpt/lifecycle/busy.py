@@ -1,10 +1,13 @@
 """The one definition of which steps are busy: nothing removes a busy step.
 
 A step is busy while a save of it is in flight (not yet done on every tier it targets) or a load, an export
-or a verify is reading it.
+or a verify is reading it. While a load picks its step, retention waits before it removes anything, so the
+step picked is never removed between the pick and the load's hold on it; removals already running are named
+per tier (`removing_from`), so the load reads the step elsewhere.
 """
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator, Protocol
@@ -21,6 +24,10 @@ class BusySteps:
     def __init__(self) -> None:
         self._saves: dict[int, InFlight] = {}
         self._loads: Counter[int] = Counter()
+        self._picking = 0  # loads choosing their step: retention waits before a removal
+        self._no_picking = asyncio.Event()
+        self._no_picking.set()
+        self._removing: Counter[tuple[int, str]] = Counter()  # (step, tier) removals running
 
     def saving(self, step: int, handle: InFlight) -> None:
         self._saves[step] = handle
@@ -30,13 +37,48 @@ class BusySteps:
 
     @contextmanager
     def loading(self, step: int) -> Iterator[None]:
-        self._loads[step] += 1
+        self.begin_load(step)
         try:
             yield
         finally:
-            self._loads[step] -= 1
-            if not self._loads[step]:
-                del self._loads[step]
+            self.end_load(step)
+
+    def begin_load(self, step: int) -> None:
+        self._loads[step] += 1
+
+    def end_load(self, step: int) -> None:
+        self._loads[step] -= 1
+        if not self._loads[step]:
+            del self._loads[step]
+
+    @contextmanager
+    def picking(self) -> Iterator[None]:
+        self._picking += 1
+        self._no_picking.clear()
+        try:
+            yield
+        finally:
+            self._picking -= 1
+            if not self._picking:
+                self._no_picking.set()
+
+    async def no_load_picking(self) -> None:
+        """Return once no load is picking its step (then, before any await, what is busy is known)."""
+        await self._no_picking.wait()
+
+    @contextmanager
+    def removing(self, step: int, tier: str) -> Iterator[None]:
+        self._removing[step, tier] += 1
+        try:
+            yield
+        finally:
+            self._removing[step, tier] -= 1
+            if not self._removing[step, tier]:
+                del self._removing[step, tier]
+
+    def removing_from(self, step: int) -> set[str]:
+        """The tiers `step` is being removed from now."""
+        return {t for s, t in self._removing if s == step}
 
     def steps(self, *, finishing_on: str | None = None, finishing: frozenset[int] | set[int] = frozenset()) -> set[int]:
         """Busy steps. A save in `finishing` whose only unfinished tier is `finishing_on` (it is running the

@@ -109,24 +109,29 @@ class Removal:
     async def drop_tier(self, status: CheckpointStatus, tier: str) -> None:
         """Remove `status.step` from one tier: the index record first (rank 0 keeps the books), then the data
         (every rank, so node-local tiers are cleaned on every node; on shared tiers it is idempotent)."""
-        last = not set(status.tiers) - {tier}  # the step's last tier: the checkpoint goes away entirely
-        if self.rank == 0:
-            if last:
-                await self.index.bury(self.job, status.step)
-            await self.index.unmark(self.job, status.step, tier)
-        if tier in self.io:
-            await self.remove_from_tier(tier, status.step)
-        if not status.complete - {tier}:
-            self.committed.discard(status.step)
-        if self.rank == 0 and last:
-            await self.index.delete(self.job, status.step)
-            await self.index.unbury(self.job, status.step)
+        with self.busy.removing(status.step, tier):  # (a load picking the step meanwhile reads it elsewhere)
+            last = not set(status.tiers) - {tier}  # the step's last tier: the checkpoint goes away entirely
+            if self.rank == 0:
+                if last:
+                    await self.index.bury(self.job, status.step)
+                await self.index.unmark(self.job, status.step, tier)
+            if tier in self.io:
+                await self.remove_from_tier(tier, status.step)
+            if not status.complete - {tier}:
+                self.committed.discard(status.step)
+            if self.rank == 0 and last:
+                await self.index.delete(self.job, status.step)
+                await self.index.unbury(self.job, status.step)
 
     async def remove_from_tier(self, tier: str, step: int) -> None:
         """Every folder this index's incarnations wrote for `step`, and its folder-less keys of formats 1 and
         2 unless their manifest names another index. Nothing else under the step folder: another index's
         folders (an unrelated run sharing the tier's path and job name), a write in progress that a listing
         does not show. (File tiers remove a folder left empty.)"""
+        with self.busy.removing(step, tier):
+            await self._remove_from_tier(tier, step)
+
+    async def _remove_from_tier(self, tier: str, step: int) -> None:
         if self.reclaim is not None:
             await self.reclaim(tier, step)
         prefix, mine = step_prefix(self.job, step), index_dir(self.index.identity)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..errors import TieredCkptError
 from ..manifest import Manifest
@@ -60,13 +60,17 @@ class Retention:
             rules = self.rules[tier]
             try:
                 statuses = await self.index.list(self.job)
-                busy = self.busy.steps(finishing_on=tier, finishing=finishing)
+
+                def busy() -> set[int]:  # asked again before each removal: a load may have begun meanwhile
+                    return self.busy.steps(finishing_on=tier, finishing=finishing)
+
                 verdict = rules.judge([(s.step, s.metadata) for s in statuses if tier in s.complete])
                 oldest_last = verdict.oldest_last
                 if oldest_last is not None:
                     for s in statuses:  # older than the keep_last window, complete or not, and kept by no rule
                         if tier in s.tiers and s.step < oldest_last and s.step not in verdict.kept:
-                            if s.step in busy:
+                            await self.busy.no_load_picking()
+                            if s.step in busy():
                                 self._deferred.add(tier)  # look again once that save or load is done (revisit)
                             else:
                                 await self.removal.drop_tier(s, tier)
@@ -83,7 +87,8 @@ class Retention:
         self._passes[tier] = done + 1
         return self.removal.io.file_tier(tier) is not None or done % SCAN_EVERY == 0
 
-    async def _converge(self, tier: str, rules: Rules, statuses: list[CheckpointStatus], busy: set[int]) -> None:
+    async def _converge(self, tier: str, rules: Rules, statuses: list[CheckpointStatus],
+                        busy: Callable[[], set[int]]) -> None:
         """What the tier holds of this index's lineage beyond what the index lists: steps the index does not
         list (or whose record no longer targets this tier: a removal cut short). Whole ones count beside the
         complete ones the index lists, judged by the same rules (their metadata from their manifests); the rest
@@ -109,7 +114,8 @@ class Retention:
         for st in unlisted:
             if st in verdict.kept or (st not in by_step and (oldest_last is None or st > oldest_last)):
                 continue  # kept, or newer than what is kept (not ours to judge: gc's)
-            if st in busy:
+            await self.busy.no_load_picking()
+            if st in busy():
                 self._deferred.add(tier)
                 continue
             log.info("retention on tier %s: removing step %d, which the index %s", tier, st,

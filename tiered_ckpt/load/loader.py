@@ -58,17 +58,24 @@ class Loader:
         unknown = [t for t in allowed if t not in self.io]
         if unknown:
             raise ValueError(f"unknown tier(s) {unknown}; configured: {self.io.names}")
-        status, held = await self._agree_on_step(step, allowed, best)
+        with self.busy.picking():  # retention removes nothing until this load holds the step it picks
+            status, held = await self._agree_on_step(step, allowed, best)
+            self.busy.begin_load(status.step)  # (ended below, once the reads are done)
         info = LoadInfo(status.step, None)
-        order = [n for n in self.io.order(status.complete) if n in allowed]
+        removing = self.busy.removing_from(status.step)  # removals that began before the pick: read elsewhere
+        order = [n for n in self.io.order(status.complete) if n in allowed and n not in removing]
         error: BaseException | None = None
         manifest: Manifest | None = None
         reads: Reads | None = None
         holdings: dict[str, frozenset[int]] = {}
         target: LoadTarget | None = None
         with automatic_gc_paused():  # its per-tensor Python would set off full collections (state/gc_pause.py)
-            with self.busy.loading(status.step):
+            try:  # the step stays busy until the end of this block
                 try:  # local work: a failure here must not make this rank skip the collectives below
+                    if not order:
+                        raise IncompleteCheckpoint(f"step {status.step} is being removed from {sorted(removing)} "
+                                                   f"(retention: it is older than what those tiers keep), and no "
+                                                   f"other tier allowed holds it")
                     manifest = await self.catalog.read_manifest(status.step, order, status.incarnation)
                     # in threads: pairing 100k entries with the saved ones is seconds of Python
                     target = await asyncio.to_thread(self._match, state, manifest)
@@ -101,6 +108,8 @@ class Loader:
                 await self.io.run_blocking(reads.finish)  # scratch → targets, only once every rank read everything
                 await self.io.run_blocking(reads.release)
                 await self.io.run_blocking(target.copy_ties)
+            finally:
+                self.busy.end_load(status.step)
             await asyncio.to_thread(target.apply)  # load_state_dict() of modules and optimizers: seconds for large ones
         if self.heal and manifest is not None:
             running = next((t for t, s in self.heals.items() if s == manifest.step), None)  # one heal a step
