@@ -24,8 +24,8 @@ MUTANTS = {
              "        if True:\n            try:\n                await handle.staged()",
              ["tests/unit/test_save_semantics.py", "-k", "lazy"]),
     "load-protects-from-retention": (
-        "tiered_ckpt/load/loader.py", "with self.busy.loading(status.step):",
-        "with self.busy.loading(-1):",
+        "tiered_ckpt/load/loader.py", "self.busy.begin_load(status.step)",
+        "self.busy.begin_load(-1)",
         ["tests/unit/test_retention.py", "-k", "retention_spares"]),
     "max-inflight": ("tiered_ckpt/save/pool.py", "self.max_inflight = max_inflight", "self.max_inflight = 10**9",
                      ["tests/unit/test_staging.py", "-k", "backpressure"]),
@@ -172,7 +172,7 @@ MUTANTS = {
         ["tests/unit/test_cancel_and_close.py", "-k", "close"]),
     "save-starts-at-once": (  # saves called together each became the writer: the second was refused as a second
         "tiered_ckpt/save/saver.py",  # writer of its own job
-        "        async with self._starting:\n            handle = await self._start(",
+        "        async with self.starting:\n            handle = await self._start(",
         "        if True:\n            handle = await self._start(",
         ["tests/unit/test_save_semantics.py", "-k", "one_at_a_time"]),
 }

@@ -171,8 +171,8 @@ class Engine:
 
     async def close(self, *, raise_errors: bool = True) -> None:
         """Wait for every save in flight, close tiers and index; raise an unobserved background error. From the
-        call on, new saves, loads and the rest are refused. The closing is not stopped by a cancel: a cancelled
-        close() leaves it running, and a second close() waits for the same closing."""
+        call on, new saves, loads, deletes and the like are refused. The closing is not stopped by a cancel: a
+        cancelled close() leaves it running, and a second close() waits for the same closing."""
         if self._state is EngineState.OPEN:
             self._state = EngineState.CLOSING
             self._closing = asyncio.ensure_future(self._shut_down())
@@ -416,7 +416,8 @@ class Engine:
                               f"saves); `tiered-ckpt delete` removes a checkpoint beside a running trainer",
                               key="engine.role", file=self.config.source)
         if not writer.may_delete:  # a writer's act (with several ranks, every rank calls delete)
-            await writer.become()
+            async with self._save_path().starting:  # not beside a save becoming the writer too
+                await writer.become()
         await self.store.delete(step)
 
     async def attach(self, *, hold: bool = True) -> bool:

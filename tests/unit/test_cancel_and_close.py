@@ -2,6 +2,7 @@
 keeps a staging buffer; close() refuses new work, survives a cancel and is shared by every caller."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -15,24 +16,36 @@ from .common import load_values, state_of
 
 
 def slowed(monkeypatch, module, name, seconds):
-    """`module.name` taking `seconds` longer (a slow copy, a busy machine's stat): the window a cancel hits."""
-    original = getattr(module, name)
+    """`module.name` taking `seconds` longer (a slow copy, a busy machine's stat): the window a cancel hits.
+    Returns an event set once a call is inside that window."""
+    original, inside = getattr(module, name), threading.Event()
 
     def slow(*args, **kwargs):
+        inside.set()
         time.sleep(seconds)
         return original(*args, **kwargs)
 
     monkeypatch.setattr(module, name, slow)
+    return inside
+
+
+async def cancelled_inside(engine, step, state, inside):
+    """Start save(step) and cancel it once it is inside the slowed call."""
+    saving = asyncio.ensure_future(engine.save(step, state))
+    assert await asyncio.to_thread(inside.wait, 20)
+    saving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await saving
 
 
 async def test_a_plain_save_cancelled_during_its_copy_keeps_what_the_state_held(make_config, monkeypatch):
-    """The caller's timeout ends save() while the copy runs; the caller then changes its tensors. The old code
-    let the copy (still running) take those changes into the checkpoint it went on to commit."""
-    slowed(monkeypatch, job_module, "stage", 0.3)
+    """The caller cancels save() while the copy runs, then changes its tensors. The old code let the copy
+    (still running) take those changes into the checkpoint it went on to commit."""
     async with tc.Engine(make_config()) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        inside = slowed(monkeypatch, job_module, "stage", 0.3)
         state = state_of(5.0)
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(engine.save(5, state), 0.05)
+        await cancelled_inside(engine, 5, state, inside)
         state["w"].fill_(-7.0)  # the caller has its tensors back
         await engine.wait_all()
         _, out = await load_values(engine, step=5)
@@ -46,9 +59,8 @@ async def test_a_save_cancelled_while_a_reused_buffer_is_checked_gives_it_back(m
     async with tc.Engine(make_config(tiers=[{"keep_last": 1}])) as engine:
         for step in (1, 2, 3):
             await (await engine.save(step, state)).wait()
-        slowed(monkeypatch, mapped.MappedParts, "intact", 0.3)
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(engine.save(4, state), 0.05)
+        inside = slowed(monkeypatch, mapped.MappedParts, "intact", 0.3)
+        await cancelled_inside(engine, 4, state, inside)
         await engine.wait_all()
         assert engine.pool.held == 0
         await (await asyncio.wait_for(engine.save(5, state), 20)).wait()

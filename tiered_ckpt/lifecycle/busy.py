@@ -64,7 +64,8 @@ class BusySteps:
 
     async def no_load_picking(self) -> None:
         """Return once no load is picking its step (then, before any await, what is busy is known)."""
-        await self._no_picking.wait()
+        while self._picking:  # (an Event's waiters wake for a set() even if a new pick cleared it meanwhile)
+            await self._no_picking.wait()
 
     @contextmanager
     def removing(self, step: int, tier: str) -> Iterator[None]:
@@ -79,6 +80,10 @@ class BusySteps:
     def removing_from(self, step: int) -> set[str]:
         """The tiers `step` is being removed from now."""
         return {t for s, t in self._removing if s == step}
+
+    def removals(self) -> set[tuple[int, str]]:
+        """Every (step, tier) being removed now."""
+        return set(self._removing)
 
     def steps(self, *, finishing_on: str | None = None, finishing: frozenset[int] | set[int] = frozenset()) -> set[int]:
         """Busy steps. A save in `finishing` whose only unfinished tier is `finishing_on` (it is running the

@@ -153,6 +153,8 @@ class Retention:
                          default=None)
             unlisted = [st for st in copies if st not in by_step or tier not in by_step[st].tiers]
             verdict = self.rules.get(tier, Rules(None)).judge(listed)
+            await self.busy.no_load_picking()
+            busy = self.busy.steps() | {finishing}  # asked again: a load may have begun during the scan
             for st in verdict.retire_order({*(st for st, _ in listed), *unlisted}):
                 if st == newest or st in busy or st > finishing:
                     continue

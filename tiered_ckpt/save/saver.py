@@ -54,12 +54,12 @@ class Saver:
         self.host_fit: HostFit | None = None  # how the stack fits [engine] host_memory for the current state size
         self.early = EarlyCopies() if torch.cuda.is_available() else None  # where the next save's copies go
         self._dropping: set[asyncio.Future[None]] = set()  # launches being dropped (held: a task is weakly kept)
-        self._starting = asyncio.Lock()  # one save or reserve starts at a time (FIFO: in call order)
+        self.starting = asyncio.Lock()  # one save, reserve or first delete starts at a time (FIFO)
 
     async def save(self, step: int, state: Any, *, lazy: bool, metadata: dict[str, Any] | None,
                    ready_events: Mapping[Any, Any] | None) -> SaveHandle:
         started = time.perf_counter()  # handle.durable_at counts from here
-        async with self._starting:
+        async with self.starting:
             handle = await self._start(step, state, started, metadata, ready_events)
         if not lazy:
             try:
@@ -182,7 +182,7 @@ class Saver:
         if self.config.engine.role == "reader":
             raise ConfigError(f"job {self.job!r}: this engine is a reader: it never saves, so it reserves nothing",
                               key="engine.role", file=self.config.source)
-        async with self._starting:
+        async with self.starting:
             await self.writer.become()  # as a save's start: the lease, the probes, the leftovers
             with automatic_gc_paused():  # its per-tensor Python: walk, plan, every buffer's views (state/gc_pause.py)
                 return await self._reserve(state)
@@ -265,7 +265,7 @@ class Saver:
     async def wait_all(self) -> None:
         """Wait until every save in flight has finished on every tier (errors stay in the handles), those
         still starting too (called before close() began: close() refuses later ones)."""
-        async with self._starting:
+        async with self.starting:
             pass
         while self.jobs:
             await asyncio.wait([j.task for j in self.jobs if j.task is not None])
