@@ -3,7 +3,7 @@
 A step is busy while a save of it is in flight (not yet done on every tier it targets) or a load, an export
 or a verify is reading it. While a load picks its step, retention waits before it removes anything, so the
 step picked is never removed between the pick and the load's hold on it; removals already running are named
-per tier (`removing_from`), so the load reads the step elsewhere.
+per (step, tier) (`removals`), so the load reads the step elsewhere.
 """
 from __future__ import annotations
 
@@ -76,10 +76,6 @@ class BusySteps:
             self._removing[step, tier] -= 1
             if not self._removing[step, tier]:
                 del self._removing[step, tier]
-
-    def removing_from(self, step: int) -> set[str]:
-        """The tiers `step` is being removed from now."""
-        return {t for s, t in self._removing if s == step}
 
     def removals(self) -> set[tuple[int, str]]:
         """Every (step, tier) being removed now."""

@@ -67,7 +67,7 @@ class Loader:
         # retention runs at its own pace, and `order` must be the same on every rank (it plans the broadcasts):
         # there a removed tier is a fallback, as any missing part is
         removing = set() if self.coordinator.distributed else \
-            {t for s, t in removals if s == status.step} | self.busy.removing_from(status.step)
+            {t for s, t in removals | self.busy.removals() if s == status.step}
         order = [n for n in self.io.order(status.complete) if n in allowed and n not in removing]
         error: BaseException | None = None
         manifest: Manifest | None = None
