@@ -172,9 +172,14 @@ MUTANTS = {
         ["tests/unit/test_cancel_and_close.py", "-k", "close"]),
     "save-starts-at-once": (  # saves called together each became the writer: the second was refused as a second
         "tiered_ckpt/save/saver.py",  # writer of its own job
-        "        async with self.starting:\n            handle = await self._start(",
-        "        if True:\n            handle = await self._start(",
+        "        async with self.starting:\n            return await self._start(",
+        "        if True:\n            return await self._start(",
         ["tests/unit/test_save_semantics.py", "-k", "one_at_a_time"]),
+    "cancelled-save-unrecorded": (  # a plain save cancelled during its copy went on unseen: no records, and after
+        "tiered_ckpt/engine.py",  # a SIGTERM the process went on training
+        "            self._began(handle)\n            if self.policy.last_save_due:\n"
+        "                self._finishing = asyncio.ensure_future(self._finish(handle))\n", "",
+        ["tests/unit/test_cancel_and_close.py", "-k", "recorded or sigterm"]),
 }
 
 

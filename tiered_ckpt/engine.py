@@ -80,6 +80,7 @@ class Engine:
         self._loader: Loader | None = None
         self._state = EngineState.NEW
         self._closing: asyncio.Future[None] | None = None  # close()'s work, once begun (shared by every close())
+        self._finishing: asyncio.Future[None] | None = None  # a cancelled last save's wait before SIGTERM ends it
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> "Engine":
@@ -284,14 +285,27 @@ class Engine:
         one waited for is raised here (once), and this save is not started. Saves called at once (from several
         tasks) start one at a time, in call order. A save cancelled once its copy has started (asyncio.wait_for
         timing out, say) raises CancelledError only when the copy is done, and the checkpoint goes on in the
-        background. The save after should_save() said yes for a SIGTERM is the last: it waits for every tier,
-        and then the process ends (should_save)."""
-        handle = await self._save_path().save(step, state, lazy=lazy, metadata=metadata, ready_events=ready_events)
-        self.events.watch_save(handle, time.perf_counter() - handle.started)  # records it as its tiers finish
-        self.policy.saved()
+        background, recorded and counted as any save (on_event, should_save's time rule). The save after
+        should_save() said yes for a SIGTERM is the last: it waits for every tier, and then the process ends
+        (should_save); cancelled, it does so in the background."""
+        saver = self._save_path()
+        handle = await saver.start(step, state, metadata=metadata, ready_events=ready_events)
+        try:
+            if not lazy:
+                await saver.staged(handle)
+        except asyncio.CancelledError:  # the save goes on in the background: it is recorded and counted all the same
+            self._began(handle)
+            if self.policy.last_save_due:
+                self._finishing = asyncio.ensure_future(self._finish(handle))
+            raise
+        self._began(handle)
         if self.policy.last_save_due:  # should_save said yes for a SIGTERM: this was the last save
             await self._finish(handle)
         return handle
+
+    def _began(self, handle: SaveHandle) -> None:
+        self.events.watch_save(handle, time.perf_counter() - handle.started)  # records it as its tiers finish
+        self.policy.saved()
 
     async def reserve(self, state: Any) -> Reservation:
         """Make now, before training, the staging buffers the saves of `state` will use: max_inflight, and with

@@ -2,6 +2,8 @@
 keeps a staging buffer; close() refuses new work, survives a cancel and is shared by every caller."""
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
@@ -50,6 +52,46 @@ async def test_a_plain_save_cancelled_during_its_copy_keeps_what_the_state_held(
         await engine.wait_all()
         _, out = await load_values(engine, step=5)
         assert torch.all(out["w"] == 5.0)
+
+
+async def test_a_plain_save_cancelled_during_its_copy_is_still_recorded(make_config, monkeypatch):
+    """The save goes on after the cancel, so its records come as for any save (on_event, the JSON lines,
+    Prometheus), and the time rule of should_save() counts from it. The old code recorded nothing of it."""
+    records = []
+    async with tc.Engine(make_config()) as engine:
+        engine.on_event(records.append)
+        await (await engine.save(1, state_of(1.0))).wait()
+        inside = slowed(monkeypatch, job_module, "stage", 0.3)
+        await cancelled_inside(engine, 5, state_of(5.0), inside)
+        await engine.wait_all()
+    saves = [r for r in records if isinstance(r, tc.SaveEvent)]
+    assert [(r.step, r.ok) for r in saves] == [(1, True), (5, True)]
+    assert [r.committed for r in saves][1] == saves[0].committed != ()
+
+
+async def test_the_last_save_after_sigterm_cancelled_during_its_copy_still_ends_the_process(make_config,
+                                                                                         monkeypatch):
+    """should_save() said yes for a SIGTERM; the caller cancels that save during its copy. The save goes on, and
+    once it is done on every tier the signal is delivered again (here to the test's own handler), as for a
+    save that returned. The old code never delivered it: the process went on training after its SIGTERM."""
+    delivered = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: delivered.set())
+    try:
+        async with tc.Engine(make_config(save_on_sigterm=True)) as engine:
+            await (await engine.save(1, state_of(1.0))).wait()
+            os.kill(os.getpid(), signal.SIGTERM)  # to the engine's handler: the next should_save says yes
+            assert await engine.should_save(2)
+            inside = slowed(monkeypatch, job_module, "stage", 0.3)
+            await cancelled_inside(engine, 2, state_of(2.0), inside)
+            await engine.wait_all()
+            for _ in range(100):  # the handler runs in this (the main) thread, between two bytecodes
+                if delivered.is_set():
+                    break
+                await asyncio.sleep(0.05)
+            assert delivered.is_set()
+            assert 2 in [c.step async for c in engine.list() if c.complete]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 async def test_a_save_cancelled_while_a_reused_buffer_is_checked_gives_it_back(make_config, monkeypatch):

@@ -56,23 +56,26 @@ class Saver:
         self._dropping: set[asyncio.Future[None]] = set()  # launches being dropped (held: a task is weakly kept)
         self.starting = asyncio.Lock()  # one save, reserve or first delete starts at a time (FIFO)
 
-    async def save(self, step: int, state: Any, *, lazy: bool, metadata: dict[str, Any] | None,
-                   ready_events: Mapping[Any, Any] | None) -> SaveHandle:
+    async def start(self, step: int, state: Any, *, metadata: dict[str, Any] | None,
+                    ready_events: Mapping[Any, Any] | None) -> SaveHandle:
+        """A save up to its copy running (one at a time, in call order); `staged` waits for the copy."""
         started = time.perf_counter()  # handle.durable_at counts from here
         async with self.starting:
-            handle = await self._start(step, state, started, metadata, ready_events)
-        if not lazy:
-            try:
-                await handle.staged()
-            except asyncio.CancelledError:
-                # the save goes on: the caller gets its tensors back only once the copy is done, so that nothing
-                # it changes after the cancel reaches the checkpoint (a failure is raised at the next save)
-                await handle.copy_ended()
-                raise
-            except Exception:
-                handle.observed = True  # raised here, to the caller: not again at the next save or close()
-                raise
-        return handle
+            return await self._start(step, state, started, metadata, ready_events)
+
+    @staticmethod
+    async def staged(handle: SaveHandle) -> None:
+        """A plain save's wait for its copy. Cancelled, it still waits for the copy to end, then raises
+        CancelledError: the save goes on, and nothing the caller changes after the cancel reaches the checkpoint
+        (a failure is raised at the next save)."""
+        try:
+            await handle.staged()
+        except asyncio.CancelledError:
+            await handle.copy_ended()
+            raise
+        except Exception:
+            handle.observed = True  # raised here, to the caller: not again at the next save or close()
+            raise
 
     async def _start(self, step: int, state: Any, started: float, metadata: dict[str, Any] | None,
                      ready_events: Mapping[Any, Any] | None) -> SaveHandle:
