@@ -24,8 +24,8 @@ MUTANTS = {
              "        if True:\n            try:\n                await handle.staged()",
              ["tests/unit/test_save_semantics.py", "-k", "lazy"]),
     "load-protects-from-retention": (
-        "tiered_ckpt/load/loader.py", "self.busy.begin_load(status.step)",
-        "self.busy.begin_load(-1)",
+        "tiered_ckpt/lifecycle/busy.py", "            self.begin_load(step)\n",
+        "            self.begin_load(-1)\n",
         ["tests/unit/test_retention.py", "-k", "retention_spares"]),
     "max-inflight": ("tiered_ckpt/save/pool.py", "self.max_inflight = max_inflight", "self.max_inflight = 10**9",
                      ["tests/unit/test_staging.py", "-k", "backpressure"]),

@@ -139,7 +139,7 @@ class JobStore:
         """Write a checkpoint as safetensors, torch or DCP (read-only; see Engine.export)."""
         from .load.export import export
 
-        return await export(self.catalog, self.io, self.busy.loading, path, to=to, step=step, select=select,
+        return await export(self.catalog, self.io, self.busy, path, to=to, step=step, select=select,
                             force=force, progress=progress)
 
     # -- changing what exists --------------------------------------------------------------------

@@ -50,10 +50,11 @@ async def test_retention_spares_a_checkpoint_being_loaded(make_config, monkeypat
         assert [c.step async for c in engine.list()] == [4]  # once the load is done, retention takes it
 
 
-async def test_retention_spares_a_checkpoint_a_load_is_still_picking(make_config, monkeypatch):
-    """The load marked its step busy only after the pick; a retention pass between the two removed the step
-    under it (`IntegrityError`: no tier returned it intact). Now no pass removes anything while a load
-    picks, and the load holds its step before the pick ends."""
+@pytest.mark.parametrize("read", ["load", "export"])
+async def test_retention_spares_a_checkpoint_a_load_is_still_picking(make_config, monkeypatch, tmp_path, read):
+    """The load (and the export) marked its step busy only after the pick; a retention pass between the two
+    removed the step under it (`IntegrityError`: no tier returned it intact). Now no pass removes anything
+    while a read picks, and the read holds its step before the pick ends."""
     from tiered_ckpt.load.catalog import Catalog
 
     real_pick, picked, go_on = Catalog.pick, asyncio.Event(), asyncio.Event()
@@ -68,7 +69,10 @@ async def test_retention_spares_a_checkpoint_a_load_is_still_picking(make_config
     monkeypatch.setattr(Catalog, "pick", held_pick)
     async with tc.Engine(make_config(tiers=[{"keep_last": 1}, {"keep_last": 1}])) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
-        loading = asyncio.create_task(load_values(engine, step=1))
+        if read == "load":
+            loading = asyncio.create_task(load_values(engine, step=1))
+        else:
+            loading = asyncio.create_task(exported(engine, tmp_path / "step1.pt", step=1))
         await picked.wait()
         saving = await engine.save(2, state_of(2.0))  # its retention pass, once committed, would retire step 1
         while not any(s.step == 2 and s.complete == {"host", "disk"} for s in await engine.statuses()):
@@ -80,6 +84,12 @@ async def test_retention_spares_a_checkpoint_a_load_is_still_picking(make_config
         assert info.step == 1 and torch.all(out["w"] == 1.0)
         await (await engine.save(3, state_of(3.0))).wait()
         assert [c.step async for c in engine.list()] == [3]  # the passes deferred take it once the load is done
+
+
+async def exported(engine, path, step):
+    """Export `step` as a torch file; (its ExportInfo, what the file holds)."""
+    info = await engine.export(path, to="torch", step=step)
+    return info, torch.load(path)
 
 
 async def test_a_tier_that_cannot_keep_up_skips_to_the_newest_and_retention_holds_during_a_burst(make_config,

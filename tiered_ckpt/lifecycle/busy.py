@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator, Protocol
+from typing import Awaitable, Callable, Iterator, Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class InFlight(Protocol):
@@ -61,6 +63,17 @@ class BusySteps:
             self._picking -= 1
             if not self._picking:
                 self._no_picking.set()
+
+    async def pick_and_hold(self, pick: Callable[[], Awaitable[T]], step_of: Callable[[T], int]) -> tuple[T, set[str]]:
+        """Run a read's choice of its step (`pick`) while retention waits, and hold the step picked (busy until
+        `end_load`). Returns what `pick` returned, and the tiers a removal of that step runs on (or ran on as
+        the pick began): the read takes the step from its other tiers."""
+        removals = self.removals()  # those running as the pick begins may end before it does
+        with self.picking():
+            picked = await pick()
+            step = step_of(picked)
+            self.begin_load(step)
+        return picked, {t for s, t in removals | self.removals() if s == step}
 
     async def no_load_picking(self) -> None:
         """Return once no load is picking its step (then, before any await, what is busy is known)."""

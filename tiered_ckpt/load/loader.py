@@ -58,16 +58,15 @@ class Loader:
         unknown = [t for t in allowed if t not in self.io]
         if unknown:
             raise ValueError(f"unknown tier(s) {unknown}; configured: {self.io.names}")
-        removals = self.busy.removals()  # those running as the pick begins may end before it does
-        with self.busy.picking():  # retention removes nothing until this load holds the step it picks
-            status, held = await self._agree_on_step(step, allowed, best)
-            self.busy.begin_load(status.step)  # (ended below, once the reads are done)
+        # retention removes nothing until this load holds the step it picks (ended below, once the reads are done)
+        (status, held), removing = await self.busy.pick_and_hold(
+            lambda: self._agree_on_step(step, allowed, best), lambda picked: picked[0].step)
         info = LoadInfo(status.step, None)
-        # removals of the step that began before the pick: read it elsewhere. With several ranks each rank's
-        # retention runs at its own pace, and `order` must be the same on every rank (it plans the broadcasts):
-        # there a removed tier is a fallback, as any missing part is
-        removing = set() if self.coordinator.distributed else \
-            {t for s, t in removals | self.busy.removals() if s == status.step}
+        # tiers a removal of the step runs on: read it elsewhere. With several ranks each rank's retention runs
+        # at its own pace, and `order` must be the same on every rank (it plans the broadcasts): there a removed
+        # tier is a fallback, as any missing part is
+        if self.coordinator.distributed:
+            removing = set()
         order = [n for n in self.io.order(status.complete) if n in allowed and n not in removing]
         error: BaseException | None = None
         manifest: Manifest | None = None

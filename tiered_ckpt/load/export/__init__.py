@@ -23,14 +23,15 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import IncompleteCheckpoint
 from ...storage.tier_io import TierIO
 from ...storage.verified_read import Fallback, ReadLog
+from ...lifecycle.busy import BusySteps
 from ..catalog import Catalog
+from ...storage.index import CheckpointStatus
 from ...state.scalars import values_as_scalars
 from .formats import write_dcp, write_safetensors, write_torch
 from .output import check_output
@@ -58,11 +59,11 @@ class ExportInfo:
     seconds: float = 0.0
 
 
-async def export(catalog: Catalog, io: TierIO, protect: Callable[[int], AbstractContextManager[object]],
+async def export(catalog: Catalog, io: TierIO, busy: BusySteps,
                  path: str | os.PathLike[str], *, to: str, step: int | None = None, select: str | None = None,
                  force: bool = False, progress: Callable[[int, int], None] | None = None) -> ExportInfo:
-    """Write checkpoint `step` (default: the newest complete one) to `path` in format `to`. `protect(step)`
-    keeps this process's retention from removing the step meanwhile. `progress(done, total)` is called with
+    """Write checkpoint `step` (default: the newest complete one) to `path` in format `to`. `busy` keeps this
+    process's retention from removing the step meanwhile. `progress(done, total)` is called with
     bytes of tensor data as they are read."""
     started = time.perf_counter()
     if to not in FORMATS:
@@ -70,37 +71,48 @@ async def export(catalog: Catalog, io: TierIO, protect: Callable[[int], Abstract
     out = Path(path)
     await io.run_blocking(lambda: check_output(out, directory=to == "dcp", force=force))
     allowed = io.names
-    try:
-        status = await catalog.pick(step, allowed)  # a reader's pick: changes nothing in the index
+    try:  # a reader's pick (it changes nothing in the index), held from retention before the pick ends
+        status, removing = await busy.pick_and_hold(lambda: catalog.pick(step, allowed), lambda s: s.step)
     except IncompleteCheckpoint as e:
         complete = [s.step for s in await catalog.statuses() if s.complete & set(allowed)]
         raise IncompleteCheckpoint(f"{e}; complete checkpoints: {complete or 'none'}") from None
-    order = io.order(status.complete)
+    try:
+        order = [t for t in io.order(status.complete) if t not in removing]
+        if not order:
+            raise IncompleteCheckpoint(f"step {status.step} is being removed from {sorted(removing)} (retention: "
+                                       f"it is older than what those tiers keep), and no other tier holds it")
+        return await _export(catalog, io, status, order, out, to, select, force, progress, started)
+    finally:
+        busy.end_load(status.step)
+
+
+async def _export(catalog: Catalog, io: TierIO, status: CheckpointStatus, order: list[str], out: Path, to: str,
+                  select: str | None, force: bool, progress: Callable[[int, int], None] | None,
+                  started: float) -> ExportInfo:
     info = ExportInfo(status.step, to, str(out))
-    with protect(status.step):
-        manifest = await catalog.read_manifest(status.step, order, status.incarnation)
-        tree = await io.run_blocking(build_tree, manifest, info.skipped)
-        if select:
-            tree = select_subtree(tree, select, manifest.step)
-        if not isinstance(tree, (dict, list, tuple)):  # one tensor (or value) selected: keep its full name
-            tree = {select or "<root>": tree}
-        read_log = ReadLog()
+    manifest = await catalog.read_manifest(status.step, order, status.incarnation)
+    tree = await io.run_blocking(build_tree, manifest, info.skipped)
+    if select:
+        tree = select_subtree(tree, select, manifest.step)
+    if not isinstance(tree, (dict, list, tuple)):  # one tensor (or value) selected: keep its full name
+        tree = {select or "<root>": tree}
+    read_log = ReadLog()
 
-        def reader(uses: list[int]) -> TensorReader:
-            return TensorReader(io, manifest, order, uses, read_log, progress)
+    def reader(uses: list[int]) -> TensorReader:
+        return TensorReader(io, manifest, order, uses, read_log, progress)
 
-        try:
-            if to == "safetensors":
-                await write_safetensors(out, tree, manifest, reader, info, force)
-            elif to == "torch":  # 0-d tensors a checkpoint keeps as values (Lightning's scores) are tensors again
-                await write_torch(out, values_as_scalars(tree), reader, info, force)
-            else:
-                await write_dcp(out, tree, reader, info, force)
-        finally:
-            await io.run_blocking(io.bounce.clear)  # do not hold part-sized buffers after the export
-        tensors = [leaf.index for _, leaf in items(tree) if isinstance(leaf, Leaf)]
-        info.tensors, info.nbytes = len(tensors), sum(manifest.tensors.nbytes_of(i) for i in tensors)
-        info.bytes_by_tier, info.fallbacks = read_log.bytes_by_tier, read_log.fallbacks
+    try:
+        if to == "safetensors":
+            await write_safetensors(out, tree, manifest, reader, info, force)
+        elif to == "torch":  # 0-d tensors a checkpoint keeps as values (Lightning's scores) are tensors again
+            await write_torch(out, values_as_scalars(tree), reader, info, force)
+        else:
+            await write_dcp(out, tree, reader, info, force)
+    finally:
+        await io.run_blocking(io.bounce.clear)  # do not hold part-sized buffers after the export
+    tensors = [leaf.index for _, leaf in items(tree) if isinstance(leaf, Leaf)]
+    info.tensors, info.nbytes = len(tensors), sum(manifest.tensors.nbytes_of(i) for i in tensors)
+    info.bytes_by_tier, info.fallbacks = read_log.bytes_by_tier, read_log.fallbacks
     for line in info.skipped:
         log.warning("export of step %d: left out %s", info.step, line)
     if info.fallbacks:
