@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # name: (file, code as it is, the mutant, the tests that must catch it)
 MUTANTS = {
-    "lazy": ("tiered_ckpt/save/saver.py", "        if not lazy:\n            try:\n                await handle.staged()",
-             "        if True:\n            try:\n                await handle.staged()",
+    "lazy": ("tiered_ckpt/engine.py", "            if not lazy:\n                await saver.staged(handle)",
+             "            if True:\n                await saver.staged(handle)",
              ["tests/unit/test_save_semantics.py", "-k", "lazy"]),
     "load-protects-from-retention": (
         "tiered_ckpt/lifecycle/busy.py", "            self.begin_load(step)\n",

@@ -189,6 +189,8 @@ class Engine:
         assert saver is not None and loader is not None
         self.policy.disarm()
         await saver.wait_all()
+        if self._finishing is not None:  # a cancelled last save after SIGTERM: the signal goes on once it is done
+            await self._finishing
         await loader.wait_healed(timeout=self.config.engine.commit_timeout)  # then cancelled
         await self.store.close()
         await self.coordinator.destroy()
