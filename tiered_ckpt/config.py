@@ -173,10 +173,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> Config:
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError("at least one [[tiers]] table is required", key="tiers", file=source)
     tiers = tuple(_parse_tier(t, i, source) for i, t in enumerate(tiers_raw))
-    names = [t.name for t in tiers]
-    for name in names:
-        if names.count(name) > 1:
-            raise ConfigError(f"tier name {name!r} is used twice", key="tiers.name", file=source)
+    _check_distinct(tiers, source)
     _check_one_best_metric(tiers, source)
     config = Config(engine=engine, tiers=tiers, source=source)
     _check_host_memory(config)
@@ -192,8 +189,44 @@ def check_config(config: Config) -> None:
         except ConfigError as e:
             raise ConfigError(str(e), key=f"tiers.{tier.name}.name", file=config.source) from None
         _check_tier(tier, driver_class(tier.kind), f"tiers.{tier.name}", config.source)
+    _check_distinct(config.tiers, config.source)
     _check_one_best_metric(config.tiers, config.source)
     _check_host_memory(config)
+
+
+def _check_distinct(tiers: tuple[TierConfig, ...], source: str | None) -> None:
+    """Each tier its own name and its own storage: two tiers writing one folder (or one bucket prefix, one Redis
+    key prefix) would each take the other's checkpoints for leftovers, and their retention remove them."""
+    seen: dict[object, str] = {}
+    for tier in tiers:
+        if tier.name in seen.values():
+            raise ConfigError(f"tier name {tier.name!r} is used twice", key="tiers.name", file=source)
+        where = _storage_of(tier)
+        if where is not None and where in seen:
+            raise ConfigError(f"tier {tier.name!r} uses the same storage as tier {seen[where]!r} "
+                              f"({_describe_storage(where)}): give each tier its own", key=f"tiers.{tier.name}."
+                              f"{'path' if where[0] == 'file' else 'prefix'}", file=source)
+        seen[where if where is not None else ("name", tier.name)] = tier.name
+
+
+def _storage_of(tier: TierConfig) -> tuple[object, ...] | None:
+    """Where a tier keeps its data, comparable between tiers (None: a kind this check does not know)."""
+    options = tier.options
+    if tier.kind in ("memory", "local"):
+        return "file", os.path.normpath(os.path.abspath(options.path))
+    if tier.kind == "redis":
+        return "redis", frozenset(options.urls), options.prefix
+    if tier.kind == "s3":
+        return "s3", options.endpoint_url, options.bucket, options.prefix.strip("/")
+    return None
+
+
+def _describe_storage(where: tuple[object, ...]) -> str:
+    if where[0] == "file":
+        return f"path {where[1]}"
+    if where[0] == "redis":
+        return f"Redis {', '.join(sorted(where[1]))} with prefix {where[2]!r}"  # type: ignore[arg-type]
+    return f"bucket {where[2]!r} with prefix {where[3]!r}"
 
 
 def _check_host_memory(config: Config) -> None:

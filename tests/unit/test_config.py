@@ -62,6 +62,10 @@ def test_overrides_replace_engine_keys(tmp_path):
     (GOOD.replace('part_size = "1MiB"', 'part_size = "1KiB"'), "engine.part_size"),
     ("[engine]\njob = 'x'\n", "tiers"),
     (GOOD.replace('path = "./ckpt"', 'path = "${TIERED_CKPT_UNSET_VAR}"'), "tiers[1].path"),
+    # two tiers on one folder (a trailing slash is the same folder): each took the other's copies for leftovers
+    (GOOD.replace('path = "./ckpt"', 'path = "/dev/shm/x/"'), "tiers.disk.path"),
+    (GOOD + '[[tiers]]\nname = "s3a"\nkind = "s3"\nbucket = "b"\nprefix = "run/"\n'
+            '[[tiers]]\nname = "s3b"\nkind = "s3"\nbucket = "b"\nprefix = "run"\n', "tiers.s3b.prefix"),
 ])
 def test_bad_config_names_the_key(tmp_path, text, key):
     path = write(tmp_path, text)
@@ -116,6 +120,8 @@ def every_kind(tmp_path) -> dict:
 def numeric_fields():
     """(section, tier name or None, field) of every int and float field of every config dataclass."""
     import dataclasses
+
+    from tiered_ckpt.config import check_config
     import typing
 
     from tiered_ckpt.config import EngineConfig, TierConfig
@@ -158,6 +164,8 @@ def test_every_number_declares_its_range(section, tier, f):
 @pytest.mark.parametrize("section, tier, f", FIELDS, ids=[f"{t or s}.{f.name}" for s, t, f in FIELDS])
 def test_every_number_out_of_range_names_its_key_from_toml_and_from_code(tmp_path, section, tier, f):
     import dataclasses
+
+    from tiered_ckpt.config import check_config
 
     from tiered_ckpt.config import parse_config
 
@@ -242,6 +250,8 @@ def test_redis_url_options_must_be_finite(make_config, tmp_path, capsys, option)
 def test_retention_rules_are_checked_naming_the_key_from_toml_and_from_code(tmp_path, disk, key):
     import dataclasses
 
+    from tiered_ckpt.config import check_config
+
     from tiered_ckpt.config import parse_config
 
     raw = every_kind(tmp_path)
@@ -290,3 +300,17 @@ def test_a_tier_named_index_is_refused_naming_the_key():
     with pytest.raises(ConfigError) as refused:
         parse_config({"engine": {}, "tiers": [{"name": "index", "kind": "local", "path": "/tmp/x"}]})
     assert "reserved" in str(refused.value) and "tiers.index.name" in str(refused.value)
+
+
+def test_a_config_built_in_code_is_checked_for_shared_names_and_folders(tmp_path):
+    import dataclasses
+
+    from tiered_ckpt.config import check_config
+
+    cfg = tc.load_config(write(tmp_path, GOOD))
+    host, disk = cfg.tiers
+    with pytest.raises(tc.ConfigError, match="used twice"):
+        check_config(dataclasses.replace(cfg, tiers=(host, dataclasses.replace(disk, name="host"))))
+    same = dataclasses.replace(disk, options=dataclasses.replace(disk.options, path="/dev/shm/x"))
+    with pytest.raises(tc.ConfigError, match="same storage as tier 'host'"):
+        check_config(dataclasses.replace(cfg, tiers=(host, same)))

@@ -312,3 +312,23 @@ async def test_load_best_picks_the_best_complete_checkpoint(make_config):
     async with tc.Engine(make_config()) as engine:
         with pytest.raises(tc.ConfigError, match="best_metric"):
             await engine.load(state_of(-1.0), best=True)
+
+
+async def test_a_tier_renamed_in_the_config_keeps_its_copies(make_config, tmp_path, caplog):
+    """The disk tier renamed (same path): the index's records name the old tier. Retention of the first save
+    through the new config, and gc, used to remove every earlier copy there as one "this checkpoint left"."""
+    async with tc.Engine(make_config(tiers=[{}, {"keep_last": 3}])) as engine:
+        for step in (1, 2):
+            await (await engine.save(step, state_of(float(step)))).wait()
+    folder = tmp_path / "disk" / "test"
+    before = sorted(p.name for p in folder.iterdir())
+    async with tc.Engine(make_config(tiers=[{}, {"name": "ssd", "keep_last": 3}])) as engine:
+        await (await engine.save(3, state_of(3.0))).wait()
+        report = await engine.gc()
+    assert "the index lists checkpoints on tier(s) disk, which this config does not have" in caplog.text
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*before, step_dir(3)])
+    assert [line for line in report.kept if "names tier(s) disk" in line] and not report.removed
+    async with tc.Engine(make_config(tiers=[{}, {"keep_last": 3}])) as engine:  # the earlier name again
+        for step in (1, 2):
+            info, out = await load_values(engine, step=step, tiers=["disk"])
+            assert info.step == step and torch.all(out["w"] == float(step))

@@ -295,6 +295,10 @@ async def _known(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine
                 continue
             _unmark(plan, step, t.name)  # its record first: a crash part-way never leaves it looking whole
             _remove_folders(plan, t, step, folders, "a tier this checkpoint never completed on")
+        elif folders and set(status.tiers) - set(plan.scope.io):  # perhaps this tier under its earlier name
+            report.kept.append(f"step {step} on {t.name}: its index record names tier(s) "
+                               f"{', '.join(sorted(set(status.tiers) - set(plan.scope.io)))}, which this config "
+                               f"does not have (renamed?); nothing of it removed")
         else:  # failed or skipped there, or no longer targeted (retention cut short): nothing will read it
             _remove_folders(plan, t, step, folders, "a tier this checkpoint failed on or left")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from ..errors import TieredCkptError
 from ..manifest import Manifest
@@ -96,7 +96,7 @@ class Retention:
         needs, and beyond that only where keep_best or keep_every could keep the step."""
         io, by_step = self.removal.io, {s.step: s for s in statuses if "index" not in s.failed}
         copies = await lineage.scan(io, tier, self.job, self.index.identity)
-        unlisted = sorted((st for st in copies if st not in by_step or tier not in by_step[st].tiers), reverse=True)
+        unlisted = sorted(not_kept_here(copies, by_step, tier, io.names), reverse=True)
         if not unlisted:
             return
         assert rules.keep_last is not None
@@ -151,7 +151,7 @@ class Retention:
             listed = [(s.step, s.metadata) for s in statuses if tier in s.complete]
             newest = max([*(st for st, _ in listed), *[st for st in copies if st not in by_step and st < finishing]],
                          default=None)
-            unlisted = [st for st in copies if st not in by_step or tier not in by_step[st].tiers]
+            unlisted = not_kept_here(copies, by_step, tier, self.removal.io.names)
             verdict = self.rules.get(tier, Rules(None)).judge(listed)
             await self.busy.no_load_picking()
             busy = self.busy.steps() | {finishing}  # asked again: a load may have begun during the scan
@@ -173,3 +173,13 @@ class Retention:
         deferred, self._deferred = self._deferred, set()
         for tier in deferred:
             await self.apply(tier)
+
+
+def not_kept_here(copies: Iterable[int], by_step: Mapping[int, CheckpointStatus], tier: str,
+                  configured: Iterable[str]) -> list[int]:
+    """Steps of `copies` on `tier` that the index does not keep there: unlisted, or listed without this tier (a
+    removal cut short). A record naming a tier this config does not have is left alone: that tier may be this
+    one under its earlier name, and its copies here whole checkpoints (the engine warns at open)."""
+    known = set(configured)
+    return [st for st in copies if st not in by_step or (tier not in by_step[st].tiers and
+                                                         set(by_step[st].tiers) <= known)]
