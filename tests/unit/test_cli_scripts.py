@@ -287,6 +287,9 @@ def test_delete_of_a_step_or_job_that_does_not_exist_leaves_nothing_behind(tmp_p
     before = sorted((tmp_path / "index").rglob("*"))
     status, _, err = run_cli(capsys, "-c", str(config), "--job", "typo", "delete", "1")
     assert status == 2 and sorted((tmp_path / "index").rglob("*")) == before, err
+    # an empty --job (a script's unset $JOB) is an error, not the config's own job (which used to lose step 1)
+    status, _, err = run_cli(capsys, "-c", str(config), "--job", "", "delete", "1", "--yes")
+    assert status == 2 and "key 'engine.job'" in err and sorted((tmp_path / "index").rglob("*")) == before, err
 
 
 def test_show_prints_metadata_whose_keys_are_not_strings(tmp_path, shm_dir, capsys):

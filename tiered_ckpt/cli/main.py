@@ -121,7 +121,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         add_arguments(bench)
         return run_bench(bench.parse_args(rest))
     if args.command == "advise":  # the config and the events log only: no index, no tiers
-        return cmd_advise(load_config(args.config, **({"job": args.job} if args.job else {})), args)
+        return cmd_advise(load_config(args.config, **({"job": args.job} if args.job is not None else {})), args)
     if args.command == "export" and not args.force:  # before the config, the index, the tiers and torch (seconds)
         out = Path(args.output)
         if out.exists() or out.is_symlink():
@@ -147,7 +147,7 @@ def _reader_went_away() -> int:
 
 async def _with_checkpoints(args: argparse.Namespace,
                             fn: Callable[[JobStore, argparse.Namespace], Awaitable[int]]) -> int:
-    overrides: dict[str, Any] = {"job": args.job} if args.job else {}
+    overrides: dict[str, Any] = {"job": args.job} if args.job is not None else {}
     read_only = args.command in ("ls", "show", "verify", "export") or getattr(args, "dry_run", False)
     async with JobStore(load_config(args.config, **overrides), read_only=read_only) as checkpoints:
         return await fn(checkpoints, args)
