@@ -30,6 +30,9 @@ async def test_a_state_with_nothing_in_common_is_an_error_naming_the_saved_keys(
     with pytest.raises(tc.StateError, match=r"'optimizer' is in the given state but not in the checkpoint.*"
                                             r"\['model', 'step'\]"):
         await engine.load({"optimizer": {"m": torch.zeros(2)}})
+    for nothing_to_fill in (None, 0, "model"):  # each used to read the whole checkpoint into nothing, and return
+        with pytest.raises(tc.StateError, match="fills the state it is given in place"):
+            await engine.load(nothing_to_fill)
 
 
 @pytest.mark.parametrize("saved_dtype, target_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float16),

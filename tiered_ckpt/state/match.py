@@ -132,6 +132,10 @@ class Matcher:
         self.matched = 0  # keys of the given state found in the checkpoint (an equal value loads as "no change")
 
     def run(self, state: Any, saved: Any) -> LoadTarget:
+        if not (isinstance(state, (dict, list, tuple, torch.Tensor, PerRank)) or _is_stateful(state)):
+            # a value at the top cannot be replaced in place: the load would read everything into nothing
+            raise StateError(f"load() fills the state it is given in place: a dict, list, tuple, tensor or an "
+                             f"object with state_dict()/load_state_dict(), not {type(state).__name__} ({state!r:.60})")
         self.walk(state, saved, (), "skip", False)
         if not self.matched and self.target.empty and isinstance(saved, dict) and saved:
             raise StateError(f"the given state has no key in common with the checkpoint, whose top-level keys are "
