@@ -174,3 +174,37 @@ async def test_an_empty_key_keeps_its_place_in_every_path_and_round_trips(engine
     out = {"": {"b": torch.zeros(4)}, "b": torch.zeros(4)}
     await engine.load(out)
     assert torch.equal(out[""]["b"], t) and torch.equal(out["b"], t + 1)
+
+
+async def test_an_optimizer_over_other_parameters_is_refused_before_the_model_is_touched(engine):
+    """An optimizer built over fewer parameters (a layer frozen on resume): torch's load_state_dict refuses it,
+    but only ran after the model's tensors were loaded. Now the groups are compared before any byte is read."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    await (await engine.save(1, {"model": model, "optim": optim})).wait()
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    partial = torch.optim.Adam(list(fresh.parameters())[:2], lr=0.1)
+    with pytest.raises(tc.StateError, match=r"'optim/param_groups'.*\[2\] parameters, the saved one's \[4\]"):
+        await engine.load({"model": fresh, "optim": partial})
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    assert not partial.state
+
+
+async def test_a_load_state_dict_that_refuses_is_a_state_error_naming_the_object(engine):
+    class Picky:
+        def __init__(self):
+            self.w = torch.ones(3)
+
+        def state_dict(self):
+            return {"w": self.w}
+
+        def load_state_dict(self, sd):
+            raise ValueError("not today")
+
+    await (await engine.save(1, {"picky": Picky()})).wait()
+    with pytest.raises(tc.StateError, match=r"'picky': Picky.load_state_dict refused .*ValueError: not today"):
+        await engine.load({"picky": Picky()})

@@ -229,6 +229,8 @@ class Matcher:
             new = self.regroup(value, saved_value, path)
             self.target.assign.append(lambda: _replace_contents(value, new))
             return value
+        if path and path[-1] == "param_groups" and _is_param_groups(value, int) and _is_param_groups(saved_value, int):
+            _check_group_sizes(value, saved_value, where)  # before any byte is read: torch's check, named
         if not _has_tensor(value) and not _holds_tensors(saved_value):
             new = self.materialize(saved_value, path, per_rank)  # a value: replaced whole
             if type(value) in (dict, list) and type(new) is type(value):
@@ -297,7 +299,7 @@ class Matcher:
         filled = self.walk(current, saved_value, path, "error" if isinstance(value, torch.nn.Module) else "fill",
                            per_rank, modes)
         if not (isinstance(value, torch.nn.Module) and _all_in_place(current, saved_value)):
-            self.target.finish.append(lambda v=value, sd=filled: v.load_state_dict(sd))
+            self.target.finish.append(lambda v=value, sd=filled: _load_state_dict(v, sd, path))
         return value
 
     def _dict(self, value: dict[Any, Any], saved_value: Any, path: tuple[Any, ...], extra: str, per_rank: bool,
@@ -370,12 +372,31 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     return check is not None and check(local) == 1
 
 
-def _is_param_groups(value: Any) -> bool:
-    """An optimizer state dict's param_groups as torch's get_state_dict gives them: dicts naming their
-    parameters by their fully qualified names."""
+def _is_param_groups(value: Any, kind: type = str) -> bool:
+    """An optimizer state dict's param_groups: dicts naming their parameters by their fully qualified names
+    (`str`, as torch's get_state_dict gives them) or by their index (`int`, as optimizer.state_dict() does)."""
     return isinstance(value, list) and bool(value) and all(
-        isinstance(g, dict) and isinstance(g.get("params"), list) and all(isinstance(p, str) for p in g["params"])
+        isinstance(g, dict) and isinstance(g.get("params"), list) and all(type(p) is kind for p in g["params"])
         for g in value)
+
+
+def _check_group_sizes(given: list[dict[str, Any]], saved: list[dict[str, Any]], where: str) -> None:
+    """The optimizer's load_state_dict refuses groups of other sizes, but only after the rest of the state
+    (the model's tensors) was loaded: refused here, before any byte is read."""
+    given_sizes, saved_sizes = [len(g["params"]) for g in given], [len(g["params"]) for g in saved]
+    if given_sizes != saved_sizes:
+        raise StateError(f"{where!r}: the optimizer's parameter groups hold {given_sizes} parameters, the saved "
+                         f"one's {saved_sizes}: build the optimizer over the same parameters, in the same groups, "
+                         f"as the one saved")
+
+
+def _load_state_dict(obj: Any, state_dict: Any, path: tuple[Any, ...]) -> None:
+    """obj.load_state_dict, its refusal named: it runs last, once the tensors are in place."""
+    try:
+        obj.load_state_dict(state_dict)
+    except Exception as e:
+        raise StateError(f"{path_str(path)!r}: {type(obj).__name__}.load_state_dict refused the saved state (the "
+                         f"tensors were loaded already): {type(e).__name__}: {e}") from e
 
 
 def _replace_contents(container: Any, new: Any) -> None:
