@@ -394,3 +394,26 @@ def test_the_cli_start_up_bench_reports_each_command(tmp_path, shm_dir):
     times = cli_startup.measure(timed, repeats=1)
     assert set(times) == set(timed) and all(len(t) == 1 and t[0] > 0 for t in times.values())
     assert [line.split("  ")[0] for line in cli_startup.report(times).splitlines()[1:]] == list(timed)
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch", "dcp"])
+def test_export_onto_a_file_system_without_room_is_one_line_and_leaves_nothing(tmp_path, shm_dir, to):
+    """Writes past a limit fail with an OSError (RLIMIT_FSIZE here, a full disk in the field). torch.save and DCP
+    used to hide it behind their zip writer's RuntimeError: a traceback and exit status 1."""
+    import resource
+
+    config = write_config(tmp_path, shm_dir)
+    save(config, [1], state=lambda step: {"w": torch.full((100_000,), 1.0)})  # 400 kB
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "-c", str(config), "export", "1", "--to", to,
+                           "-o", str(out_dir / f"state.{to}")], capture_output=True, text=True,
+                          preexec_fn=small_files, stdin=subprocess.DEVNULL, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "cannot write" in proc.stderr and "File too large" in proc.stderr
+    assert list(out_dir.iterdir()) == []

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import struct
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -148,7 +149,11 @@ async def write_torch(out: Path, tree: Any, reader: Callable[[list[int]], Tensor
         def save() -> None:
             state = holder.pop()
             with open(tmp, "wb") as f:
-                torch.save(state, f)
+                errors: list[OSError] = []
+                try:
+                    torch.save(state, _Writes(f, errors))
+                except RuntimeError as e:  # torch's zip writer turns the file's OSError into its own message
+                    raise (errors[0] if errors else e) from e
                 f.flush()
                 os.fsync(f.fileno())
 
@@ -166,6 +171,19 @@ async def write_dcp(out: Path, tree: Any, reader: Callable[[list[int]], TensorRe
     waits). Plain values are DCP's byte items."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class _WatchedFileSystem(FileSystem):
+        """DCP's file system, its output streams keeping the OSError of a failed write."""
+
+        def __init__(self, errors: list[OSError]):
+            super().__init__()
+            self._errors = errors
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            with super().create_stream(path, mode) as stream:
+                yield _Writes(stream, self._errors) if "w" in mode else stream
 
     if not isinstance(tree, dict):
         raise StateError(f"a DCP checkpoint holds a dict; the exported state is a {type(tree).__name__}: export "
@@ -181,7 +199,8 @@ async def write_dcp(out: Path, tree: Any, reader: Callable[[list[int]], TensorRe
 
     state = build(tree, placeholder)
     loop = asyncio.get_running_loop()
-    failures: list[BaseException] = []
+    failures: list[BaseException] = []  # the reads' own errors
+    write_errors: list[OSError] = []  # those of the output's writes
 
     class StreamingPlanner(DefaultSavePlanner):
         def lookup_object(self, index: Any) -> Any:
@@ -201,6 +220,8 @@ async def write_dcp(out: Path, tree: Any, reader: Callable[[list[int]], TensorRe
         def save() -> None:
             # one file per entry: DCP's writer keeps every tensor of a file until that file is written
             writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False, thread_count=1, sync_files=True)
+            if isinstance(getattr(writer, "fs", None), FileSystem):  # (where torch keeps it: else, errors as torch's)
+                writer.fs = _WatchedFileSystem(write_errors)
             with warnings.catch_warnings():  # "...assuming the intent is to save in a single process": it is
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
                 dcp.save(state, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
@@ -210,8 +231,31 @@ async def write_dcp(out: Path, tree: Any, reader: Callable[[list[int]], TensorRe
         except BaseException as e:  # (DCP's CheckpointException is a BaseException)
             if failures:
                 raise failures[0] from e
+            cause = next((f[0] for f in getattr(e, "failures", {}).values() if isinstance(f[0], OSError)), None)
+            if cause is not None:  # the output cannot be written (no permission, no such folder): the OSError
+                raise cause from e
+            if write_errors:  # a write of an output file failed: its zip writer raised a RuntimeError of its own
+                raise write_errors[0] from e
             raise
         await asyncio.to_thread(publish, tmp, out, force)
     except BaseException:
         await asyncio.to_thread(discard, tmp)
         raise
+
+
+class _Writes:
+    """A file for torch.save that keeps the OSError of a failed write in `errors` (torch.save reports it as a
+    RuntimeError of its zip writer that names neither the file nor the cause)."""
+
+    def __init__(self, f: Any, errors: list[OSError]):
+        self._f, self._errors = f, errors
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self._errors.append(e)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
