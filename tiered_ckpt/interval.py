@@ -242,11 +242,15 @@ def costs_from_events(records: Iterable[Mapping[str, object]], *, rank: int = 0)
     later = saves[1:] if len(saves) > 2 else saves
     blocked = statistics.median(float(r["blocked_seconds"]) for r in later)  # type: ignore[arg-type]
     durable: dict[str, list[float]] = {}
-    for r in later:
-        for tier, t in dict(r.get("tiers") or {}).items():  # type: ignore[call-overload]
-            if t.get("outcome") == "committed" and t.get("seconds") is not None:
-                durable.setdefault(tier, []).append(float(t["seconds"]))
-    starts = [(int(r["step"]), _start(r)) for r in saves]  # type: ignore[call-overload]
+    try:
+        for r in later:
+            for tier, t in dict(r.get("tiers") or {}).items():  # type: ignore[call-overload]
+                if t.get("outcome") == "committed" and t.get("seconds") is not None:
+                    durable.setdefault(tier, []).append(float(t["seconds"]))
+        starts = [(int(r["step"]), _start(r)) for r in saves]  # type: ignore[call-overload]
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"a save record whose tiers cannot be read ({type(e).__name__}: {e}): not a tiered_ckpt "
+                         f"events log?") from None
     per_step = [(b - a - float(ra["blocked_seconds"])) / (sb - sa)  # type: ignore[arg-type]
                 for (sa, a), (sb, b), ra in zip(starts, starts[1:], saves) if sb > sa and b > a]
     if not per_step:

@@ -120,6 +120,12 @@ def test_advise_without_records_or_with_a_broken_line_says_what_to_do(tmp_path, 
     status, _, err = run_cli(capsys, "-c", str(config), "advise", "--interruptions-per-day", "1", "--events",
                              str(broken))
     assert status == 2 and "a save record that cannot be read" in err  # a TypeError traceback before
+    for tiers in ("[1]", '{"disk": 5}', '{"disk": null}'):  # tiers that are no map of tier records
+        broken.write_text("".join(f'{{"event": "save", "rank": 0, "step": {s}, "blocked_seconds": 1, "time": {s}, '
+                                  f'"tiers": {tiers}}}\n' for s in (1, 2, 3)))
+        status, _, err = run_cli(capsys, "-c", str(config), "advise", "--interruptions-per-day", "1", "--events",
+                                 str(broken))
+        assert status == 2 and "a save record whose tiers cannot be read" in err, (tiers, err)  # tracebacks before
     status, _, err = run_cli(capsys, "-c", str(config), "advise", "--interruptions-per-day", "1", "--every-steps",
                              "-5", "--blocked", "1", "--step-seconds", "1", "--durable", "host=1")
     assert status == 2 and "--every-steps" in err
