@@ -175,6 +175,14 @@ MUTANTS = {
         "        async with self.starting:\n            return await self._start(",
         "        if True:\n            return await self._start(",
         ["tests/unit/test_save_semantics.py", "-k", "one_at_a_time"]),
+    "renamed-tier-copies-removed": (  # the first save through a config whose tier was renamed removed its copies
+        "tiered_ckpt/lifecycle/retention.py",
+        "(tier not in by_step[st].tiers and\n                                                         "
+        "set(by_step[st].tiers) <= known)", "tier not in by_step[st].tiers",
+        ["tests/unit/test_retention.py", "-k", "renamed"]),
+    "optimizer-groups-unchecked": (  # an optimizer over other parameters: the model overwritten, then torch's error
+        "tiered_ckpt/state/match.py", "            _check_group_sizes(value, saved_value, where)", "            pass",
+        ["tests/unit/test_state_rules.py", "-k", "optimizer_over"]),
     "cancelled-save-unrecorded": (  # a plain save cancelled during its copy went on unseen: no records, and after
         "tiered_ckpt/engine.py",  # a SIGTERM the process went on training
         "            self._began(handle)\n            if self.policy.last_save_due:\n"
