@@ -358,6 +358,11 @@ class Engine:
         short read or a checksum mismatch falls back to the next tier (LoadInfo.fallbacks says which).
         `tiers` restricts which tiers may serve, in speed order. A load never changes the index."""
         loader = self._load_path()
+        if step is not None and type(step) is not int:
+            raise TypeError(f"load(step=...) takes an int step, not {type(step).__name__} {step!r}")
+        if isinstance(tiers, str):
+            raise TypeError(f"load(tiers=...) takes a list of tier names, not the string {tiers!r}: "
+                            f"tiers=[{tiers!r}]")
         if best and step is not None:
             raise ValueError(f"load(best=True) picks the step itself: give step={step} or best=True, not both")
         started = time.perf_counter()

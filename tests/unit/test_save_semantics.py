@@ -77,6 +77,19 @@ async def test_state_with_no_tensors_and_metadata(engine):
     assert manifest.metadata == {"git": "abc"}
 
 
+async def test_arguments_of_the_wrong_type_are_named(engine):
+    """Each used to give a misleading answer: "step 1 does not exist", unknown tiers ['d', 'i', 's', 'k'],
+    a bare TypeError from dict()."""
+    await (await engine.save(1, {"w": torch.ones(2)})).wait()
+    with pytest.raises(TypeError, match=r"takes an int step, not str '1'"):
+        await engine.load({"w": torch.zeros(2)}, step="1")
+    with pytest.raises(TypeError, match=r"tiers=\['disk'\]"):
+        await engine.load({"w": torch.zeros(2)}, tiers="disk")
+    with pytest.raises(tc.StateError, match="metadata must be a dict"):
+        await engine.save(2, {"w": torch.ones(2)}, metadata=[1])
+    assert [c.step async for c in engine.list()] == [1]
+
+
 async def test_a_background_failure_nobody_waited_for_is_raised_once_at_the_next_save(make_config):
     """Save 1 fails on the memory tier in the background and nobody waits on its handle: save 2 raises that
     error (naming step 1 and the tier) and is not started; save 2 again goes ahead; close() raises nothing."""

@@ -310,6 +310,8 @@ def _walk(state: Any, allow_pickle: bool, rank: int, launch: Launch | None) -> F
 
 
 def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise StateError(f"metadata must be a dict (msgpack-able), not {type(metadata).__name__}")
     metadata = dict(metadata or {})
     try:
         msgpack.packb(metadata)
