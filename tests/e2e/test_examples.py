@@ -100,7 +100,7 @@ def test_cli_ls_show_verify_and_config_check(tmp_path, shm_dir):
     data[100] ^= 0xFF
     part.write_bytes(bytes(data))
     bad = run(*cli, "verify", "-c", str(cfg), "--job", "gpt", check=False)
-    assert bad.returncode == 1 and "1 bad part(s)" in bad.stdout and ("xxh3" in bad.stdout or "crc32c" in bad.stdout)
+    assert bad.returncode == 1 and "1 problem(s)" in bad.stdout and ("xxh3" in bad.stdout or "crc32c" in bad.stdout)
     assert run(*cli, "config", "check", str(cfg)).returncode == 0
     broken = tmp_path / "broken.toml"
     broken.write_text(cfg.read_text().replace('kind = "local"', 'kind = "tape"'))

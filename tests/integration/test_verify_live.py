@@ -77,4 +77,4 @@ def test_a_step_retired_while_verify_reads_it_is_reported_retired_not_damaged(tm
     part.write_bytes(bytes(data))
     assert cli.main(["-c", str(config), "verify", "2"]) == 1
     out = capsys.readouterr().out
-    assert "tier disk (complete)" in out and "1 bad part(s)" in out and "retired while" not in out
+    assert "tier disk (complete)" in out and "1 problem(s)" in out and "retired while" not in out

@@ -186,7 +186,7 @@ def _print_verified(entry: dict[str, Any]) -> None:
         print(f"step {step}: retired while verify read it (retention or a delete removed it): not damage")
         return
     for r in entry["tiers"]:
-        verdict = "ok" if r["ok"] else "retired while verify read it" if r["retired"] else f"{len(r['bad'])} bad part(s)"
+        verdict = "ok" if r["ok"] else "retired while verify read it" if r["retired"] else f"{len(r['bad'])} problem(s)"
         print(f"step {step} tier {r['tier']} ({'complete' if r['complete'] else 'incomplete'}): {r['parts']} parts, "
               f"{verdict}")
         for line in r["bad"] if not r["retired"] else []:
