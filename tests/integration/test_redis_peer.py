@@ -175,3 +175,19 @@ async def test_the_first_save_after_a_peer_restart_goes_through_on_new_connectio
         await (await engine.save(2, state(2.0))).wait()  # raised before: "Connection closed by server"
         info, out = await load(engine, tiers=["peer"])
         assert info.step == 2 and torch.all(out["w"] == 2.0) and not info.fallbacks
+
+
+async def test_a_prefix_with_glob_characters_is_matched_literally_by_retention_and_delete(tmp_path, shm_dir,
+                                                                                           redis_server):
+    """SCAN MATCH took the prefix "ck[1]:" for a pattern: retention and delete found nothing to remove, and the
+    server kept every save (its memory grew without bound)."""
+    import redis
+
+    server = redis_server()
+    async with tc.Engine(stack(tmp_path, shm_dir, [server.url], prefix="ck[1]:", keep_last=1)) as engine:
+        for step in (1, 2, 3):
+            await (await engine.save(step, state(float(step)))).wait()
+        steps_held = {k.split(b"/")[1] for k in redis.Redis(port=server.port).keys("*")}
+        assert len(steps_held) == 1, steps_held  # keep_last = 1
+        await engine.delete(3)
+    assert redis.Redis(port=server.port).dbsize() == 0

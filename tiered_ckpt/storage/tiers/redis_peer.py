@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import re
 import socket
 import time
 import uuid
@@ -284,7 +285,7 @@ class RedisPeerTier(Tier):
         return sorted(gone)
 
     async def delete(self, prefix: str) -> None:
-        pattern = f"{self.options.prefix}{prefix}*"
+        pattern = f"{glob_escaped(self.options.prefix + prefix)}*"
         for server in self._live(range(len(self._clients))):
             client = self._clients[server]
             try:
@@ -306,7 +307,7 @@ class RedisPeerTier(Tier):
         for server in self._live(range(len(self._clients))):
             client = self._clients[server]
             try:
-                async for k in client.scan_iter(match=f"{self.options.prefix}{prefix}*", count=1000):
+                async for k in client.scan_iter(match=f"{glob_escaped(self.options.prefix + prefix)}*", count=1000):
                     name = k.decode()[len(self.options.prefix):]
                     if SEP not in name:
                         keys.add(name)
@@ -341,3 +342,8 @@ def _first_label(host: str) -> str:
     machine; an IP address is compared whole)."""
     host = host.lower()
     return host if host.replace(".", "").isdigit() or ":" in host else host.split(".")[0]
+
+
+def glob_escaped(text: str) -> str:
+    """`text` matched literally by a SCAN MATCH pattern: a prefix "ck[1]:" would otherwise match "ck1:"."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
