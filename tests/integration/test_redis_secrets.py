@@ -132,6 +132,7 @@ def test_a_bad_redis_url_is_named_without_the_password(tmp_path, shm_dir, capsys
     assert "redis://:***@127.0.0.1" in str(err.value) and not shown(str(err.value)), str(err.value)
     status, text = run_cli(capsys, "config", "check", str(path))
     assert status == 2 and "redis://:***@127.0.0.1" in text and not shown(text), text
-    path.write_text(f'[engine]\nindex = "{index}"\n[[tiers]]\nname = "peer"\nkind = "redis"\nurls = "{index}"\n')
+    path.write_text(f'[engine]\nindex = "file://{tmp_path}/ix"\n[[tiers]]\nname = "peer"\nkind = "redis"\n'
+                    f'urls = "{index}"\n')
     status, text = run_cli(capsys, "config", "check", str(path))  # a string where a list belongs
     assert status == 2 and "tiers.peer.urls" in text and not shown(text), text

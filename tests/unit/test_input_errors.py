@@ -109,6 +109,16 @@ def test_a_password_with_at_colon_and_slash_is_parsed_whole_and_redacted_whole(s
     assert "p@ss" not in repr(parsed) and "p%40ss" not in repr(parsed)  # a repr in a log or a traceback: no secret
 
 
+@pytest.mark.parametrize("index", ["redis://127.0.0.1:6399/abc", "redis://127.0.0.1:6399/0/1"])
+def test_a_redis_url_whose_database_is_not_a_number_is_refused(tmp_path, index):
+    """redis-py drops a database it cannot read and uses 0: perhaps another job's index."""
+    path = tmp_path / "t.toml"
+    path.write_text(f'[engine]\njob = "j"\nindex = "{index}"\n[[tiers]]\nname = "d"\nkind = "local"\npath = "x"\n')
+    with pytest.raises(tc.ConfigError, match="the path names the database, a number") as err:
+        tc.load_config(path)
+    assert err.value.key == "engine.index"
+
+
 def test_an_engine_dropped_with_saves_in_flight_warns(make_config, caplog):
     import asyncio
 

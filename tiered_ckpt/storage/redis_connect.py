@@ -124,6 +124,10 @@ def _parse(url: str, scheme: str, key: str) -> RedisURL:
         max_connections=number("max_connections", int, 64, 1),
         sentinel_username=ours.get("sentinel_username"), sentinel_password=ours.get("sentinel_password"))
     if kind == "single":
+        db_part = parts.path.strip("/") if scheme != "unix" else ""
+        if db_part and not db_part.isdigit():  # redis-py would drop it silently: database 0, maybe another's
+            raise ConfigError(f"{redact(url)}: the path names the database, a number (/0, /1, ...), not "
+                              f"{parts.path!r}", key=key)
         plain = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(rest), parts.fragment))
         return RedisURL("single", _single_identity(parts), plain, **options)
     if rest:
