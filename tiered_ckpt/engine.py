@@ -356,7 +356,9 @@ class Engine:
 
         Reads each part from the fastest tier on which the checkpoint is complete; a missing part, a
         short read or a checksum mismatch falls back to the next tier (LoadInfo.fallbacks says which).
-        `tiers` restricts which tiers may serve, in speed order. A load never changes the index."""
+        `tiers` restricts which tiers may serve, in speed order. A load never changes the index. With several
+        ranks it is collective: every rank passes the same step, tiers and best (else a ValueError on every
+        rank, naming what each asked for)."""
         loader = self._load_path()
         if step is not None and type(step) is not int:
             raise TypeError(f"load(step=...) takes an int step, not {type(step).__name__} {step!r}")

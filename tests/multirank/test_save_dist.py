@@ -223,3 +223,22 @@ def test_ranks_of_one_machine_share_the_host_budget_and_agree_on_what_it_keeps(t
     keep = results[0]["keep_last"]["host"]
     assert 1 <= keep < 8 and results[0]["budget"] == 12 * 2**20
     assert results[0]["in_memory"] == list(range(8 - keep, 8))
+
+
+async def _asks_for_a_step_of_its_own(rank: int, world: int, root: str) -> dict:
+    async with tc.Engine(config(root)) as engine:
+        for step in (1, 2):
+            await (await engine.save(step, replicated_state(float(step)))).wait()
+        out = {k: torch.zeros_like(v) for k, v in replicated_state(0.0).items()}
+        try:
+            await engine.load(out, step=1 + rank)
+        except ValueError as e:
+            return {"error": str(e), "untouched": all(bool(torch.all(v == 0)) for v in out.values())}
+        return {"error": None}
+
+
+def test_ranks_that_ask_for_different_steps_all_get_an_error(tmp_path):
+    """Rank 0's arguments used to win silently: rank 1, asking for step 2, got step 1's tensors."""
+    for r in run_ranks(_asks_for_a_step_of_its_own, 2, str(tmp_path)):
+        assert r["error"] and "rank 0: step=1" in r["error"] and "rank 1: step=2" in r["error"], r
+        assert r["untouched"]

@@ -230,7 +230,8 @@ class Loader:
         """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error); with it, what
         rank 0 found each tier to hold of it (saved ranks per tier). Rank 0 judges node-local tiers from every
         node's listing (one rank per machine lists them), never from its own alone."""
-        listings = await self._node_listings(allowed) if self.coordinator.distributed else None
+        asked = (step, tuple(allowed), None if best is None else (best.metric, best.mode))
+        listings = await self._node_listings(allowed, asked) if self.coordinator.distributed else None
 
         async def pick() -> tuple[CheckpointStatus, dict[str, frozenset[int]]]:
             status = await self.catalog.pick(step, allowed, best, listings)
@@ -243,10 +244,11 @@ class Loader:
         held = self.catalog.held
         return held[1] if held is not None and held[0] == status.step else {}
 
-    async def _node_listings(self, allowed: list[str]) -> dict[str, list[str] | None]:
+    async def _node_listings(self, allowed: list[str], asked: tuple[Any, ...]) -> dict[str, list[str] | None]:
         """Collective: every node's records (manifests, markers, checksum records: no parts) on the node-local
         tiers among `allowed`, put together per tier; None for a tier some node could not list (what it holds is
-        unknown, so the pick does not count its ranks as lost). One rank per machine lists."""
+        unknown, so the pick does not count its ranks as lost). One rank per machine lists. With them, what
+        each rank asked for (`asked`: step, tiers, best): ranks that asked for different loads all raise."""
         mine: dict[str, list[str] | None] = {}
         if self.coordinator.lists_for_node():
             for name in self.io.order(allowed):
@@ -260,7 +262,12 @@ class Loader:
                     continue
                 mine[name] = [k for k in keys if (p := parse_key(k)) is not None and p.kind != "part"]
         merged: dict[str, set[str] | None] = {}
-        for listing in await self.coordinator.all_gather_object(mine):
+        gathered = await self.coordinator.all_gather_object((asked, mine))
+        if any(a != gathered[0][0] for a, _ in gathered):
+            raise ValueError("the ranks asked for different loads (every rank must pass the same step, tiers and "
+                             "best): " + "; ".join(f"rank {r}: step={a[0]}, tiers={list(a[1])}, best={a[2]}"
+                                                   for r, (a, _) in enumerate(gathered)))
+        for _, listing in gathered:
             for name, keys in listing.items():
                 if keys is None or merged.get(name, set()) is None:
                     merged[name] = None
