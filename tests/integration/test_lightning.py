@@ -431,3 +431,15 @@ def test_save_on_sigterm_is_refused_since_nothing_asks_should_save(tmp_path, shm
     signal, and the process would go on until SIGKILL."""
     with pytest.raises(ValueError, match="save_on_sigterm"):
         TieredCheckpointIO(write_toml(tmp_path, shm_dir), save_on_sigterm=True)
+
+
+@pytest.mark.parametrize("disk, warned", [("every = 2", True), ("keep_last = 3", True), ("", False)])
+def test_the_plugin_warns_when_no_tier_keeps_every_save(tmp_path, shm_dir, disk, warned, recwarn):
+    """A disk tier with `every = 2` holds only every second save: with keep_last on the memory tier, a top-k
+    checkpoint saved at an odd step went with the memory tier's retention. The warning looked at keep_last
+    alone, so it said nothing then."""
+    config = write_toml(tmp_path, shm_dir, host="keep_last = 1")
+    config.write_text(config.read_text() + disk + "\n")
+    TieredCheckpointIO(config)
+    said = [str(w.message) for w in recwarn.list if "no tier keeps every save" in str(w.message)]
+    assert bool(said) == warned, [str(w.message) for w in recwarn.list]

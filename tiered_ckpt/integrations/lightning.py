@@ -91,10 +91,11 @@ class TieredCheckpointIO(CheckpointIO):
         # to catch up with a newer save
         self.config = dataclasses.replace(config, tiers=tuple(
             dataclasses.replace(t, skip_when_behind=False) for t in config.tiers))
-        if all(t.keep_last is not None for t in self.config.tiers):
-            warnings.warn("every tier has keep_last: the engine may then delete checkpoints that ModelCheckpoint still "
-                          "keeps (its top-k, last.ckpt); leave keep_last unset on at least one tier (e.g. the slowest) "
-                          "and let ModelCheckpoint decide", UserWarning, stacklevel=2)
+        if not any(t.keep_last is None and t.every == 1 for t in self.config.tiers):
+            warnings.warn("no tier keeps every save (each has keep_last, or takes only every N-th save): the engine "
+                          "may then delete checkpoints that ModelCheckpoint still keeps (its top-k, last.ckpt); leave "
+                          "keep_last unset and every = 1 on at least one tier (e.g. the slowest) and let "
+                          "ModelCheckpoint decide", UserWarning, stacklevel=2)
         self._ckpt: Checkpointer | None = None
         self._inflight: dict[int, SyncSaveHandle] = {}  # saves not yet settled (waited for)
         self._supersedes: dict[int, list[int]] = {}  # step → older checkpoints of its path, deleted once it is done
@@ -254,8 +255,10 @@ class TieredCheckpointIO(CheckpointIO):
         complete = {s.step for s in self.checkpointer.list() if s.is_complete}
         versions = [s for s in sorted(complete) if self._metadata(s).get("path") == key]
         if not versions:
-            raise FileNotFoundError(f"Checkpoint file not found: {key} (no pointer file there, and job {self.job!r} "
-                                    f"has no complete checkpoint saved under this path)")
+            why = ("no pointer file there" if pointer is None else
+                   f"its pointer file names checkpoint {pointer.get('step')}, which no tier holds complete any more")
+            raise FileNotFoundError(f"Checkpoint file not found: {key} ({why}, and job {self.job!r} has no complete "
+                                    f"checkpoint saved under this path)")
         if pointer is not None:
             log.warning("%s points to checkpoint %s, which is not complete (a save cut short?); loading step %d, the "
                         "newest complete checkpoint saved under this path", key, pointer.get("step"), versions[-1])
