@@ -255,13 +255,12 @@ def _check_engine(engine: EngineConfig, source: str | None) -> None:
     if engine.index.startswith("file://") and not engine.index.removeprefix("file://").strip():
         raise ConfigError("file:// names no folder (it would be the current one): give file://PATH",
                           key="engine.index", file=source)
-    if engine.index.startswith(REDIS_SCHEMES):  # the URL's own checks now, not at open (a db that is no number...)
-        from .storage.redis_connect import parse_url
-
-        try:
-            parse_url(engine.index, key="engine.index")
-        except ConfigError as e:
-            raise ConfigError(e.message, key="engine.index", file=source) from None
+    if engine.index.startswith(("redis://", "rediss://")):  # (the rest of the URL is checked as the index opens)
+        host_and_path = engine.index.partition("://")[2].rpartition("@")[2].partition("?")[0]
+        db = host_and_path.partition("/")[2].strip("/")
+        if db and not db.isdigit():  # redis-py would drop it silently: database 0, perhaps another job's index
+            raise ConfigError(f"{redact(engine.index)}: the path names the database, a number (/0, /1, ...), not "
+                              f"/{db}", key="engine.index", file=source)
     if engine.role not in ROLES:
         raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {engine.role!r}", key="engine.role", file=source)
     if engine.events_log is not None and not engine.events_log.strip():
