@@ -297,17 +297,21 @@ class Engine:
                 await saver.staged(handle)
         except asyncio.CancelledError:  # the save goes on in the background: it is recorded and counted all the same
             self._began(handle)
-            if self.policy.last_save_due:
-                self._finishing = asyncio.ensure_future(self._finish(handle))
             raise
-        self._began(handle)
-        if self.policy.last_save_due:  # should_save said yes for a SIGTERM: this was the last save
-            await self._finish(handle)
+        if self._began(handle):
+            await asyncio.shield(self._finishing)  # type: ignore[arg-type]  (a cancel here: it goes on)
         return handle
 
-    def _began(self, handle: SaveHandle) -> None:
+    def _began(self, handle: SaveHandle) -> bool:
+        """Record the save and count it; when should_save said yes for a SIGTERM, it is the last save: start its
+        wait for every tier, after which the process ends (a task, so that no cancel of the caller stops it).
+        True then."""
         self.events.watch_save(handle, time.perf_counter() - handle.started)  # records it as its tiers finish
         self.policy.saved()
+        if not self.policy.last_save_due or (self._finishing is not None and not self._finishing.done()):
+            return False
+        self._finishing = asyncio.ensure_future(self._finish(handle))
+        return True
 
     async def reserve(self, state: Any) -> Reservation:
         """Make now, before training, the staging buffers the saves of `state` will use: max_inflight, and with

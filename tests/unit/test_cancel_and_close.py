@@ -94,6 +94,32 @@ async def test_the_last_save_after_sigterm_cancelled_during_its_copy_still_ends_
         signal.signal(signal.SIGTERM, previous)
 
 
+async def test_the_last_save_after_sigterm_cancelled_while_it_waits_for_its_tiers_still_ends_the_process(
+        make_config, monkeypatch):
+    """The last save waits for every tier before the signal goes on; a cancel there (asyncio.wait_for) used to
+    end that wait, and the process trained on after its SIGTERM."""
+    from tiered_ckpt.storage.tiers.local import LocalTier
+
+    delivered = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: delivered.set())
+    try:
+        async with tc.Engine(make_config(save_on_sigterm=True)) as engine:
+            await (await engine.save(1, state_of(1.0))).wait()
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert await engine.should_save(2)
+            slowed(monkeypatch, LocalTier, "_write_sync", 0.2)  # the disk tier: a slow wait for every tier
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(engine.save(2, state_of(2.0)), 0.05)
+            await engine.wait_all()
+            for _ in range(100):
+                if delivered.is_set():
+                    break
+                await asyncio.sleep(0.05)
+            assert delivered.is_set()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 async def test_a_save_cancelled_while_a_reused_buffer_is_checked_gives_it_back(make_config, monkeypatch):
     """A buffer of more than 16 part files is checked in a thread; a cancel there used to leave it held for
     ever, and every later save waited for a buffer."""

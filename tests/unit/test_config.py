@@ -120,8 +120,6 @@ def every_kind(tmp_path) -> dict:
 def numeric_fields():
     """(section, tier name or None, field) of every int and float field of every config dataclass."""
     import dataclasses
-
-    from tiered_ckpt.config import check_config
     import typing
 
     from tiered_ckpt.config import EngineConfig, TierConfig
@@ -164,8 +162,6 @@ def test_every_number_declares_its_range(section, tier, f):
 @pytest.mark.parametrize("section, tier, f", FIELDS, ids=[f"{t or s}.{f.name}" for s, t, f in FIELDS])
 def test_every_number_out_of_range_names_its_key_from_toml_and_from_code(tmp_path, section, tier, f):
     import dataclasses
-
-    from tiered_ckpt.config import check_config
 
     from tiered_ckpt.config import parse_config
 
@@ -249,8 +245,6 @@ def test_redis_url_options_must_be_finite(make_config, tmp_path, capsys, option)
 ])
 def test_retention_rules_are_checked_naming_the_key_from_toml_and_from_code(tmp_path, disk, key):
     import dataclasses
-
-    from tiered_ckpt.config import check_config
 
     from tiered_ckpt.config import parse_config
 

@@ -332,3 +332,20 @@ async def test_a_tier_renamed_in_the_config_keeps_its_copies(make_config, tmp_pa
         for step in (1, 2):
             info, out = await load_values(engine, step=step, tiers=["disk"])
             assert info.step == step and torch.all(out["w"] == float(step))
+
+
+async def test_a_full_tier_makes_room_from_the_copies_a_renamed_tier_left(make_config, tmp_path):
+    """Retention leaves a renamed tier's copies alone, but a tier full of them would fail every save: making room
+    retires them (this config cannot load them anyway) before a save fails with TierFull."""
+    big = lambda v: {"w": torch.full((10 * 2**18,), v)}  # noqa: E731  (10 MiB)
+    before = {"capacity": "35MiB", "keep_last": 3}
+    async with tc.Engine(make_config(tiers=[{}, before])) as engine:
+        for step in (1, 2, 3):
+            await (await engine.save(step, big(float(step)))).wait()
+    renamed = {**before, "name": "ssd", "keep_last": 1}
+    async with tc.Engine(make_config(tiers=[{}, renamed])) as engine:
+        handle = await engine.save(4, big(4.0))
+        await handle.wait()
+        assert "ssd" in (await engine.status(4)).complete
+    left = sorted(p.name for p in (tmp_path / "disk" / "test").iterdir())
+    assert step_dir(4) in left and len(left) <= 3, left  # room was made from steps 1-3

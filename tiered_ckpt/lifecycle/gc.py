@@ -295,7 +295,8 @@ async def _known(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine
                 continue
             _unmark(plan, step, t.name)  # its record first: a crash part-way never leaves it looking whole
             _remove_folders(plan, t, step, folders, "a tier this checkpoint never completed on")
-        elif folders and set(status.tiers) - set(plan.scope.io):  # perhaps this tier under its earlier name
+        elif folders and t.name not in status.tiers and set(status.tiers) - set(plan.scope.io):
+            # not this tier's by the record, which names a tier this config lacks: perhaps this one, renamed
             report.kept.append(f"step {step} on {t.name}: its index record names tier(s) "
                                f"{', '.join(sorted(set(status.tiers) - set(plan.scope.io)))}, which this config "
                                f"does not have (renamed?); nothing of it removed")

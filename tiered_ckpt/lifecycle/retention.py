@@ -151,7 +151,8 @@ class Retention:
             listed = [(s.step, s.metadata) for s in statuses if tier in s.complete]
             newest = max([*(st for st, _ in listed), *[st for st in copies if st not in by_step and st < finishing]],
                          default=None)
-            unlisted = not_kept_here(copies, by_step, tier, self.removal.io.names)
+            # here also the copies a renamed tier left (not_kept_here spares them): a full tier fails every save
+            unlisted = [st for st in copies if st not in by_step or tier not in by_step[st].tiers]
             verdict = self.rules.get(tier, Rules(None)).judge(listed)
             await self.busy.no_load_picking()
             busy = self.busy.steps() | {finishing}  # asked again: a load may have begun during the scan

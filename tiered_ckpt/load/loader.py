@@ -230,7 +230,7 @@ class Loader:
         """Rank 0 picks the checkpoint and every rank loads that one (or raises the same error); with it, what
         rank 0 found each tier to hold of it (saved ranks per tier). Rank 0 judges node-local tiers from every
         node's listing (one rank per machine lists them), never from its own alone."""
-        asked = (step, tuple(allowed), None if best is None else (best.metric, best.mode))
+        asked = (step, tuple(self.io.order(allowed)), None if best is None else (best.metric, best.mode))
         listings = await self._node_listings(allowed, asked) if self.coordinator.distributed else None
 
         async def pick() -> tuple[CheckpointStatus, dict[str, frozenset[int]]]:
@@ -264,9 +264,12 @@ class Loader:
         merged: dict[str, set[str] | None] = {}
         gathered = await self.coordinator.all_gather_object((asked, mine))
         if any(a != gathered[0][0] for a, _ in gathered):
+            by_request: dict[tuple[Any, ...], list[int]] = {}
+            for r, (a, _) in enumerate(gathered):
+                by_request.setdefault(a, []).append(r)
             raise ValueError("the ranks asked for different loads (every rank must pass the same step, tiers and "
-                             "best): " + "; ".join(f"rank {r}: step={a[0]}, tiers={list(a[1])}, best={a[2]}"
-                                                   for r, (a, _) in enumerate(gathered)))
+                             "best): " + "; ".join(f"{_ranks(ranks)}: step={a[0]}, tiers={list(a[1])}, best={a[2]}"
+                                                   for a, ranks in by_request.items()))
         for _, listing in gathered:
             for name, keys in listing.items():
                 if keys is None or merged.get(name, set()) is None:
@@ -314,3 +317,17 @@ def _partly_overwritten(error: BaseException, keys: set[str]) -> BaseException:
                     f"{shown[:10]}{more}; the others are untouched)",)
     wrapped.__cause__ = error
     return wrapped
+
+
+def _ranks(ranks: list[int]) -> str:
+    """"rank 3", or "ranks 0-2, 5" (thousands of ranks in one line)."""
+    runs: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)

@@ -229,7 +229,8 @@ class Matcher:
             new = self.regroup(value, saved_value, path)
             self.target.assign.append(lambda: _replace_contents(value, new))
             return value
-        if path and path[-1] == "param_groups" and _is_param_groups(value, int) and _is_param_groups(saved_value, int):
+        if extra == "fill" and path and path[-1] == "param_groups" and _is_param_groups(value, int) and \
+                _is_param_groups(saved_value, int):  # an optimizer's own state dict
             _check_group_sizes(value, saved_value, where)  # before any byte is read: torch's check, named
         if not _has_tensor(value) and not _holds_tensors(saved_value):
             new = self.materialize(saved_value, path, per_rank)  # a value: replaced whole
