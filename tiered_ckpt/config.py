@@ -197,16 +197,20 @@ def check_config(config: Config) -> None:
 def _check_distinct(tiers: tuple[TierConfig, ...], source: str | None) -> None:
     """Each tier its own name and its own storage: two tiers writing one folder (or one bucket prefix, one Redis
     key prefix) would each take the other's checkpoints for leftovers, and their retention remove them."""
-    seen: dict[object, str] = {}
+    names: set[str] = set()
+    storages: dict[tuple[object, ...], str] = {}  # where → the tier that keeps its data there
     for tier in tiers:
-        if tier.name in seen.values():
+        if tier.name in names:
             raise ConfigError(f"tier name {tier.name!r} is used twice", key="tiers.name", file=source)
+        names.add(tier.name)
         where = _storage_of(tier)
-        if where is not None and where in seen:
-            raise ConfigError(f"tier {tier.name!r} uses the same storage as tier {seen[where]!r} "
+        if where is None:
+            continue
+        if where in storages:
+            raise ConfigError(f"tier {tier.name!r} uses the same storage as tier {storages[where]!r} "
                               f"({_describe_storage(where)}): give each tier its own", key=f"tiers.{tier.name}."
                               f"{'path' if where[0] == 'file' else 'prefix'}", file=source)
-        seen[where if where is not None else ("name", tier.name)] = tier.name
+        storages[where] = tier.name
 
 
 def _storage_of(tier: TierConfig) -> tuple[object, ...] | None:

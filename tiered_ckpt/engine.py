@@ -80,7 +80,7 @@ class Engine:
         self._loader: Loader | None = None
         self._state = EngineState.NEW
         self._closing: asyncio.Future[None] | None = None  # close()'s work, once begun (shared by every close())
-        self._finishing: asyncio.Future[None] | None = None  # a cancelled last save's wait before SIGTERM ends it
+        self._finishing: asyncio.Future[None] | None = None  # the last save's wait for its tiers before SIGTERM
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> "Engine":
@@ -189,7 +189,7 @@ class Engine:
         assert saver is not None and loader is not None
         self.policy.disarm()
         await saver.wait_all()
-        if self._finishing is not None:  # a cancelled last save after SIGTERM: the signal goes on once it is done
+        if self._finishing is not None:  # the last save after SIGTERM (its caller may have cancelled): then the signal
             await self._finishing
         await loader.wait_healed(timeout=self.config.engine.commit_timeout)  # then cancelled
         await self.store.close()

@@ -281,6 +281,7 @@ async def _known(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine
         report.kept.append(f"step {step}: complete, but its manifest in the index cannot be read ({e}); "
                            f"nothing of it removed")
         return
+    unconfigured = sorted(set(status.tiers) - set(plan.scope.io))  # tiers the record names that this config lacks
     for t in tiers:
         folders = _mine(t, step, mine)
         if t.name in status.complete:
@@ -295,11 +296,9 @@ async def _known(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine
                 continue
             _unmark(plan, step, t.name)  # its record first: a crash part-way never leaves it looking whole
             _remove_folders(plan, t, step, folders, "a tier this checkpoint never completed on")
-        elif folders and t.name not in status.tiers and set(status.tiers) - set(plan.scope.io):
-            # not this tier's by the record, which names a tier this config lacks: perhaps this one, renamed
-            report.kept.append(f"step {step} on {t.name}: its index record names tier(s) "
-                               f"{', '.join(sorted(set(status.tiers) - set(plan.scope.io)))}, which this config "
-                               f"does not have (renamed?); nothing of it removed")
+        elif folders and t.name not in status.tiers and unconfigured:  # perhaps this tier, renamed
+            report.kept.append(f"step {step} on {t.name}: its index record names tier(s) {', '.join(unconfigured)}, "
+                               f"which this config does not have (renamed?); nothing of it removed")
         else:  # failed or skipped there, or no longer targeted (retention cut short): nothing will read it
             _remove_folders(plan, t, step, folders, "a tier this checkpoint failed on or left")
 

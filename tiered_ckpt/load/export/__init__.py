@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import IncompleteCheckpoint
+from ...lifecycle.busy import BusySteps
+from ...state.scalars import values_as_scalars
+from ...storage.index import CheckpointStatus
 from ...storage.tier_io import TierIO
 from ...storage.verified_read import Fallback, ReadLog
-from ...lifecycle.busy import BusySteps
 from ..catalog import Catalog
-from ...storage.index import CheckpointStatus
-from ...state.scalars import values_as_scalars
 from .formats import write_dcp, write_safetensors, write_torch
 from .output import check_output
 from .reader import TensorReader
