@@ -54,6 +54,9 @@ class EngineConfig:
     background_nice: int = field(default=10, metadata=bounds(min=0, max=19))
     collective_timeout: float = field(default=600.0, metadata=bounds(above=0))
     commit_timeout: float = field(default=600.0, metadata=bounds(above=0))
+    # training stops (the next save() raises SaveError) once this many saves in a row committed on no tier at all;
+    # a save complete on some tier while others failed is a checkpoint, and training goes on (save/failures.py)
+    stop_after_failed_saves: int = field(default=3, metadata=bounds(min=1))
     # a memory tier first in the stack (every = 1, keep_last set) is the staging buffer: one copy to safe
     stage_in_memory_tier: bool = True
     checksum: str = "auto"  # of parts in new checkpoints: auto (xxh3 when xxhash is installed), xxh3, crc32c
@@ -99,6 +102,9 @@ class TierConfig:
     backoff: float = field(default=0.2, metadata=bounds(min=0))
     timeout: float = field(default=300.0, metadata=bounds(above=0))
     skip_when_behind: bool = True  # a save still waiting for the tier when a newer one arrives is skipped there
+    # a failure of this tier fails the save and stops training (the next save() raises); by default a tier's failure
+    # is that tier's alone, while another tier commits the checkpoint
+    required: bool = False
     options: Any = None  # the driver's own frozen Options dataclass
 
 

@@ -182,7 +182,7 @@ class Engine:
             return
         await asyncio.shield(self._closing)
         if raise_errors and self._saver is not None:
-            self._saver.raise_unobserved()
+            self._saver.raise_unobserved(closing=True)
 
     async def _shut_down(self) -> None:
         saver, loader = self._saver, self._loader

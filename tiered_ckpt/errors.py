@@ -117,10 +117,14 @@ class CheckpointExists(TieredCkptError, FileExistsError):
 
 
 class SaveError(TieredCkptError):
-    """A save failed on one or more tiers. `errors` maps tier name to its exception."""
+    """A save failed: it committed on no tier, or a tier marked `required` failed it; raised by the next `save()`
+    or `close()` only when the failure policy stops training (`reason` says which rule). `errors` maps tier name
+    to its exception."""
 
-    def __init__(self, step: int, errors: dict[str, BaseException]):
+    def __init__(self, step: int, errors: dict[str, BaseException], *, reason: str | None = None):
         detail = "; ".join(f"{t}: {type(e).__name__}: {e}" for t, e in errors.items())
-        super().__init__(f"checkpoint step {step} failed on {len(errors)} tier(s): {detail}")
+        super().__init__(f"checkpoint step {step} failed on {len(errors)} tier(s): {detail}"
+                         + (f" -- {reason}" if reason else ""))
         self.step = step
         self.errors = errors
+        self.reason = reason  # why training stops, when the failure policy raised it (save/failures.py)

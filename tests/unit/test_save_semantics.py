@@ -62,10 +62,26 @@ async def test_existing_step_is_refused_and_nothing_is_lost(engine):
 
 
 async def test_unobserved_background_error_is_raised_at_close(make_config):
-    engine = await tc.Engine(make_config(tiers=[{"capacity": "100KiB"}], stage_in_memory_tier=False)).open()
+    """The run's last save committed on no tier, and nobody waited on it: close() says so."""
+    engine = await tc.Engine(make_config(tiers=[{"capacity": "100KiB"}, {"capacity": "100KiB"}],
+                                         stage_in_memory_tier=False)).open()
     await engine.save(1, state_of(1.0))
-    with pytest.raises(tc.SaveError, match="host"):
+    with pytest.raises(tc.SaveError, match="host.*the last save of the run committed on no tier"):
         await engine.close()
+
+
+async def test_a_tier_failing_while_another_commits_is_no_error(make_config):
+    """host fills up, disk commits: the checkpoint exists, so neither wait(), the next save nor close() raises;
+    the handle still names the failed tier, and a load takes the checkpoint from disk."""
+    engine = await tc.Engine(make_config(tiers=[{"capacity": "100KiB"}], stage_in_memory_tier=False)).open()
+    handle = await engine.save(1, state_of(1.0))
+    await handle.wait()
+    assert set(handle.errors) == {"host"} and handle.committed_on == ("disk",)
+    await (await engine.save(2, state_of(2.0))).wait()
+    await engine.close()
+    async with tc.Engine(make_config(stage_in_memory_tier=False)) as again:
+        info, out = await load_values(again)
+    assert info.step == 2 and info.tier == "disk" and torch.all(out["w"] == 2.0)
 
 
 async def test_state_with_no_tensors_and_metadata(engine):
@@ -91,19 +107,41 @@ async def test_arguments_of_the_wrong_type_are_named(engine):
 
 
 async def test_a_background_failure_nobody_waited_for_is_raised_once_at_the_next_save(make_config):
-    """Save 1 fails on the memory tier in the background and nobody waits on its handle: save 2 raises that
-    error (naming step 1 and the tier) and is not started; save 2 again goes ahead; close() raises nothing."""
-    engine = await tc.Engine(make_config(tiers=[{"capacity": "100KiB"}, {}], stage_in_memory_tier=False)).open()
+    """Save 1 fails on the memory tier, marked required, in the background and nobody waits on its handle: save 2
+    raises that error (naming step 1, the tier and the rule) and is not started; save 2 again goes ahead; close()
+    raises nothing."""
+    engine = await tc.Engine(make_config(tiers=[{"capacity": "100KiB", "required": True}, {}],
+                                         stage_in_memory_tier=False)).open()
     try:
         await engine.save(1, state_of(1.0))
         await engine.wait_all()
-        with pytest.raises(tc.SaveError, match=r"step 1 failed on 1 tier\(s\): host: TierFull") as err:
+        with pytest.raises(tc.SaveError, match=r"step 1 failed on 1 tier\(s\): host: TierFull.*required") as err:
             await engine.save(2, {"w": torch.ones(10)})
         assert err.value.step == 1 and set(err.value.errors) == {"host"}
         assert [c.step for c in await engine.statuses()] == [1]  # save 2 was not started
         await (await engine.save(2, {"w": torch.ones(10)})).wait()
     finally:
         await engine.close()  # the failure was raised once already: not again
+
+
+async def test_training_stops_after_saves_in_a_row_that_committed_nowhere(make_config):
+    """Every tier full: each save fails outright. The next save() goes on until stop_after_failed_saves saves in
+    a row committed nowhere, then raises naming the rule; a save that commits resets the count."""
+    full = {"capacity": "100KiB"}
+    engine = await tc.Engine(make_config(tiers=[full, full], stage_in_memory_tier=False,
+                                         stop_after_failed_saves=2)).open()
+    try:
+        await engine.save(1, state_of(1.0))
+        await engine.wait_all()
+        await (await engine.save(2, {"w": torch.ones(10)})).wait()  # one failed save: training goes on; this fits
+        await engine.save(3, state_of(3.0))
+        await engine.wait_all()
+        await engine.save(4, state_of(4.0))  # 3 failed, 2 committed in between: still going
+        await engine.wait_all()
+        with pytest.raises(tc.SaveError, match=r"step 4 failed.*no tier committed the last 2 save\(s\)"):
+            await engine.save(5, {"w": torch.ones(10)})
+    finally:
+        await engine.close()
 
 
 @pytest.mark.parametrize("lazy", [False, True])

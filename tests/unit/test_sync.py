@@ -35,7 +35,7 @@ def test_checkpointer_save_load_list_delete(make_config):
 
 
 def test_checkpointer_close_raises_unobserved_errors(make_config):
-    ckpt = tc.Checkpointer(make_config(tiers=[{"capacity": "4KiB"}], stage_in_memory_tier=False))
+    ckpt = tc.Checkpointer(make_config(tiers=[{"capacity": "4KiB"}, {"capacity": "4KiB"}], stage_in_memory_tier=False))
     ckpt.save(1, {"w": torch.zeros(10_000)})
     with pytest.raises(tc.SaveError, match="host"):
         ckpt.close()

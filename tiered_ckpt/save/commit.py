@@ -100,7 +100,8 @@ class Committer:
         if isinstance(error, RankFailed):  # another rank's failure, already recorded
             return error
         reason = f"{type(error).__name__}: {error}"
-        log.error("checkpoint step %d failed on tier %s (rank %d): %s", step, tier, self.rank, reason)
+        # at INFO: the engine warns once per outage of the tier (save/failures.py), not once per save
+        log.info("checkpoint step %d failed on tier %s (rank %d): %s", step, tier, self.rank, reason)
         try:
             await self.index.mark_failed(self.job, step, tier, self.rank, self.session, reason)
         except (TieredCkptError, OSError) as e:  # the index being down must not hide the original error

@@ -38,10 +38,12 @@ class TierDone:
 class SaveHandle:
     """Returned by Engine.save. `staged()`: the state may be mutated. `wait()`: every targeted tier done."""
 
-    def __init__(self, step: int, tiers: list[str], *, started: float | None = None):
+    def __init__(self, step: int, tiers: list[str], *, started: float | None = None,
+                 required: frozenset[str] = frozenset()):
         loop = asyncio.get_running_loop()
         self.step = step
         self.tiers = tuple(tiers)
+        self.required = required & set(tiers)  # tiers marked `required = true`: their failure fails the save
         self._staged: asyncio.Future[None] = loop.create_future()
         self._done: dict[str, asyncio.Future[None]] = {t: loop.create_future() for t in tiers}
         for f in (self._staged, *self._done.values()):
@@ -62,7 +64,10 @@ class SaveHandle:
         await asyncio.wait([self._staged])
 
     async def wait(self, tier: str | None = None) -> None:
-        """Wait for one tier, or all; raise the tier's error, or SaveError naming every failed tier."""
+        """Wait for one tier, or all. With a tier: raise that tier's error. Without: once every tier is done,
+        raise SaveError naming every failed tier when the save failed: it committed on no tier, or a tier marked
+        `required` failed. A save complete on some tier while another failed is a checkpoint (a load takes it):
+        this returns, and `errors` names the tiers that failed."""
         self.observed = True
         if tier is not None:
             if tier not in self._done:
@@ -72,8 +77,9 @@ class SaveHandle:
         await self.staged()
         if self._done:
             await asyncio.wait(self._done.values())
-        if self.errors:
-            raise SaveError(self.step, self.errors)
+        errors = self.errors
+        if errors and (not self.committed_on or self.required & set(errors)):
+            raise SaveError(self.step, errors)
 
     def on_tier_done(self, callback: Callable[[TierDone], None]) -> None:
         """Call `callback(TierDone)` once per targeted tier as it finishes (soon, for a tier already finished), on
@@ -93,6 +99,12 @@ class SaveHandle:
     def done_except(self, tier: str) -> bool:
         """Whether everything but `tier` is done."""
         return self._staged.done() and all(f.done() for t, f in self._done.items() if t != tier)
+
+    @property
+    def committed_on(self) -> tuple[str, ...]:
+        """The tiers the checkpoint is complete on so far: a load may take it from there."""
+        return tuple(t for t, f in self._done.items()
+                     if f.done() and not f.cancelled() and f.exception() is None and t not in self.skipped)
 
     @property
     def errors(self) -> dict[str, BaseException]:

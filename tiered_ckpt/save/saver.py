@@ -26,6 +26,7 @@ from ..state import FlatState, flatten
 from ..state.gc_pause import automatic_gc_paused
 from .copy import prepare, producer_events
 from .early import EarlyCopies, Launch
+from .failures import FailurePolicy
 from .reserve import Reservation, room_error
 from .handle import SaveHandle
 from .host_budget import HostFit, fit_host_memory, ranks_per_machine
@@ -50,10 +51,13 @@ class Saver:
         self.jobs: list[SaveJob] = []
         # saves in flight: those holding staging buffers, and per tier one writing and one waiting its turn
         self._max_jobs = config.engine.max_inflight + 2 * len(config.tiers)
-        self._unobserved: list[SaveHandle] = []
+        self._unobserved: list[SaveHandle] = []  # saves that failed outright (no tier), nobody having waited on them
+        required = frozenset(t.name for t in config.tiers if t.required)
+        self.failures = FailurePolicy(self.job, required, config.engine.stop_after_failed_saves)
         self.host_fit: HostFit | None = None  # how the stack fits [engine] host_memory for the current state size
         self.early = EarlyCopies() if torch.cuda.is_available() else None  # where the next save's copies go
         self._dropping: set[asyncio.Future[None]] = set()  # launches being dropped (held: a task is weakly kept)
+        self._last_finished: SaveHandle | None = None  # the save that finished last
         self.starting = asyncio.Lock()  # one save, reserve or first delete starts at a time (FIFO)
 
     async def start(self, step: int, state: Any, *, metadata: dict[str, Any] | None,
@@ -94,7 +98,7 @@ class Saver:
         if not targets:  # nothing to write (every tier skips this step): no collective, no index change
             self._check_new(step)
             await asyncio.to_thread(flatten, state, allow_pickle=engine.allow_pickle, rank=rank)  # bad input raises
-            handle = SaveHandle(step, targets, started=started)
+            handle = SaveHandle(step, targets, started=started, required=self.failures.required)
             handle.set_staged()
             return handle
         # before anything that can fail on one rank only (every rank runs its collective), and before "step N
@@ -118,7 +122,7 @@ class Saver:
                 events = launch.events  # recorded before the walk, for the devices that every box's source is on
             else:
                 events = producer_events(flat.tensors)
-            handle = SaveHandle(step, targets, started=started)
+            handle = SaveHandle(step, targets, started=started, required=self.failures.required)
             with automatic_gc_paused():  # a plan of 100k tensors (a cached one: its key alone)
                 plan = await self.planner.plan(flat.paths, flat.tensors)
             if launch is not None and plan is not launch.plan:  # the state changed: its buffer may not fit
@@ -142,6 +146,7 @@ class Saver:
                     job.request_detach()
             buffer = await pool.acquire(plan.nbytes)
         job = SaveJob(self.services, step, flat, plan, buffer, handle, targets, metadata, events, launch, self.early)
+        self.failures.watch(handle)
         job.start()
         self.jobs.append(job)
         self.busy.saving(step, handle)
@@ -257,13 +262,19 @@ class Saver:
         if step in self.services.committed:
             raise CheckpointExists(f"job {self.job!r} step {step} already exists; delete it to save it again")
 
-    def raise_unobserved(self) -> None:
-        """Raise (once) the failure of a background save whose handle nobody waited on."""
-        while self._unobserved:
-            handle = self._unobserved.pop(0)
-            if not handle.observed:
-                handle.observed = True
-                raise SaveError(handle.step, handle.errors)
+    def raise_unobserved(self, *, closing: bool = False) -> None:
+        """Raise (once) what stops training (save/failures.py): a required tier failed, or nothing durable was
+        written for `stop_after_failed_saves` saves in a row. At close, also the last save when it committed on no
+        tier and nobody waited on it: the run would end believing its last state saved."""
+        stop = self.failures.take_stop()
+        if stop is not None:
+            self._unobserved.clear()
+            raise stop
+        unobserved, self._unobserved = self._unobserved, []
+        last = unobserved[-1] if unobserved else None
+        if closing and last is not None and not last.observed and not self.jobs and last is self._last_finished:
+            last.observed = True
+            raise SaveError(last.step, last.errors, reason="the last save of the run committed on no tier")
 
     async def wait_all(self) -> None:
         """Wait until every save in flight has finished on every tier (errors stay in the handles), those
@@ -292,7 +303,9 @@ class Saver:
             log.error(message)
             warnings.warn(message, ResourceWarning, stacklevel=2)
         self.busy.saved(job.step)
-        if not job.handle.observed and job.handle.errors:
+        self._last_finished = job.handle
+        self.failures.finished(job.handle)
+        if not job.handle.observed and job.handle.errors and not job.handle.committed_on:
             self._unobserved.append(job.handle)
 
 
