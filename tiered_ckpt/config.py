@@ -54,6 +54,9 @@ class EngineConfig:
     background_nice: int = field(default=10, metadata=bounds(min=0, max=19))
     collective_timeout: float = field(default=600.0, metadata=bounds(above=0))
     commit_timeout: float = field(default=600.0, metadata=bounds(above=0))
+    # seconds one call to a Redis index may go unanswered (a frozen or overloaded server) before it fails with
+    # IndexUnavailable naming the index: the longest a stalled index holds a save, and so the training loop
+    index_timeout: float = field(default=10.0, metadata=bounds(above=0))
     # training stops (the next save() raises SaveError) once this many saves in a row committed on no tier at all;
     # a save complete on some tier while others failed is a checkpoint, and training goes on (save/failures.py)
     stop_after_failed_saves: int = field(default=3, metadata=bounds(min=1))
@@ -67,6 +70,12 @@ class EngineConfig:
     save_every_steps: int | None = field(default=None, metadata=bounds(min=1, why="omit it for no step rule"))
     save_every_seconds: float | None = field(default=None, metadata=bounds(above=0, why="omit it for no time rule"))
     save_on_sigterm: bool = False
+    # a load whose newest complete checkpoint is lost (its parts gone from every tier: nodes lost with their memory
+    # and disks): "previous" loads the newest older one that can be loaded, and raises CheckpointLost when none can;
+    # "error" raises CheckpointLost at once (a person decides); "fresh" is "previous", but where none can be
+    # loaded it raises IncompleteCheckpoint, as when nothing was saved, so a program starts fresh unattended. The
+    # first save after such a load removes the lost checkpoints, so the run can save their steps again
+    on_lost: str = "previous"
     # after a load, rewrite in the background the cache copies (memory tier, peer ring) that node loss took
     heal: bool = True
     # "writer": open() makes this process the job's writer (a second trainer fails there, naming the holder);
@@ -251,6 +260,7 @@ def _check_host_memory(config: Config) -> None:
 
 
 ROLES = ("auto", "writer", "reader")
+ON_LOST = ("previous", "error", "fresh")
 
 
 def _check_engine(engine: EngineConfig, source: str | None) -> None:
@@ -271,6 +281,9 @@ def _check_engine(engine: EngineConfig, source: str | None) -> None:
         if db and not db.isdigit():  # redis-py would drop it silently: database 0, perhaps another job's index
             raise ConfigError(f"{redact(engine.index)}: the path names the database, a number (/0, /1, ...), not "
                               f"/{db}", key="engine.index", file=source)
+    if engine.on_lost not in ON_LOST:
+        raise ConfigError(f"on_lost must be one of {', '.join(ON_LOST)}, got {engine.on_lost!r}", key="engine.on_lost",
+                          file=source)
     if engine.role not in ROLES:
         raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {engine.role!r}", key="engine.role", file=source)
     if engine.events_log is not None and not engine.events_log.strip():

@@ -110,14 +110,16 @@ class Engine:
         rules = {t.name: Rules.of(t) for t in self.config.tiers}
         retention = Retention(self.job, store.index, store.removal, store.busy, rules)
         commit = Committer(store.index, self.job, rank=self.rank, world_size=self.world_size,
-                           session=self.coordinator.session, timeout=engine.commit_timeout)
+                           session=self.coordinator.session, timeout=engine.commit_timeout,
+                           index_timeout=engine.index_timeout)
         # one algorithm for every rank ("auto" could resolve differently where xxhash is missing on a rank)
         algorithm = await self.coordinator.broadcast_object(resolve_checksum(engine.checksum))
-        services = SaveServices(store.io, commit, retention, store.removal, self.pool, store.committed, algorithm)
+        services = SaveServices(store.io, commit, retention, store.removal, self.pool, store.committed, algorithm,
+                                lost=store.lost)
         self._saver = Saver(self.config, self.coordinator, self.planner, store.writer, store.busy, services,
                             is_open=lambda: self._state is EngineState.OPEN)
         self._loader = Loader(store.io, store.catalog, self.coordinator, store.busy,
-                              allow_pickle=engine.allow_pickle, heal=engine.heal)
+                              allow_pickle=engine.allow_pickle, heal=engine.heal, lost=store.lost)
         self._state = EngineState.OPEN
         try:
             await self._open_sinks()  # first: a bad events_log fails before anything is fenced or cleaned up

@@ -39,12 +39,14 @@ class JobStore:
         self.job = config.engine.job
         self.coordinator = Coordinator()  # single rank until open() is given the engine's
         self.io = TierIO(config.tiers, config.engine.io_threads, background_nice=config.engine.background_nice)
-        self.index: Index = open_index(config.engine.index)
-        self.catalog = Catalog(self.job, self.index, self.io, adopt=config.engine.adopt)
+        self.index: Index = open_index(config.engine.index, timeout=config.engine.index_timeout)
+        self.catalog = Catalog(self.job, self.index, self.io, adopt=config.engine.adopt, on_lost=config.engine.on_lost)
         self.busy = BusySteps()
         # steps complete on some tier, as far as this process knows: the engine fills it at open() and its saves
         # add theirs; removal and retention read it
         self.committed: set[int] = set()
+        # checkpoints a load found lost (on_lost): the next save removes them before it saves their steps again
+        self.lost: set[int] = set()
         self._reclaim: Reclaim | None = None
         self._wire()
         self._jobs: dict[str, JobStore] = {self.job: self}
@@ -62,9 +64,11 @@ class JobStore:
         if job not in self._jobs:
             other = copy.copy(self)
             other.job = job
-            other.catalog = Catalog(job, self.index, self.io, adopt=self.config.engine.adopt)
+            other.catalog = Catalog(job, self.index, self.io, adopt=self.config.engine.adopt,
+                                    on_lost=self.config.engine.on_lost)
             other.busy = BusySteps()
             other.committed = set()
+            other.lost = set()
             other._wire()
             self._jobs[job] = other
         return self._jobs[job]

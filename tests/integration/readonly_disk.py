@@ -68,8 +68,10 @@ workers = 1
         remount_read_only_after_first_part(disk)
         handle = await engine.save(2, state(2.0))
         try:
-            await asyncio.wait_for(handle.wait(), 60)
-            report(phase="step2", error=None)
+            await asyncio.wait_for(handle.wait(), 60)  # complete on the memory tier: no error, the disk's is named
+            errors = handle.errors
+            report(phase="step2", error=None, failed=sorted(errors), committed=list(handle.committed_on),
+                   message="; ".join(f"{t}: {e}" for t, e in errors.items()))
         except tc.SaveError as e:
             report(phase="step2", error=type(e).__name__, failed=sorted(e.errors), message=str(e))
         except asyncio.TimeoutError:

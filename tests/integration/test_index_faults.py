@@ -126,3 +126,34 @@ async def test_a_flipped_byte_in_the_list_summary_is_caught_and_the_step_listed_
         client.hset(key, "1", raw[:44] + b"\xc1" + raw[45:])  # not msgpack at all, and the seal wrong
         [status] = [c async for c in engine.list()]
         assert status.created > 0 and status.metadata == {"name": "alpha"}
+
+
+async def test_a_frozen_index_holds_a_save_no_longer_than_index_timeout_and_saves_commit_after(
+        tmp_path, shm_dir, redis_server):
+    """The index's redis-server is SIGSTOPped (port open, no answer) right after a save: the saves meanwhile return
+    within index_timeout (the one in flight fails, naming the index and the key; it holds the staging buffer no
+    longer), training goes on (one save that committed nowhere is no reason to stop), and once the server runs
+    again the next save commits on every tier and loads."""
+    import os
+    import signal
+    import time
+
+    server = redis_server()
+    config = stack(tmp_path, shm_dir, server.url).replace_engine(index_timeout=1.0)
+    async with tc.Engine(config) as trainer:
+        await (await trainer.save(1, state(1.0))).wait()
+        handle = await trainer.save(2, state(2.0))
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            await trainer.save(3, state(3.0))  # waits for save 2's buffer: bounded by the index's timeout
+            blocked = time.monotonic() - started
+            await trainer.wait_all()
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert blocked < 8.0  # index_timeout is 1 s; the index's default socket timeout (30 s) would be far over
+        assert handle.errors and not handle.committed_on
+        assert all("index_timeout = 1s" in str(e) and server.url in str(e) for e in handle.errors.values())
+        await (await trainer.save(4, state(4.0))).wait()  # no raise: 2 saves in a row failed, the limit is 3
+        assert (await trainer.status(4)).complete == {"host", "disk"}
+        assert await loaded_step(trainer) == (4, 4.0)

@@ -107,11 +107,10 @@ def test_a_peer_or_index_that_is_down_is_named_without_the_password(tmp_path, sh
             peer.stop()
             with caplog.at_level(logging.WARNING):
                 handle = await engine.save(2, state(2.0))
-                with pytest.raises(tc.SaveError) as err:
-                    await handle.wait()
+                await handle.wait()  # complete on another tier: the peer's failure is in the handle's errors
                 server.stop()
                 statuses = await engine.statuses()  # from the tiers' manifests, with a warning
-            return str(err.value) + repr(err.value.errors), statuses
+            return "; ".join(f"{t}: {e}" for t, e in handle.errors.items()) + repr(handle.errors), statuses
 
     text, statuses = asyncio.run(save_while_the_servers_are_down())
     assert "peer" in text and "redis://:***@127.0.0.1" in text and not shown(text), text

@@ -132,7 +132,7 @@ def test_config_check_prints_every_effective_key_with_human_sizes_and_no_passwor
                            "collective_timeout", "commit_timeout"}
     assert engine["part_size"] == "8 MiB (8388608 bytes)"
     common = {"keep_last", "keep_best", "best_metric", "best_mode", "keep_every", "every", "workers", "inflight",
-              "retries", "backoff", "timeout", "skip_when_behind"}
+              "retries", "backoff", "timeout", "skip_when_behind", "required"}
     assert set(host) == common | {"path", "capacity", "fsync"}
     assert set(peer) >= common | {"urls", "node", "prefix", "chunk_size", "connections", "socket_timeout"}
     assert host["capacity"] == "1.50 GiB (1610612736 bytes)" and host["keep_last"] == "2"

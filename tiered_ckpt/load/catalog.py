@@ -25,9 +25,20 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+class PartsGone(IncompleteCheckpoint):
+    """Every tier was looked at, and none holds some saved rank's parts of a checkpoint the index lists complete."""
+
+
+class StartFresh(IncompleteCheckpoint):
+    """Every checkpoint the index lists complete is lost, and [engine] on_lost = "fresh": a program starts fresh,
+    as when nothing was ever saved (`lost` on the catalog names them; the first save removes them)."""
+
+
 class Catalog:
-    def __init__(self, job: str, index: Index, io: TierIO, *, adopt: bool = False):
+    def __init__(self, job: str, index: Index, io: TierIO, *, adopt: bool = False, on_lost: str = "previous"):
         self.job = job
+        self.on_lost = on_lost  # [engine] on_lost: what a load does when the newest checkpoint is lost
+        self.lost: list[CheckpointStatus] = []  # what the last pick found lost (listed complete, its parts gone)
         self.index = index
         self.io = io
         self.adopt = adopt  # manifests committed to another index may be loaded
@@ -115,6 +126,7 @@ class Catalog:
         node could not list (then taken to hold the checkpoint, and parts fall back per part)."""
         self._checked = None
         self.held = None
+        self.lost = []
         statuses = await self.statuses()
         if best is not None:
             return await self._pick_best(statuses, allowed, best, listings)
@@ -145,18 +157,28 @@ class Catalog:
         listed = {s.step for s in statuses if "index" not in s.failed}  # an unreadable record lists nothing
         candidates: list[tuple[int, CheckpointStatus | None]] = [
             (s.step, s) for s in statuses if s.complete & set(allowed) and (s.foreign is None or self.adopt)]
-        lost = {st for by_step in copies.values() for st in by_step} - listed - buried
-        candidates += [(st, None) for st in lost]
+        forgotten = {st for by_step in copies.values() for st in by_step} - listed - buried
+        candidates += [(st, None) for st in forgotten]
         passed_over: list[str] = []
-        lost = 0  # listed complete by the index, yet not loadable
+        unloadable: list[CheckpointStatus] = []  # listed complete by the index, yet not loadable now
+        lost: list[CheckpointStatus] = []  # of which every tier was looked at and none holds some rank's parts
         for st, status in sorted(candidates, key=lambda c: (c[0], c[1] is not None), reverse=True):
             try:
                 found = (await self._still_held(status, allowed, copies, unlisted_tiers) if status is not None
                          else await self._whole_on_tiers(st, allowed, copies))
             except (IncompleteCheckpoint, IntegrityError) as e:
                 passed_over.append(f"step {st}: {e}")
-                lost += status is not None and set(self.io.names) <= set(allowed)  # not lost: on tiers not asked
+                if status is not None and set(self.io.names) <= set(allowed):  # not lost: on tiers not asked
+                    unloadable.append(status)
+                    if isinstance(e, PartsGone):
+                        lost.append(status)
                 continue
+            if unloadable and self.on_lost == "error":
+                newer = [s.step for s in unloadable]
+                raise CheckpointLost(f"job {self.job!r}: the newest checkpoint(s) {newer} cannot be loaded "
+                                     f"({'; '.join(passed_over[:5])}); step {found.step} can. [engine] on_lost = "
+                                     f"\"error\": nothing is loaded; \"previous\" would load step {found.step}")
+            self.lost = lost
             if passed_over:
                 log.warning("job %r: loading step %d; newer checkpoint(s) cannot be loaded: %s", self.job, found.step,
                             "; ".join(passed_over[:5]))
@@ -169,9 +191,16 @@ class Catalog:
         if found is not None:
             return found
         detail = f"; passed over: {'; '.join(passed_over[:5])}" if passed_over else ""
-        if lost:
-            raise CheckpointLost(f"job {self.job!r}: the index lists {lost} complete checkpoint(s) on tiers "
-                                 f"{list(allowed)}, but none can be loaded{detail}")
+        if lost and len(lost) == len(unloadable) and self.on_lost == "fresh":
+            self.lost = lost
+            raise StartFresh(f"job {self.job!r}: the index lists {len(lost)} complete checkpoint(s) on tiers "
+                             f"{list(allowed)}, but none can be loaded{detail}. [engine] on_lost = \"fresh\": "
+                             f"starting fresh; the first save removes the lost checkpoint(s) "
+                             f"{[s.step for s in lost]}")
+        if unloadable:
+            raise CheckpointLost(f"job {self.job!r}: the index lists {len(unloadable)} complete checkpoint(s) on tiers "
+                                 f"{list(allowed)}, but none can be loaded{detail}. Delete them (tiered-ckpt delete "
+                                 f"STEP) to start fresh, or set [engine] on_lost = \"fresh\" to do it unattended")
         raise IncompleteCheckpoint(f"job {self.job!r} has no complete checkpoint on tiers {list(allowed)} "
                                    f"({len(statuses)} listed, none complete){detail}")
 
@@ -239,7 +268,7 @@ class Catalog:
             gone = [r.rank for r in manifest.ranks if r.rank not in held]
             if gone:
                 shown = f"{gone[:8]}{' and more' if len(gone) > 8 else ''}"
-                raise IncompleteCheckpoint(
+                raise PartsGone(
                     f"the index lists it complete on {order}, but none of them holds the parts of rank(s) {shown} "
                     f"any more (every node's node-local copies looked at): lost with their nodes, or removed (an "
                     f"index restored from an older snapshot?)")

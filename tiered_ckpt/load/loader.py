@@ -27,7 +27,7 @@ from ..storage.index import CheckpointStatus
 from ..manifest.table import TensorTable
 from ..storage.tier_io import TierIO
 from ..storage.verified_read import Fallback
-from .catalog import Catalog
+from .catalog import Catalog, StartFresh
 from .heal import HealReport, heal
 from .reads import LoadInfo, Reads, node_holdings, plan_reads, read_parts, target_devices, wait_for_devices
 
@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 
 class Loader:
     def __init__(self, io: TierIO, catalog: Catalog, coordinator: Coordinator, busy: BusySteps, *,
-                 allow_pickle: bool, heal: bool = True):
+                 allow_pickle: bool, heal: bool = True, lost: set[int] | None = None):
         self.io = io
+        self.lost = lost if lost is not None else set()  # checkpoints found lost: the next save removes them
         self.catalog = catalog
         self.coordinator = coordinator
         self.busy = busy
@@ -233,12 +234,21 @@ class Loader:
         asked = (step, tuple(self.io.order(allowed)), None if best is None else (best.metric, best.mode))
         listings = await self._node_listings(allowed, asked) if self.coordinator.distributed else None
 
-        async def pick() -> tuple[CheckpointStatus, dict[str, frozenset[int]]]:
-            status = await self.catalog.pick(step, allowed, best, listings)
-            return status, self._held(status)
+        async def pick() -> tuple[CheckpointStatus | None, dict[str, frozenset[int]], list[int], str]:
+            try:
+                status = await self.catalog.pick(step, allowed, best, listings)
+            except StartFresh as e:  # an answer, not a failure: every rank learns which steps were lost
+                return None, {}, [s.step for s in self.catalog.lost], str(e)
+            return status, self._held(status), [s.step for s in self.catalog.lost], ""
 
-        return await self.coordinator.on_first(pick, "picking the checkpoint to load",
-                                               answers=(IncompleteCheckpoint, CheckpointLost))
+        status, held, lost, fresh = await self.coordinator.on_first(pick, "picking the checkpoint to load",
+                                                                    answers=(IncompleteCheckpoint, CheckpointLost))
+        if lost:  # the same on every rank: each forgets them, and the next save removes them (rank 0)
+            self.lost.update(lost)
+        if status is None:
+            log.warning("%s", fresh)
+            raise IncompleteCheckpoint(fresh)
+        return status, held
 
     def _held(self, status: CheckpointStatus) -> dict[str, frozenset[int]]:
         held = self.catalog.held

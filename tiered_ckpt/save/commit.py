@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any, Mapping, Sequence
 
-from ..errors import RankFailed, TieredCkptError, TierTimeout
+from ..errors import IndexUnavailable, RankFailed, TieredCkptError, TierTimeout
 from ..storage.index import CommitState, Index
 from ..layout import incarnation_dir
 
@@ -31,8 +31,10 @@ class Superseded(Exception):
 
 
 class Committer:
-    def __init__(self, index: Index, job: str, *, rank: int, world_size: int, session: str, timeout: float):
+    def __init__(self, index: Index, job: str, *, rank: int, world_size: int, session: str, timeout: float,
+                 index_timeout: float = 10.0):
         self.index = index
+        self.index_timeout = index_timeout  # how long the index may be unreachable before a commit wait fails
         self.job = job
         self.rank = rank
         self.world_size = world_size
@@ -59,13 +61,28 @@ class Committer:
 
     async def wait_complete(self, step: int, tier: str) -> None:
         """Return once every rank has marked `tier` (it is then complete); raise the first rank's recorded
-        failure, or a timeout naming the ranks that never reported (a killed rank records nothing)."""
+        failure, or a timeout naming the ranks that never reported (a killed rank records nothing). An index that
+        does not answer is named as such: IndexUnavailable once it has been unreachable for `index_timeout`, and a
+        timeout that the index's slowness ate into says so (the other ranks' markers may be queued behind it)."""
         if self.world_size == 1:
             return
         deadline = time.monotonic() + self.timeout
         delay = 0.005
+        unreachable_since: float | None = None
+        slowest = 0.0  # the longest a poll of the index took
+        last_poll = False
         while True:
-            state = await self.index.tier_state(self.job, step, tier, self.session)
+            asked = time.monotonic()
+            try:
+                state = await self.index.tier_state(self.job, step, tier, self.session)
+            except IndexUnavailable:
+                unreachable_since = unreachable_since or asked
+                if time.monotonic() - unreachable_since >= self.index_timeout or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(min(0.25, self.index_timeout / 10))
+                continue
+            unreachable_since = None
+            slowest = max(slowest, time.monotonic() - asked)
             if state.state == CommitState.COMPLETE:
                 return
             if state.state == CommitState.SKIPPED and state.newer is not None:
@@ -73,9 +90,14 @@ class Committer:
             if state.state == CommitState.FAILED:
                 raise RankFailed(f"step {step}: {state.reason}", tier=tier)
             if time.monotonic() > deadline:
+                if not last_poll and slowest > 1.0:  # the answer may be stale: the stall ended just now
+                    last_poll = True
+                    continue
                 missing = sorted(set(range(self.world_size)) - state.ranks_done)
+                slow = (f"; the index {self.index.identity} was slow to answer (one poll took {slowest:.1f}s), so "
+                        f"their markers may have been held up there" if slowest > 1.0 else "")
                 raise TierTimeout(f"step {step} not complete after {self.timeout}s: "
-                                  f"ranks {missing} never reported their parts durable", tier=tier)
+                                  f"ranks {missing} never reported their parts durable{slow}", tier=tier)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)
 

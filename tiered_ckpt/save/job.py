@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..lifecycle.removal import Removal
@@ -45,6 +45,7 @@ class SaveServices:
     pool: StagingPool
     committed: set[int]  # steps complete somewhere, as far as this process knows (a save adds its own)
     checksum: str = "crc32c"  # the parts' checksum algorithm for new checkpoints (checksum.resolve)
+    lost: set[int] = field(default_factory=set)  # checkpoints a load found lost: the next save removes them
 
 
 class SaveJob:

@@ -18,7 +18,8 @@ import torch
 
 from ..config import Config
 from ..distributed.coordinator import Coordinator
-from ..errors import CheckpointExists, ConfigError, RankFailed, SaveError, StateError, TierError, TierFull
+from ..errors import (CheckpointExists, ConfigError, RankFailed, SaveError, StateError, TierError, TieredCkptError,
+                      TierFull)
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.writer import Writer
 from ..sizes import format_size
@@ -104,6 +105,8 @@ class Saver:
         # before anything that can fail on one rank only (every rank runs its collective), and before "step N
         # exists": a second trainer of the job learns of the writer it runs beside, not that it should delete N
         await self.writer.become()
+        if self.services.lost:
+            await self._remove_lost()
         self._check_new(step)
         launch = await self._launch(ready_events)  # GPU copies launched during the walk (early.py), or None
         try:
@@ -257,6 +260,33 @@ class Saver:
                         "keep %s checkpoint(s) (keep_last lowered to fit)", format_size(fit.budget), fit.ranks,
                         format_size(state), ", ".join(f"{t} {fit.keep_last[t]}" for t in fit.lowered))
         self.host_fit = fit
+
+    async def _remove_lost(self) -> None:
+        """Checkpoints a load found lost (parts gone from every tier; [engine] on_lost) go before this save, on every
+        rank at once (a collective: rank 0 removes, the others wait), so the run can save their steps again and no
+        later load picks them."""
+        lost = sorted(self.services.lost)
+
+        async def remove() -> list[int]:
+            removed = []
+            try:
+                for status in await self.services.removal.index.list(self.job):
+                    if status.step in lost:
+                        try:
+                            await self.services.removal.forget(status)
+                        except TierError as e:  # out of the index and buried: the next writer or gc finishes it
+                            log.warning("removing lost checkpoint %d: %s", status.step, e)
+                        removed.append(status.step)
+            except TieredCkptError as e:  # the index is down: the next save tries again
+                log.warning("lost checkpoint(s) %s not removed yet: %s: %s", lost, type(e).__name__, e)
+            return removed
+
+        removed = await self.coordinator.on_first(remove, "removing lost checkpoints")
+        if removed and self.coordinator.rank == 0:
+            log.warning("job %r: removed lost checkpoint(s) %s (their parts are gone from every tier)", self.job,
+                        removed)
+        self.services.committed.difference_update(removed)
+        self.services.lost.difference_update(removed)
 
     def _check_new(self, step: int) -> None:
         if step in self.services.committed:

@@ -6,7 +6,9 @@ from ...errors import ConfigError
 from .base import CheckpointStatus, CommitState, Index
 
 
-def open_index(url: str) -> Index:
+def open_index(url: str, *, timeout: float = 10.0) -> Index:
+    """The index at `url`; `timeout`: how long one call to a Redis index may go unanswered ([engine] index_timeout).
+    A file index is local files: its calls are not bounded."""
     if url.startswith("file://"):
         from .file import FileIndex
 
@@ -14,7 +16,7 @@ def open_index(url: str) -> Index:
     if url.startswith(REDIS_SCHEMES):
         from .redis import RedisIndex
 
-        return RedisIndex(url)
+        return RedisIndex(url, timeout=timeout)
     raise ConfigError(f"index {url.split('://')[0]}://…: expected file://PATH, redis://HOST:PORT/DB, "
                       f"redis+cluster://HOST:PORT[,HOST:PORT...] or redis+sentinel://HOST:PORT[,...]/MASTER/DB",
                       key="engine.index")

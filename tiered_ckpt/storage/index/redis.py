@@ -29,6 +29,7 @@ from importlib import resources
 from typing import Any, Mapping, Sequence
 
 import msgpack
+from redis import exceptions as rexc
 
 from ...errors import (AuthenticationError, ConfigError, Fenced, IncompleteCheckpoint, IndexUnavailable,
                        TieredCkptError)
@@ -58,10 +59,12 @@ class RedisIndex:
     Writes are followed by WAIT when the URL asks for replicas (`wait`, default 1 with Sentinel), and every
     operation is retried through a failover for up to `failover_timeout` (redis_connect.py has the URL forms)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, *, timeout: float = 10.0):
         self.url = url
         self.epoch = 0
-        self._redis = RedisDeployment(url, key="engine.index")
+        self.timeout = timeout  # [engine] index_timeout: one call unanswered this long fails, naming the index
+        self._redis = RedisDeployment(url, key="engine.index", socket_timeout=timeout,
+                                      connect_timeout=min(timeout, 10.0))
         self.identity = self._redis.identity  # written into each manifest (unchanged for redis:// URLs)
         self._tag = self._redis.kind == "cluster"  # cluster: every key of a job in one hash slot
         self._client: Any = None
@@ -112,6 +115,8 @@ class RedisIndex:
         if problem.kind is ProblemKind.TRANSIENT:
             after = (f" (retried for {self._redis.url.failover_timeout:g}s)" if self._redis.url.failover_timeout
                      else "")
+            if isinstance(e, (TimeoutError, rexc.TimeoutError)):
+                after += f" (no answer within [engine] index_timeout = {self.timeout:g}s)"
             return IndexUnavailable(f"{where} unreachable during {what}{after}: {problem.text}")
         return TieredCkptError(f"{where}: {what}: {problem.text}")
 
