@@ -35,9 +35,11 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 def write_config(cluster: Cluster, index_url: str, *, s3: tuple[str, str] | None = None, heal: bool = True,
-                 commit_timeout: float = 60) -> str:
+                 commit_timeout: float = 60, disk_faults: Path | None = None, engine: str = "",
+                 peer: str = "") -> str:
     """tiers/cluster.toml scaled down: each node's /dev/shm, the peer ring (urls named by host), the disk path
-    every node has; optionally S3."""
+    every node has; optionally S3. `disk_faults`: the disk is a `faulty` tier commanded by that control file;
+    `engine`, `peer`: more TOML lines for those tables."""
     urls = ", ".join(json.dumps(url) for url in cluster.peer_urls)
     path = cluster.root / "tiers.toml"
     text = f"""\
@@ -48,6 +50,7 @@ part_size = "16KiB"
 heal = {str(heal).lower()}
 commit_timeout = {commit_timeout}
 collective_timeout = 60
+{engine}
 
 [[tiers]]
 name = "host"
@@ -60,12 +63,15 @@ name = "peer"
 kind = "redis"
 urls = [{urls}]
 down_seconds = 5
+{peer}
 
 [[tiers]]
 name = "disk"
-kind = "local"
+kind = "{'local' if disk_faults is None else 'faulty'}"
 path = "{cluster.root / 'local' / 'ckpt'}"
 """
+    if disk_faults is not None:
+        text += f'control = "{disk_faults}"\n'
     if s3 is not None:
         text += f'\n[[tiers]]\nname = "s3"\nkind = "s3"\nbucket = "{s3[1]}"\nendpoint_url = "{s3[0]}"\n'
     path.write_text(text)

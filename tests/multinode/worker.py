@@ -1,11 +1,14 @@
 """One rank of a multi-node test job: Cluster.run_job (nodes.py) starts it inside a node, with torchrun's
 environment (RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR, ...) and
 
-    SPEC    JSON: {"config": TOML path, "action": "save" | "load" | "train" | "load_save",
+    SPEC    JSON: {"config": TOML path, "action": "save" | "load" | "train" | "load_save" | "run",
                    "steps": [int, ...] (save, load_save: saved one after the other, each waited for),
                    "tiers": [tier names] (load, optional), "first": int and "progress": path (train: save
                    first, first+1, ... until killed, each waited for, the last complete step written to
-                   progress + ".<rank>")}
+                   progress + ".<rank>"); run: save each of "steps" as a training loop does (no wait on
+                   the handle, "interval" seconds apart, the step written to progress + ".<rank>"), then wait for
+                   them all, and report each step's tiers committed and failed, and what save() raised;
+                   "fresh_ok" (load_save): an IncompleteCheckpoint (nothing to resume) starts fresh and saves}
     RESULT  where to write this rank's JSON result
 
 A load also reports what its background heal rewrote (`healed`: parts per tier, after engine.wait_healed())
@@ -73,9 +76,17 @@ async def main(spec: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
                     step += 1
             except Exception as e:  # a node died: the save in flight fails; say when
                 return {**result, "error": f"{type(e).__name__}: {e}", "ended": time.time()}
+        if spec["action"] == "run":
+            return {**result, **await run(engine, spec, mesh)}
         target = state(None, mesh)
         try:
             info = await engine.load(target, tiers=spec.get("tiers"))
+        except tc.IncompleteCheckpoint as e:
+            if not spec.get("fresh_ok") or isinstance(e, tc.CheckpointLost):
+                return {**result, "error": f"{type(e).__name__}: {e}", "exact": False}
+            for step in spec.get("steps", []):  # nothing to resume: training starts fresh, and saves
+                await (await engine.save(step, state(step, mesh))).wait()
+            return {**result, "fresh": f"{type(e).__name__}: {e}", "saved": spec.get("steps", []), "error": None}
         except Exception as e:  # recorded: the test asserts on it
             return {**result, "error": f"{type(e).__name__}: {e}", "exact": False}
         healed: dict[str, int] = {}
@@ -92,6 +103,24 @@ async def main(spec: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
             "fallbacks": [f.tier for f in info.fallbacks], "bytes_received": info.bytes_received,
             "exact": exact, "error": None, "healed": healed, "saved": saved,
             "rank_nbytes": [r.nbytes for r in manifest.ranks]}
+
+
+async def run(engine: tc.Engine, spec: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
+    """Save like a training loop: save() and go on; a raise from save() is what stops training."""
+    handles, raised, blocked = [], None, []
+    for step in spec["steps"]:
+        started = time.monotonic()
+        try:
+            handles.append(await engine.save(step, state(step, mesh)))
+        except Exception as e:
+            raised = f"{type(e).__name__}: {e}"
+            break
+        blocked.append(time.monotonic() - started)
+        Path(f"{spec['progress']}.{dist.get_rank()}").write_text(str(step))
+        await asyncio.sleep(spec.get("interval", 0.2))
+    await engine.wait_all()
+    outcomes = {h.step: {"committed": list(h.committed_on), "failed": sorted(h.errors)} for h in handles}
+    return {"outcomes": outcomes, "raised": raised, "blocked": max(blocked, default=0.0), "error": raised}
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ class Committer:
         deadline = time.monotonic() + self.timeout
         delay = 0.005
         unreachable_since: float | None = None
+        troubled = 0.0  # how long the index was unreachable or slow during this wait
         slowest = 0.0  # the longest a poll of the index took
         last_poll = False
         while True:
@@ -81,19 +82,34 @@ class Committer:
                     raise
                 await asyncio.sleep(min(0.25, self.index_timeout / 10))
                 continue
+            took = time.monotonic() - asked
+            if unreachable_since is not None or took > self.index_timeout / 2:
+                troubled += time.monotonic() - (unreachable_since or asked)
+                # the other ranks' markers may have been lost in the index's trouble (a reply lost, a failure that
+                # could not be recorded): wait for them a little longer, not the whole commit_timeout
+                deadline = min(deadline, time.monotonic() + 2 * self.index_timeout)
             unreachable_since = None
-            slowest = max(slowest, time.monotonic() - asked)
+            slowest = max(slowest, took)
             if state.state == CommitState.COMPLETE:
                 return
             if state.state == CommitState.SKIPPED and state.newer is not None:
                 raise Superseded(state.newer)
             if state.state == CommitState.FAILED:
                 raise RankFailed(f"step {step}: {state.reason}", tier=tier)
+            if state.forgotten or self.rank not in state.ranks_done:  # this rank marked the tier before it waited
+                raise IndexUnavailable(f"index {self.index.identity} lost the record of step {step} (restarted empty, "
+                                       f"or restored from an older snapshot?): its commit on tier {tier!r} cannot "
+                                       f"complete; the next save commits again")
             if time.monotonic() > deadline:
                 if not last_poll and slowest > 1.0:  # the answer may be stale: the stall ended just now
                     last_poll = True
                     continue
                 missing = sorted(set(range(self.world_size)) - state.ranks_done)
+                if troubled:
+                    raise IndexUnavailable(f"index {self.index.identity} was unreachable or slow for {troubled:.1f}s "
+                                           f"while step {step} waited for its commit on tier {tier!r}; ranks "
+                                           f"{missing} were not seen durable since (their markers may have been "
+                                           f"lost there)")
                 slow = (f"; the index {self.index.identity} was slow to answer (one poll took {slowest:.1f}s), so "
                         f"their markers may have been held up there" if slowest > 1.0 else "")
                 raise TierTimeout(f"step {step} not complete after {self.timeout}s: "

@@ -58,7 +58,7 @@ class Saver:
         self.host_fit: HostFit | None = None  # how the stack fits [engine] host_memory for the current state size
         self.early = EarlyCopies() if torch.cuda.is_available() else None  # where the next save's copies go
         self._dropping: set[asyncio.Future[None]] = set()  # launches being dropped (held: a task is weakly kept)
-        self._last_finished: SaveHandle | None = None  # the save that finished last
+        self._newest = -1  # the newest step a save started for
         self.starting = asyncio.Lock()  # one save, reserve or first delete starts at a time (FIFO)
 
     async def start(self, step: int, state: Any, *, metadata: dict[str, Any] | None,
@@ -150,6 +150,7 @@ class Saver:
             buffer = await pool.acquire(plan.nbytes)
         job = SaveJob(self.services, step, flat, plan, buffer, handle, targets, metadata, events, launch, self.early)
         self.failures.watch(handle)
+        self._newest = max(self._newest, step)
         job.start()
         self.jobs.append(job)
         self.busy.saving(step, handle)
@@ -302,7 +303,7 @@ class Saver:
             raise stop
         unobserved, self._unobserved = self._unobserved, []
         last = unobserved[-1] if unobserved else None
-        if closing and last is not None and not last.observed and not self.jobs and last is self._last_finished:
+        if closing and last is not None and not last.observed and not self.jobs and last.step == self._newest:
             last.observed = True
             raise SaveError(last.step, last.errors, reason="the last save of the run committed on no tier")
 
@@ -333,7 +334,6 @@ class Saver:
             log.error(message)
             warnings.warn(message, ResourceWarning, stacklevel=2)
         self.busy.saved(job.step)
-        self._last_finished = job.handle
         self.failures.finished(job.handle)
         if not job.handle.observed and job.handle.errors and not job.handle.committed_on:
             self._unobserved.append(job.handle)

@@ -79,6 +79,7 @@ class TierState:
     reason: str = ""
     ranks_done: frozenset[int] = frozenset()
     newer: int | None = None
+    forgotten: bool = False  # the index has no record of the checkpoint's begin any more (a Redis restarted empty)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", CommitState(self.state))  # an unknown word fails here, naming it

@@ -196,12 +196,15 @@ class RedisIndex:
         await self._hset(job, step, f"skipped:{tier}:{rank}:{session}", str(newer))
 
     async def tier_state(self, job: str, step: int, tier: str, session: str) -> TierState:
-        """Four fields, whatever the number of ranks: every rank polls this while it waits for a commit."""
+        """Five fields, whatever the number of ranks: every rank polls this while it waits for a commit."""
         assert self._client is not None
         key = self._k(job, "step", step)
-        complete, bits, failure, skip = await self._call("read of the index", lambda: self._client.hmget(
-            key, [f"complete:{tier}", f"done:{tier}:{session}", f"fail:{tier}:{session}", f"skip:{tier}:{session}"]))
+        complete, bits, failure, skip, created = await self._call("read of the index", lambda: self._client.hmget(
+            key, [f"complete:{tier}", f"done:{tier}:{session}", f"fail:{tier}:{session}", f"skip:{tier}:{session}",
+                  "created"]))
         done = _ranks(bits or b"")
+        if created is None and complete is None:  # begin's record is gone: the server restarted empty (or FLUSHDB)
+            return TierState(CommitState.PENDING, "", done, forgotten=True)
         if complete is not None:
             return TierState(CommitState.COMPLETE, "", done)
         if skip is not None and skip.isdigit():
