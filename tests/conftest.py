@@ -1,12 +1,14 @@
 """Shared fixtures: a real on-disk config with a memory tier in /dev/shm and a local-disk tier."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -101,6 +103,19 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator["RedisServer"]:
+        """The server hung: stopped (SIGSTOP), its port open and nothing answering, until the block ends
+        (SIGCONT, by its PID, unless it was killed meanwhile)."""
+        proc = self.proc
+        assert proc is not None and proc.poll() is None, "the server is not running"
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            yield self
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
 
 
 @pytest.fixture

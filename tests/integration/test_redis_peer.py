@@ -1,6 +1,8 @@
 """The engine with a Redis peer-cache tier, against real redis-server processes that die, restart empty
 or evict."""
 
+import asyncio
+
 import torch
 
 import tiered_ckpt as tc
@@ -191,3 +193,64 @@ async def test_a_prefix_with_glob_characters_is_matched_literally_by_retention_a
         assert len(steps_held) == 1, steps_held  # keep_last = 1
         await engine.delete(3)
     assert redis.Redis(port=server.port).dbsize() == 0
+
+
+# A hung ring server (SIGSTOP: its port open, nothing answering), with the default socket timeout: a probe that
+# gets no answer costs PROBE, so BOUND (a few probes, with room for a loaded machine) stays far below it.
+PROBE, SOCKET = 1.5, 30.0
+BOUND = 4 * PROBE + 4.0
+
+
+async def within(seconds, awaitable):
+    try:
+        return await asyncio.wait_for(awaitable, seconds)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"took longer than {seconds} s (socket_timeout {SOCKET} s)") from None
+
+
+def random_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(200_000, generator=g), "b": torch.randn(100, generator=g)}
+
+
+async def test_a_hung_ring_server_costs_a_load_one_probe_not_two_socket_timeouts(tmp_path, shm_dir, redis_server):
+    """Node 0's successor hangs after a save. A new process's load, which reads nothing from the ring, lists
+    the peer tier: that costs one PING without an answer, not 2 x socket_timeout (before: its SCAN waited
+    socket_timeout, and redis-py's Retry sent it once more)."""
+    servers = [redis_server() for _ in range(3)]
+    config = stack(tmp_path, shm_dir, [s.url for s in servers], node=0, probe_timeout=PROBE, socket_timeout=SOCKET)
+    async with tc.Engine(config) as engine:
+        await (await engine.save(1, random_state(1))).wait()
+    with servers[1].frozen():
+        async with tc.Engine(config) as engine:
+            out = {k: torch.zeros_like(v) for k, v in random_state(1).items()}
+            info = await within(BOUND, engine.load(out))
+            assert info.step == 1 and info.tier == "host"
+            assert all(torch.equal(out[k], v) for k, v in random_state(1).items())
+
+
+async def test_a_hung_ring_server_costs_a_save_one_probe_per_down_seconds(tmp_path, shm_dir, redis_server):
+    """Node 0's successor hangs before a process's first save: its saves complete, each within a few probes'
+    time (the server is probed again once down_seconds are over, and skipped again), their ring copies on the
+    next server, bit-exact from the ring. Before: the writer's probe waited 20 s, then every save after
+    down_seconds waited 2 x socket_timeout."""
+    import redis
+
+    servers = [redis_server() for _ in range(3)]
+    down = 2.0
+    config = stack(tmp_path, shm_dir, [s.url for s in servers], node=0, probe_timeout=PROBE, socket_timeout=SOCKET,
+                   down_seconds=down)
+    with servers[1].frozen():
+        async with tc.Engine(config) as engine:
+            async def save(step: int) -> None:
+                await (await engine.save(step, random_state(step))).wait()
+
+            await within(BOUND, save(1))  # the writer's start writes a probe value to the ring, then the parts
+            await asyncio.sleep(down + 0.5)  # its time is over: tried again
+            await within(BOUND, save(2))
+            out = {k: torch.zeros_like(v) for k, v in random_state(2).items()}
+            info = await within(BOUND, engine.load(out, tiers=["peer"]))
+            assert info.step == 2 and info.tier == "peer" and not info.fallbacks
+            assert all(torch.equal(out[k], v) for k, v in random_state(2).items())
+    assert not redis.Redis(port=servers[0].port).keys("*")  # never the writer's own machine
+    assert redis.Redis(port=servers[2].port).keys("*")

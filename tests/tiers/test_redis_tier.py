@@ -1,5 +1,8 @@
 """The Redis peer-cache tier against real redis-server processes."""
+import asyncio
+
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from tiered_ckpt.errors import ConfigError, TierFull, TierNotFound, TierUnavailable
@@ -74,3 +77,62 @@ async def test_maxmemory_refusal_is_tier_full(redis_server):
 def test_chunk_size_above_redis_limit_is_a_config_error():
     with pytest.raises(ConfigError, match="512 MiB"):
         RedisPeerTier("peer", RedisOptions(urls=("redis://x",), chunk_size=600 * 2**20))
+
+
+# A hung server (SIGSTOP: its port open, nothing answering). The socket timeout is the default; a probe that
+# does not answer costs PROBE, so BOUND (a few probes, with room for a loaded machine) stays far below it.
+PROBE, SOCKET = 1.5, 30.0
+BOUND = 4 * PROBE + 3.0
+
+
+async def within(seconds, awaitable):
+    try:
+        return await asyncio.wait_for(awaitable, seconds)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"took longer than {seconds} s (socket_timeout {SOCKET} s)") from None
+
+
+async def test_a_hung_sole_server_fails_in_a_probe_timeout_not_a_socket_timeout(redis_server):
+    """A ring of one whose server hangs: each operation of a process that opens the tier then fails
+    (retryably, naming the server) after a PING that got no answer, not after socket_timeout (before:
+    2 x socket_timeout each, redis-py's Retry retrying the timeout once)."""
+    server = redis_server()
+    writer = await connect([server.url])
+    await writer.write("job/x", memoryview(b"abc"))
+    await writer.close()
+    tier = await connect([server.url], probe_timeout=PROBE, socket_timeout=SOCKET)
+    try:
+        with server.frozen():
+            for op in (tier.write("job/y", memoryview(b"abc")), tier.read("job/x"), tier.list("job/")):
+                with pytest.raises(TierUnavailable) as err:
+                    await within(BOUND, op)
+                assert server.url in str(err.value) and "PING" in str(err.value) and err.value.retryable
+        assert await tier.read("job/x") == b"abc"  # back: it answers at once
+    finally:
+        await tier.close()
+
+
+async def test_a_hung_server_of_the_ring_costs_one_shared_probe_then_is_skipped_by_every_rank(redis_server):
+    """Node 0's successor (urls[1]) hangs. Two ranks of node 0 (a driver each) write and read at once: the
+    ring skips the hung server for both, to the same next server, and many concurrent reads wait for one PING
+    between them; within down_seconds the verdict stands (no second probe: the next reads take less than one
+    probe's time). Before: every call waited 2 x socket_timeout."""
+    servers = [redis_server() for _ in range(3)]
+    urls = [s.url for s in servers]
+    ranks = [await connect(urls, node=0, probe_timeout=PROBE, socket_timeout=SOCKET) for _ in range(2)]
+    data = {f"job/{r}/{i}": payload(300_000 + i) for r in range(2) for i in range(8)}
+    try:
+        with servers[1].frozen():
+            writes = [t.write(k, memoryview(v)) for r, t in enumerate(ranks) for k, v in data.items()
+                      if k.startswith(f"job/{r}/")]
+            await within(BOUND, asyncio.gather(*writes))
+            reads = [t.read(k) for t in ranks for k in data]
+            assert await within(BOUND, asyncio.gather(*reads)) == [v for _ in ranks for v in data.values()]
+            started = asyncio.get_running_loop().time()
+            await asyncio.gather(*(t.read(k) for t in ranks for k in data))
+            assert asyncio.get_running_loop().time() - started < PROBE  # the verdict is cached: no PING waited
+        held = [{k.decode() for k in redis.Redis(port=s.port).keys("*")} for s in (servers[0], servers[2])]
+        assert not held[0] and {ranks[0].options.prefix + k for k in data} <= held[1]  # the next server, not own
+    finally:
+        for t in ranks:
+            await t.close()

@@ -10,6 +10,14 @@ passed over for `down_seconds` (said once per server): the copy goes to the next
 training goes on; only when every other server fails does a write fail. Reads look the value up on every
 live server at once (after a node loss or a reshard, the copy sits wherever its writer's ring put it).
 
+A server that hangs (its port open, no answer: a stopped process, a machine swapping) would cost every command
+sent to it `socket_timeout`. So a server not heard from for IDLE_SECONDS (its first use, a pause between saves,
+an outage that is over) is first sent a PING on a connection of its own, which must answer within
+`probe_timeout`; one that does not is passed over as above, at the cost of that probe, once per `down_seconds`.
+Every process probes for itself: a server that answers no one is skipped by every rank, to the same next
+server (the ring is a node's); where verdicts differ (a server that answers some), a node's copies sit on two
+servers, which reads, `missing` and healing find, since they look on every live server.
+
 A value is stored as chunks well below Redis's 512 MiB bulk limit (`chunk_size`, checked client-side,
 so an oversized write is a clear error rather than a bare "Broken pipe"), written concurrently over a
 connection pool, then a small header naming them is written last: replacing a value is atomic, and a
@@ -27,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import math
 import re
 import socket
 import time
@@ -46,6 +55,9 @@ from .base import Tier, machine_name, scatter
 
 log = logging.getLogger(__name__)
 MAX_BULK = 512 * 2**20
+# an answer vouches for a server this long: a burst of operations (a save's parts, a load's reads) probes it once
+# at most, and its first use after a pause (between saves) probes it again
+IDLE_SECONDS = 5.0
 SEP = "#"  # never in engine keys ([A-Za-z0-9._/-]): marks chunk keys
 
 
@@ -57,7 +69,16 @@ class RedisOptions:
     chunk_size: int = field(default=64 * 2**20, metadata={"size": True, "min": 1, "max": MAX_BULK - 2**20,
                                                           "why": "Redis caps a value at 512 MiB"})
     connections: int = field(default=8, metadata={"min": 1})
-    socket_timeout: float = field(default=120.0, metadata={"above": 0})
+    # what one command may take: it sends at most one chunk and a reply brings at most one part (64 MiB each by
+    # default), but a node's ranks share the link to one server, each with its tier's `inflight` (256 MiB)
+    # under way, so a chunk may wait on the node's whole 2 GiB (8 ranks): 30 s moves that at ~70 MB/s, less
+    # than a 1 Gbit/s link gives. A server that hangs in the middle of commands costs this once (they wait
+    # together), then is passed over
+    socket_timeout: float = field(default=30.0, metadata={"above": 0})
+    # a PING's answer, before a server is used after IDLE_SECONDS without one: a LAN round trip is well under a
+    # millisecond and Redis answers between the pieces of a large command; a server slower than this is passed
+    # over for down_seconds (its copies go to the next one)
+    probe_timeout: float = field(default=1.0, metadata={"above": 0})
     down_seconds: float = field(default=30.0, metadata={"min": 0})  # an unreachable server is passed over this long
 
 
@@ -79,7 +100,10 @@ class RedisPeerTier(Tier):
         self.node = options.node if options.node is not None else 0
         self.own: int | None = options.node  # the server on this machine (None: none of the urls)
         self._down: dict[int, float] = {}  # server -> until when it is passed over
+        self._heard: dict[int, float] = {}  # server -> when it last answered
+        self._probes: dict[int, asyncio.Future[None]] = {}  # server -> its PING in flight, shared by every caller
         self._clients: list[Any] = []
+        self._pingers: dict[int, Any] = {}  # one server -> a client of its own for the PING (not the pool's)
         # one server: its URL as redis-py takes it (a password holding '@', ':' or '/' percent-encoded)
         self._plain = {i: parse_url(url, key=f"tiers.{name}.urls").plain for i, url in enumerate(options.urls)}
         # redis+cluster:// and redis+sentinel:// urls (checked here, so a bad one fails at config time)
@@ -105,17 +129,29 @@ class RedisPeerTier(Tier):
         # A blocking pool: past `connections`, a command waits for a free connection instead of failing. A
         # command that meets a closed connection (the server restarted since it was pooled) is sent once more at
         # once, on a new one, before the pipeline counts a failed try (every command here is idempotent); a
-        # timeout is not retried here (a server that does not answer is passed over).
+        # timeout is not retried here (a server that does not answer is passed over): redis-py's Retry retries
+        # timeouts too unless told which errors it may retry, and a hung server then cost two socket_timeouts.
         self._clients = [self._deployments[i].open() if i in self._deployments else
                          aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
                              self._plain[i], max_connections=self.options.connections, timeout=None,
                              socket_timeout=self.options.socket_timeout, socket_connect_timeout=10,
-                             retry=Retry(NoBackoff(), 1), retry_on_error=[rexc.ConnectionError]))
+                             retry=Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
+                             retry_on_error=[rexc.ConnectionError]))
                          for i, url in enumerate(self.options.urls)]
+        # the PING's own connection: a pool busy with a save's chunks would make it wait for a free one (the
+        # PING's deadline is _ping's; the socket's timeouts are a backstop)
+        backstop = 2 * self.options.probe_timeout
+        self._pingers = {i: aioredis.Redis.from_url(self._plain[i], socket_timeout=backstop,
+                                                    socket_connect_timeout=backstop, retry=Retry(NoBackoff(), 0))
+                         for i in range(len(self.options.urls)) if i not in self._deployments}
         for deployment in self._deployments.values():
             await deployment.connect()
 
     async def close(self) -> None:
+        for task in list(self._probes.values()):
+            task.cancel()
+        for pinger in self._pingers.values():
+            await pinger.aclose()
         for i, client in enumerate(self._clients):
             if i in self._deployments:
                 await self._deployments[i].close()
@@ -128,6 +164,7 @@ class RedisPeerTier(Tier):
 
     async def _mget(self, server: int, names: list[str]) -> list[Any]:
         """MGET; on a cluster, one MGET per hash slot (the names spread over the masters)."""
+        await self._probe(server)
         client = self._clients[server]
         return await (client.mget_nonatomic(names) if self._kind(server) == "cluster" else client.mget(names))
 
@@ -140,8 +177,30 @@ class RedisPeerTier(Tier):
         start = self.own if self.own is not None else self.node % n
         return [(start + 1 + i) % n for i in range(n - 1)]
 
+    async def _probe(self, server: int) -> None:
+        """Before `server` is used when it has not answered for IDLE_SECONDS: a PING, which must answer within
+        `probe_timeout` (one at a time, shared by every caller); what it met is raised as a command's error would
+        be, only sooner. A Cluster or Sentinel url is not probed (its client finds its nodes itself)."""
+        if server in self._deployments or time.monotonic() - self._heard.get(server, -math.inf) < IDLE_SECONDS:
+            return
+        probe = self._probes.get(server)
+        if probe is None:
+            probe = self._probes[server] = asyncio.ensure_future(self._ping(server))
+            probe.add_done_callback(lambda p: p.cancelled() or p.exception())  # (read, if every caller left)
+        await asyncio.shield(probe)
+
+    async def _ping(self, server: int) -> None:
+        try:
+            await asyncio.wait_for(self._pingers[server].ping(), self.options.probe_timeout)
+        except asyncio.TimeoutError:
+            raise rexc.TimeoutError(f"no answer to a PING within {self.options.probe_timeout:g} s") from None
+        finally:
+            self._probes.pop(server, None)
+        self._answered(server)
+
     def _answered(self, server: int) -> None:
         """`server` answered: an outage it was in is over (said once)."""
+        self._heard[server] = time.monotonic()
         if self._down.pop(server, None) is not None:
             log.warning("tier %s: redis %s answers again", self.name, redact(self.options.urls[server]))
 
@@ -153,7 +212,10 @@ class RedisPeerTier(Tier):
 
     def _passed_over(self, server: int, e: BaseException) -> bool:
         """Whether `e` makes `server` one to pass over (unreachable); if so, say so once per outage."""
-        if classify(e, self._kind(server)).kind != "transient" or len(self._clients) == 1:
+        if classify(e, self._kind(server)).kind != "transient":
+            return False
+        self._heard.pop(server, None)  # it is probed before it is used again
+        if len(self._clients) == 1:
             return False
         if server not in self._down:  # once per outage: until the server answers again
             log.warning("tier %s: redis %s is unreachable (%s); passing it over for %.0f s, its copies go to the "
@@ -178,6 +240,7 @@ class RedisPeerTier(Tier):
         servers = self._live(self.ring())
         for i, server in enumerate(servers):
             try:
+                await self._probe(server)
                 await self._write_to(server, key, view)
                 self._answered(server)
                 return
@@ -241,6 +304,7 @@ class RedisPeerTier(Tier):
             chunks = [await client.get(names[0])] if count == 1 else await self._mget(server, names)
         except ERRORS as e:
             raise self._fail(server, e, f"reading {key}") from e
+        self._answered(server)
         if any(c is None for c in chunks):
             raise TierNotFound(f"{key}: chunk missing on redis {redact(self.options.urls[server])} (evicted?)",
                                tier=self.name)
@@ -275,6 +339,7 @@ class RedisPeerTier(Tier):
                 for name in chunk_names:
                     pipe.exists(name)
                 present = await pipe.execute() if chunk_names else []
+                self._answered(server)
             except ERRORS as e:
                 if self._passed_over(server, e):
                     continue  # gone meanwhile: what it holds counts as missing
@@ -289,6 +354,7 @@ class RedisPeerTier(Tier):
         for server in self._live(range(len(self._clients))):
             client = self._clients[server]
             try:
+                await self._probe(server)
                 batch = []
                 async for k in client.scan_iter(match=pattern, count=1000):
                     batch.append(k)
@@ -297,6 +363,7 @@ class RedisPeerTier(Tier):
                         batch = []
                 if batch:
                     await client.unlink(*batch)
+                self._answered(server)
             except ERRORS as e:
                 if self._passed_over(server, e):
                     continue  # a server that is gone took its keys with it
@@ -307,10 +374,12 @@ class RedisPeerTier(Tier):
         for server in self._live(range(len(self._clients))):
             client = self._clients[server]
             try:
+                await self._probe(server)
                 async for k in client.scan_iter(match=f"{glob_escaped(self.options.prefix + prefix)}*", count=1000):
                     name = k.decode()[len(self.options.prefix):]
                     if SEP not in name:
                         keys.add(name)
+                self._answered(server)
             except ERRORS as e:
                 if self._passed_over(server, e):
                     continue  # what it held cannot be read anyway
