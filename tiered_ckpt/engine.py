@@ -296,17 +296,18 @@ class Engine:
             if not lazy:
                 await saver.staged(handle)
         except asyncio.CancelledError:  # the save goes on in the background: it is recorded and counted all the same
-            self._began(handle)
+            self._began(handle, lazy)
             raise
-        if self._began(handle):
+        if self._began(handle, lazy):
             await asyncio.shield(self._finishing)  # type: ignore[arg-type]  (a cancel here: it goes on)
         return handle
 
-    def _began(self, handle: SaveHandle) -> bool:
+    def _began(self, handle: SaveHandle, lazy: bool) -> bool:
         """Record the save and count it; when should_save said yes for a SIGTERM, it is the last save: start its
         wait for every tier, after which the process ends (a task, so that no cancel of the caller stops it).
         True then."""
-        self.events.watch_save(handle, time.perf_counter() - handle.started)  # records it as its tiers finish
+        # records it as its tiers finish (a lazy save: with the caller's wait in staged())
+        self.events.watch_save(handle, time.perf_counter() - handle.started, lazy=lazy)
         self.policy.saved()
         if not self.policy.last_save_due or (self._finishing is not None and not self._finishing.done()):
             return False

@@ -132,8 +132,10 @@ async def test_each_save_and_load_is_one_json_line_in_events_log_and_on_the_logg
     save, load = records[-2:]
     assert save["job"] == "test" and save["rank"] == 0 and save["step"] == 7 and save["time"] > 0
     assert save["blocked_seconds"] > 0 and save["staged_seconds"] > 0 and save["nbytes"] >= STATE_BYTES
+    assert save["paused_seconds"] == save["blocked_seconds"]  # a plain save: the copy is inside save()
     assert list(save["tiers"]) == ["host", "disk"] and set(save) == {
-        "event", "job", "rank", "step", "blocked_seconds", "staged_seconds", "nbytes", "tiers", "time"}
+        "event", "job", "rank", "step", "blocked_seconds", "staged_seconds", "nbytes", "tiers", "paused_seconds",
+        "time"}
     assert set(save["tiers"]["host"]) == {"outcome", "seconds", "nbytes", "error", "superseded_by"}
     assert all(t["outcome"] == "committed" and t["seconds"] > 0 and t["nbytes"] == save["nbytes"] and
                t["error"] is None for t in save["tiers"].values())
@@ -182,6 +184,7 @@ async def test_metrics_port_serves_prometheus_metrics_of_real_saves_and_loads(ma
         assert sample(m, "tiered_ckpt_save_blocked_seconds_sum") > 0
         assert sample(m, "tiered_ckpt_save_blocked_seconds_bucket", le="+Inf") == 2
         assert sample(m, "tiered_ckpt_save_staged_seconds_count") == 2
+        assert sample(m, "tiered_ckpt_save_paused_seconds_count") == 2
         for tier in ("host", "disk"):
             assert sample(m, "tiered_ckpt_save_durable_seconds_count", tier=tier) == 2
             assert sample(m, "tiered_ckpt_save_durable_seconds_sum", tier=tier) > 0

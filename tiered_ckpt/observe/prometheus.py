@@ -43,6 +43,9 @@ class EngineMetrics:
         self.save_staged = client.Histogram(
             "tiered_ckpt_save_staged_seconds", "From save() until the copy into staging buffers was done",
             ["job_name"], registry=r, buckets=BLOCKED_BUCKETS)
+        self.save_paused = client.Histogram(
+            "tiered_ckpt_save_paused_seconds", "What the training loop waited for the save: save(), and for a lazy "
+            "save its wait in staged()", ["job_name"], registry=r, buckets=BLOCKED_BUCKETS)
         self.save_durable = client.Histogram(
             "tiered_ckpt_save_durable_seconds", "From save() until the checkpoint was committed on the tier",
             tier, registry=r, buckets=DURABLE_BUCKETS)
@@ -91,6 +94,8 @@ class EngineMetrics:
             self.save_blocked.labels(job).observe(event.blocked_seconds)
             if event.staged_seconds is not None:
                 self.save_staged.labels(job).observe(event.staged_seconds)
+            if event.paused_seconds is not None:
+                self.save_paused.labels(job).observe(event.paused_seconds)
         elif isinstance(event, LoadEvent):
             self.loads.labels(job, "failed" if event.error else "ok").inc()
             if event.error is None:
