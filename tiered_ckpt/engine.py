@@ -191,16 +191,23 @@ class Engine:
         await saver.wait_all()
         if self._finishing is not None:  # the last save after SIGTERM (its caller may have cancelled): then the signal
             await self._finishing
-        await loader.wait_healed(timeout=self.config.engine.commit_timeout)  # then cancelled
-        await self.store.close()
-        await self.coordinator.destroy()
-        await self.pool.clear()
-        await self._close_sinks()
+        try:
+            await loader.wait_healed(timeout=self.config.engine.commit_timeout)  # then cancelled
+            await self.store.close()
+            await self.coordinator.destroy()
+            await self.pool.clear()
+        finally:  # the sinks whatever failed before them: a metrics port must not outlive the engine
+            await self._close_sinks()
         self._state = EngineState.CLOSED
 
     async def _close_sinks(self) -> None:
-        while self._sinks:  # in a thread: stopping the HTTP server waits for its poll, flushing the file writes
-            await asyncio.to_thread(self._sinks.pop(0))
+        """Every sink, each in a thread (stopping the HTTP server waits for its poll, flushing the file writes): one
+        that fails is logged and the others are closed all the same, so no port stays open behind it."""
+        while self._sinks:
+            try:
+                await asyncio.to_thread(self._sinks.pop(0))
+            except Exception:
+                log.exception("closing an observability sink ([engine] events_log or metrics_port) failed")
 
     def on_event(self, callback: EventCallback) -> Callable[[], None]:
         """Call `callback(record)` with a record of every save (a `TierEvent` as each tier finishes, then a

@@ -242,6 +242,27 @@ async def test_a_taken_metrics_port_is_logged_and_the_engine_works_without_metri
     assert any("metrics are not served" in r.getMessage() and str(port) in r.getMessage() for r in caplog.records)
 
 
+async def test_a_full_disk_under_events_log_neither_fails_close_nor_leaves_the_metrics_port_open(make_config,
+                                                                                                  caplog):
+    """/dev/full takes the open and refuses every byte (ENOSPC), as a full disk does: the records are lost and
+    logged, close() returns, and the metrics server is stopped (before: close() raised the OSError of the file's
+    last flush and the port stayed open)."""
+    pytest.importorskip("prometheus_client")
+    port = free_port()
+    engine = tc.Engine(make_config(events_log="/dev/full", metrics_port=port, metrics_addr="127.0.0.1"))
+    async with engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        await wait_until(lambda: engine.saves_in_flight == 0)
+        assert await asyncio.to_thread(scrape, port)  # served
+    with pytest.raises(urllib.error.URLError):  # close() stopped the server
+        await asyncio.to_thread(scrape, port)
+    with socket.socket() as s:  # and nothing listens on the port any more (the scrape's TIME_WAIT allowed)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("events_log /dev/full" in m and "No space left" in m for m in messages), messages
+
+
 def test_metrics_without_prometheus_client_name_the_extra(make_config, monkeypatch):
     import importlib.util
     import sys
