@@ -147,9 +147,11 @@ class Engine:
             unsubscribe = self.events.subscribe(sink)
             self._sinks.append(lambda: (unsubscribe(), sink.close()))
         if engine.metrics_port:
-            from .observe.prometheus import serve
+            from .observe.prometheus import rank_port, serve
 
-            port = engine.metrics_port + int(os.environ.get("LOCAL_RANK", "0") or 0)  # one port per rank of a node
+            port = rank_port(engine.metrics_port, engine.metrics_addr)
+            if port is None:  # logged: training goes on without metrics, as with a taken port
+                return
             try:
                 server = serve(self, port, engine.metrics_addr)
             except OSError as e:  # a taken port must not stop training: say so, and go on without metrics

@@ -263,6 +263,22 @@ async def test_a_full_disk_under_events_log_neither_fails_close_nor_leaves_the_m
     assert any("events_log /dev/full" in m and "No space left" in m for m in messages), messages
 
 
+@pytest.mark.parametrize("local_rank", ["1", "rank-one"])
+async def test_a_metrics_port_past_65535_with_local_rank_is_logged_and_training_goes_on(make_config, caplog,
+                                                                                       monkeypatch, local_rank):
+    """metrics_port 65535 on LOCAL_RANK 1 is port 65536 (before: an OverflowError from bind() failed open() on
+    rank 1); a LOCAL_RANK that is no number likewise (before: a ValueError). Both cost the metrics, as a taken
+    port does, never the training."""
+    pytest.importorskip("prometheus_client")
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    async with tc.Engine(make_config(metrics_port=65535, metrics_addr="127.0.0.1")) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        assert engine.metrics_server is None
+    messages = [r.getMessage() for r in caplog.records if "metrics are not served" in r.getMessage()]
+    assert messages and ("port 65536, above 65535" in messages[0] if local_rank == "1"
+                         else "LOCAL_RANK='rank-one'" in messages[0]), messages
+
+
 def test_metrics_without_prometheus_client_name_the_extra(make_config, monkeypatch):
     import importlib.util
     import sys

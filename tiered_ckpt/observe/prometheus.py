@@ -4,6 +4,7 @@ metrics are made, so the package and the CLI never need it. The public helpers a
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -14,6 +15,7 @@ log = logging.getLogger(__name__)
 EXTRA = "pip install -e '.[prometheus]' from a clone (or pip install 'prometheus_client>=0.20')"
 # save() pauses training for milliseconds to seconds; a tier may take minutes to hold a large checkpoint
 BLOCKED_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+MAX_PORT = 65535
 DURABLE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
@@ -142,6 +144,28 @@ class Observed(Protocol):
     def saves_in_flight(self) -> int: ...
 
     def on_event(self, callback: EventCallback) -> Callable[[], None]: ...
+
+
+def rank_port(base: int, addr: str) -> int | None:
+    """`[engine] metrics_port` plus this process's LOCAL_RANK (torchrun's; 0 without it), so the ranks of a node
+    take consecutive ports; None, logged as an error, when that is no port (above 65535, or a LOCAL_RANK that is
+    no whole number >= 0): like a taken port, it costs the metrics, never the training."""
+    text = os.environ.get("LOCAL_RANK", "") or "0"
+    try:
+        local_rank = int(text)
+    except ValueError:
+        local_rank = -1
+    if local_rank < 0:
+        log.error("metrics are not served on %s: LOCAL_RANK=%r is no whole number >= 0 ([engine] metrics_port %d "
+                  "adds it)", addr, text, base)
+        return None
+    port = base + local_rank
+    if port > MAX_PORT:
+        log.error("metrics are not served on %s: [engine] metrics_port %d + LOCAL_RANK %d is port %d, above %d "
+                  "(give a metrics_port that leaves room for every rank of the node)", addr, base, local_rank,
+                  port, MAX_PORT)
+        return None
+    return port
 
 
 def serve(engine: Observed, port: int = 0, addr: str = "0.0.0.0") -> MetricsServer:
