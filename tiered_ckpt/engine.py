@@ -149,9 +149,11 @@ class Engine:
             unsubscribe = self.events.subscribe(sink)
             self._sinks.append(lambda: (unsubscribe(), sink.close()))
         if engine.metrics_port:
-            from .observe.prometheus import serve
+            from .observe.prometheus import rank_port, serve
 
-            port = engine.metrics_port + int(os.environ.get("LOCAL_RANK", "0") or 0)  # one port per rank of a node
+            port = rank_port(engine.metrics_port, engine.metrics_addr)
+            if port is None:  # logged: training goes on without metrics, as with a taken port
+                return
             try:
                 server = serve(self, port, engine.metrics_addr)
             except OSError as e:  # a taken port must not stop training: say so, and go on without metrics
@@ -193,16 +195,23 @@ class Engine:
         await saver.wait_all()
         if self._finishing is not None:  # the last save after SIGTERM (its caller may have cancelled): then the signal
             await self._finishing
-        await loader.wait_healed(timeout=self.config.engine.commit_timeout)  # then cancelled
-        await self.store.close()
-        await self.coordinator.destroy()
-        await self.pool.clear()
-        await self._close_sinks()
+        try:
+            await loader.wait_healed(timeout=self.config.engine.commit_timeout)  # then cancelled
+            await self.store.close()
+            await self.coordinator.destroy()
+            await self.pool.clear()
+        finally:  # the sinks whatever failed before them: a metrics port must not outlive the engine
+            await self._close_sinks()
         self._state = EngineState.CLOSED
 
     async def _close_sinks(self) -> None:
-        while self._sinks:  # in a thread: stopping the HTTP server waits for its poll, flushing the file writes
-            await asyncio.to_thread(self._sinks.pop(0))
+        """Every sink, each in a thread (stopping the HTTP server waits for its poll, flushing the file writes): one
+        that fails is logged and the others are closed all the same, so no port stays open behind it."""
+        while self._sinks:
+            try:
+                await asyncio.to_thread(self._sinks.pop(0))
+            except Exception:
+                log.exception("closing an observability sink ([engine] events_log or metrics_port) failed")
 
     def on_event(self, callback: EventCallback) -> Callable[[], None]:
         """Call `callback(record)` with a record of every save (a `TierEvent` as each tier finishes, then a
@@ -298,17 +307,18 @@ class Engine:
             if not lazy:
                 await saver.staged(handle)
         except asyncio.CancelledError:  # the save goes on in the background: it is recorded and counted all the same
-            self._began(handle)
+            self._began(handle, lazy)
             raise
-        if self._began(handle):
+        if self._began(handle, lazy):
             await asyncio.shield(self._finishing)  # type: ignore[arg-type]  (a cancel here: it goes on)
         return handle
 
-    def _began(self, handle: SaveHandle) -> bool:
+    def _began(self, handle: SaveHandle, lazy: bool) -> bool:
         """Record the save and count it; when should_save said yes for a SIGTERM, it is the last save: start its
         wait for every tier, after which the process ends (a task, so that no cancel of the caller stops it).
         True then."""
-        self.events.watch_save(handle, time.perf_counter() - handle.started)  # records it as its tiers finish
+        # records it as its tiers finish (a lazy save: with the caller's wait in staged())
+        self.events.watch_save(handle, time.perf_counter() - handle.started, lazy=lazy)
         self.policy.saved()
         if not self.policy.last_save_due or (self._finishing is not None and not self._finishing.done()):
             return False

@@ -19,7 +19,7 @@ Which tiers survive what (from each tier's kind): a job interruption (the proces
 stay: a crash, a preemption, a hang killed by the launcher) keeps every tier, host memory included; a node
 lost with its memory and disks keeps S3 and a Redis peer ring of two or more servers (the copy sits on the
 next machine), not the memory and local tiers. The costs come from the job's own save records (`[engine]
-events_log`, or `on_event`): the time `save()` blocked, each tier's time to durable, and the training steps
+events_log`, or `on_event`): the time training paused for a save, each tier's time to durable, and the training steps
 per second between saves. Nothing here imports torch.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ SURVIVES_NODE_LOSS = {"s3"}  # and "redis" with two or more urls (a ring): see s
 class SaveCosts:
     """What saving costs this job, measured on its own run."""
 
-    blocked_seconds: float  # training waits this long per save (save()'s own time)
+    blocked_seconds: float  # training waits this long per save (save(), and a lazy save's wait in staged())
     seconds_per_step: float  # training time per step, saves excluded
     durable_seconds: Mapping[str, float]  # tier -> seconds from save() until the checkpoint is durable there
     saves: int = 0  # how many save records these figures come from (0: given by hand)
@@ -90,7 +90,7 @@ class Advice:
         """A few lines for a person: what to set, and what it buys."""
         rec, lines = self.recommended, []
         c = self.costs
-        lines.append(f"measured{f' over {c.saves} saves' if c.saves else ''}: save() blocks "
+        lines.append(f"measured{f' over {c.saves} saves' if c.saves else ''}: a save pauses training "
                      f"{c.blocked_seconds:.3g} s, a step takes {c.seconds_per_step:.3g} s, durable after "
                      + ", ".join(f"{t} {s:.3g} s" for t, s in c.durable_seconds.items()))
         f = self.failures
@@ -223,24 +223,28 @@ def _check(costs: SaveCosts, failures: FailureRates, config: Config) -> None:
         raise ValueError("durable_seconds is empty: no tier's time to durable is known")
 
 
-def costs_from_events(records: Iterable[Mapping[str, object]], *, rank: int = 0) -> SaveCosts:
-    """SaveCosts from the save records of one rank (the JSON lines of `[engine] events_log`, as dicts). The first
-    save is left out when there are others (it allocates its staging buffers); medians resist a
-    stalled save. The training time per step comes from consecutive saves: (their starts' distance less the
-    first one's blocked time) over their steps' distance."""
+def costs_from_events(records: Iterable[Mapping[str, object]], *, rank: int = 0,
+                      job: str | None = None) -> SaveCosts:
+    """SaveCosts from the save records of one rank of one job (the JSON lines of `[engine] events_log`, as dicts;
+    several jobs may share a file: `job` keeps one, None every record). What a save cost the training loop is
+    its `paused_seconds` (save(), and for a lazy save its wait in staged()); a record without it (written
+    before it existed) counts its `blocked_seconds`. The first save is left out when there are others (it
+    allocates its staging buffers); medians resist a stalled save. The training time per step comes from
+    consecutive saves: (their starts' distance less the first one's pause) over their steps' distance."""
     try:
-        saves = sorted((r for r in records if r.get("event") == "save" and r.get("rank", 0) == rank),
+        saves = sorted((r for r in records if r.get("event") == "save" and r.get("rank", 0) == rank
+                        and (job is None or r.get("job", job) == job)),
                        key=lambda r: int(r["step"]))  # type: ignore[call-overload]
         for r in saves:
-            float(r["blocked_seconds"]), float(r["time"])  # type: ignore[arg-type]
+            _paused(r), float(r["time"])  # type: ignore[arg-type]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"a save record that cannot be read ({type(e).__name__}: {e}): not a tiered_ckpt "
                          f"events log?") from None
     if len(saves) < 2:
-        raise ValueError(f"{len(saves)} save record(s) of rank {rank}: at least 2 are needed (a step's time comes "
-                         f"from the distance between saves)")
+        raise ValueError(f"{len(saves)} save record(s) of rank {rank}{f' of job {job!r}' if job is not None else ''}"
+                         f": at least 2 are needed (a step's time comes from the distance between saves)")
     later = saves[1:] if len(saves) > 2 else saves
-    blocked = statistics.median(float(r["blocked_seconds"]) for r in later)  # type: ignore[arg-type]
+    blocked = statistics.median(_paused(r) for r in later)
     durable: dict[str, list[float]] = {}
     try:
         for r in later:
@@ -251,7 +255,7 @@ def costs_from_events(records: Iterable[Mapping[str, object]], *, rank: int = 0)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"a save record whose tiers cannot be read ({type(e).__name__}: {e}): not a tiered_ckpt "
                          f"events log?") from None
-    per_step = [(b - a - float(ra["blocked_seconds"])) / (sb - sa)  # type: ignore[arg-type]
+    per_step = [(b - a - _paused(ra)) / (sb - sa)
                 for (sa, a), (sb, b), ra in zip(starts, starts[1:], saves) if sb > sa and b > a]
     if not per_step:
         raise ValueError("the save records give no time between saves (steps or times out of order)")
@@ -259,6 +263,13 @@ def costs_from_events(records: Iterable[Mapping[str, object]], *, rank: int = 0)
     gaps = [g for g in gaps if g > 0] or [0]  # a step saved again (a rerun after a restart) is no interval
     return SaveCosts(blocked, statistics.median(per_step), {t: statistics.median(v) for t, v in durable.items()},
                  saves=len(saves), save_every_steps=int(statistics.median(gaps)) or None)
+
+
+def _paused(record: Mapping[str, object]) -> float:
+    """What the save cost the training loop: `paused_seconds`, else (an older record, or a failed copy)
+    `blocked_seconds`."""
+    paused = record.get("paused_seconds")
+    return float(paused if paused is not None else record["blocked_seconds"])  # type: ignore[arg-type]
 
 
 def _start(record: Mapping[str, object]) -> float:

@@ -56,7 +56,7 @@ class JobStore:
         c = self.coordinator
         self.removal = Removal(self.job, self.index, self.io, self.busy, self.committed, rank=c.rank,
                                world_size=c.world_size, reclaim=self._reclaim)
-        self.writer = Writer(self.job, self.index, c, self.removal)
+        self.writer = Writer(self.job, self.index, c, self.removal, lease=self.config.engine.role == "writer")
 
     def for_job(self, job: str) -> "JobStore":
         """Another job's checkpoints on the same tiers and index (`free --all-jobs`): its own catalog, busy

@@ -181,3 +181,19 @@ async def test_cluster_credentials_work_and_a_wrong_password_is_never_shown(tmp_
             await tier.write("job/x", memoryview(b"1"))
         assert "credentials" in str(err.value) and "wrong-pw" not in str(err.value) and "***" in str(err.value)
         await tier.close()
+
+
+async def test_the_writer_lease_on_a_cluster_refuses_a_second_writer_until_released(cluster_url):  # noqa: F811
+    """The lease and the epoch share the job's slot, so taking the lease and fencing stay one script."""
+    first, second = RedisIndex(cluster_url, lease_seconds=1.5), RedisIndex(cluster_url)
+    await first.open()
+    await second.open()
+    try:
+        epoch = await first.fence("leased", lease=True)
+        with pytest.raises(tc.WriterConflict, match="already has a writer"):
+            await second.fence("leased", lease=True)
+        await first.close()  # releases it
+        assert await second.fence("leased", lease=True) > epoch
+    finally:
+        await first.close()
+        await second.close()

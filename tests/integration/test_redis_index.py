@@ -2,6 +2,12 @@
 writers, and loading from the tiers' manifests while the index is down."""
 import asyncio
 import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,3 +213,53 @@ async def test_a_zombie_writer_never_overwrites_what_the_new_incarnation_committ
                 out = state(0.0)
                 info = await successor.load(out, tiers=[tier])
                 assert info.step == 1 and torch.all(out["w"] == 2.0) and not info.fallbacks, tier
+
+
+async def test_a_second_trainer_with_role_writer_fails_at_open_naming_the_live_one(tmp_path, shm_dir, redis_server):
+    """role = "writer" on the Redis index holds a writer lease it renews: a second trainer's open() fails with
+    WriterConflict naming the first (pid, host), which trains on unfenced (before: the second took over, and
+    the first went on training with every save failing). Once the first closes, its lease is free at once."""
+    url = redis_server().url
+    first = tc.Engine(stack(tmp_path, shm_dir, url, role="writer"))
+    first.store.index.lease_seconds = 1.5  # renewed every 0.5 s
+    await first.open()
+    try:
+        await (await first.save(1, state(1.0))).wait()
+        started = time.monotonic()
+        with pytest.raises(tc.WriterConflict, match=f"already has a writer .*pid {os.getpid()} on "
+                                                    f"{socket.gethostname()}"):
+            await tc.Engine(stack(tmp_path, shm_dir, url, role="writer")).open()
+        assert time.monotonic() - started < 5  # it saw a renewal: no wait for a lease that will not lapse
+        await (await first.save(2, state(2.0))).wait()  # not fenced
+    finally:
+        await first.close()
+    started = time.monotonic()
+    async with tc.Engine(stack(tmp_path, shm_dir, url, role="writer")) as third:  # released at close
+        assert time.monotonic() - started < 1.0
+        await (await third.save(3, state(3.0))).wait()
+        assert [c.step async for c in third.list()] == [1, 2, 3]
+
+
+async def test_a_writer_killed_with_sigkill_does_not_block_its_restart(tmp_path, shm_dir, redis_server):
+    """A trainer killed with -9 renews its lease no more: the restart (role = "writer") takes it once it lapses,
+    within the lease's TTL, and fences the dead incarnation."""
+    url = redis_server().url
+    config = tmp_path / "c.toml"
+    config.write_text(f'[engine]\njob = "gpt"\nindex = "{url}"\npart_size = "64KiB"\n'
+                      f'[[tiers]]\nname = "host"\nkind = "memory"\npath = "{shm_dir}/host"\nkeep_last = 2\n'
+                      f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
+    helper = Path(__file__).with_name("lease_holder.py")
+    proc = subprocess.Popen([sys.executable, str(helper), str(config), "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        ready, epoch = proc.stdout.readline().split()
+        assert ready == "ready"
+    finally:
+        proc.kill()
+        proc.wait()
+    started = time.monotonic()
+    async with tc.Engine.from_toml(config, role="writer") as restarted:
+        assert time.monotonic() - started < 2 + 3  # the dead lease's TTL at most, with room for a slow machine
+        assert restarted.store.index.epoch > int(epoch)  # a new incarnation
+        out = {"w": torch.zeros(50_000)}
+        assert (await restarted.load(out)).step == 1 and torch.all(out["w"] == 1.0)
+        await (await restarted.save(2, state(2.0))).wait()

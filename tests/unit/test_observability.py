@@ -133,8 +133,10 @@ async def test_each_save_and_load_is_one_json_line_in_events_log_and_on_the_logg
     save, load = records[-2:]
     assert save["job"] == "test" and save["rank"] == 0 and save["step"] == 7 and save["time"] > 0
     assert save["blocked_seconds"] > 0 and save["staged_seconds"] > 0 and save["nbytes"] >= STATE_BYTES
+    assert save["paused_seconds"] == save["blocked_seconds"]  # a plain save: the copy is inside save()
     assert list(save["tiers"]) == ["host", "disk"] and set(save) == {
-        "event", "job", "rank", "step", "blocked_seconds", "staged_seconds", "nbytes", "tiers", "time"}
+        "event", "job", "rank", "step", "blocked_seconds", "staged_seconds", "nbytes", "tiers", "paused_seconds",
+        "time"}
     assert set(save["tiers"]["host"]) == {"outcome", "seconds", "nbytes", "error", "superseded_by"}
     assert all(t["outcome"] == "committed" and t["seconds"] > 0 and t["nbytes"] == save["nbytes"] and
                t["error"] is None for t in save["tiers"].values())
@@ -183,6 +185,7 @@ async def test_metrics_port_serves_prometheus_metrics_of_real_saves_and_loads(ma
         assert sample(m, "tiered_ckpt_save_blocked_seconds_sum") > 0
         assert sample(m, "tiered_ckpt_save_blocked_seconds_bucket", le="+Inf") == 2
         assert sample(m, "tiered_ckpt_save_staged_seconds_count") == 2
+        assert sample(m, "tiered_ckpt_save_paused_seconds_count") == 2
         for tier in ("host", "disk"):
             assert sample(m, "tiered_ckpt_save_durable_seconds_count", tier=tier) == 2
             assert sample(m, "tiered_ckpt_save_durable_seconds_sum", tier=tier) > 0
@@ -239,6 +242,43 @@ async def test_a_taken_metrics_port_is_logged_and_the_engine_works_without_metri
             await (await engine.save(1, state_of(1.0))).wait()
             assert engine.metrics_server is None
     assert any("metrics are not served" in r.getMessage() and str(port) in r.getMessage() for r in caplog.records)
+
+
+async def test_a_full_disk_under_events_log_neither_fails_close_nor_leaves_the_metrics_port_open(make_config,
+                                                                                                  caplog):
+    """/dev/full takes the open and refuses every byte (ENOSPC), as a full disk does: the records are lost and
+    logged, close() returns, and the metrics server is stopped (before: close() raised the OSError of the file's
+    last flush and the port stayed open)."""
+    pytest.importorskip("prometheus_client")
+    port = free_port()
+    engine = tc.Engine(make_config(events_log="/dev/full", metrics_port=port, metrics_addr="127.0.0.1"))
+    async with engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        await wait_until(lambda: engine.saves_in_flight == 0)
+        assert await asyncio.to_thread(scrape, port)  # served
+    with pytest.raises(urllib.error.URLError):  # close() stopped the server
+        await asyncio.to_thread(scrape, port)
+    with socket.socket() as s:  # and nothing listens on the port any more (the scrape's TIME_WAIT allowed)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("events_log /dev/full" in m and "No space left" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("local_rank", ["1", "rank-one"])
+async def test_a_metrics_port_past_65535_with_local_rank_is_logged_and_training_goes_on(make_config, caplog,
+                                                                                       monkeypatch, local_rank):
+    """metrics_port 65535 on LOCAL_RANK 1 is port 65536 (before: an OverflowError from bind() failed open() on
+    rank 1); a LOCAL_RANK that is no number likewise (before: a ValueError). Both cost the metrics, as a taken
+    port does, never the training."""
+    pytest.importorskip("prometheus_client")
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    async with tc.Engine(make_config(metrics_port=65535, metrics_addr="127.0.0.1")) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        assert engine.metrics_server is None
+    messages = [r.getMessage() for r in caplog.records if "metrics are not served" in r.getMessage()]
+    assert messages and ("port 65536, above 65535" in messages[0] if local_rank == "1"
+                         else "LOCAL_RANK='rank-one'" in messages[0]), messages
 
 
 def test_metrics_without_prometheus_client_name_the_extra(make_config, monkeypatch):

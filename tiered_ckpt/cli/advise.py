@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser, duration: object) -> None:
     p.add_argument("--rank", type=int, default=0, help="whose records to read (default 0)")
     p.add_argument("--every-steps", type=_steps, metavar="N", help="the interval now (default: [engine] "
                    "save_every_steps, else the one the records show)")
-    p.add_argument("--blocked", type=duration, metavar="SECONDS", help="save()'s blocked time, instead of measured")
+    p.add_argument("--blocked", type=duration, metavar="SECONDS", help="what training pauses per save (save(), and a lazy save's "
+                   "staged()), instead of measured")
     p.add_argument("--step-seconds", type=duration, metavar="SECONDS", help="a training step's time, instead of "
                    "measured")
     p.add_argument("--durable", action="append", default=[], metavar="TIER=SECONDS",
@@ -64,7 +65,7 @@ def _costs(config: Config, args: argparse.Namespace) -> SaveCosts:
             raise Refused(f"{path}: no such events log (set [engine] events_log and run some saves, pass --events "
                           f"FILE, or give --blocked, --step-seconds and --durable TIER=SECONDS)")
         try:
-            measured = costs_from_events(read_events(path), rank=args.rank)
+            measured = costs_from_events(read_events(path), rank=args.rank, job=config.engine.job)
         except ValueError as e:
             raise Refused(f"{path}: {e}") from None
     elif not given:

@@ -2,8 +2,9 @@
 
 An engine is a *reader* until its first save (or delete): listing, loading, verifying and exporting change
 nothing in the index, so an evaluator or the CLI beside a running trainer can never fence it or delete its
-saves in flight. At its first save it becomes the job's *writer*: rank 0 fences earlier incarnations (the
-Redis epoch; the file index's lease), every rank takes the new epoch, and rank 0 cleans what a crashed run
+saves in flight. At its first save (at open with `role = "writer"`) it becomes the job's *writer*: rank 0
+fences earlier incarnations (the Redis epoch; the file index's lease; with `role = "writer"` also the Redis
+index's writer lease, refused while a live writer holds it), every rank takes the new epoch, and rank 0 cleans what a crashed run
 left (removals cut short, incomplete checkpoints newer than the newest complete one) and lists again the
 committed checkpoints the index forgot (lifecycle/lineage.py). A *cleaner* (`gc`,
 `tiered-ckpt delete`) attaches instead: it changes the index within the current incarnation, so a trainer
@@ -28,8 +29,9 @@ PROBE_TIMEOUT = 20.0  # seconds a writer's probe of one tier may take (no retrie
 
 
 class Writer:
-    def __init__(self, job: str, index: Index, coordinator: Coordinator, removal: Removal):
+    def __init__(self, job: str, index: Index, coordinator: Coordinator, removal: Removal, *, lease: bool = False):
         self.job = job
+        self.lease = lease  # role = "writer": hold the index's writer lease, refused beside a live holder
         self.index = index
         self.coordinator = coordinator
         self.removal = removal
@@ -47,7 +49,7 @@ class Writer:
 
         async def fence() -> tuple[int, list[int]] | None:
             try:
-                epoch = await self.index.fence(self.job)
+                epoch = await self.index.fence(self.job, lease=self.lease)
             except IndexUnavailable as e:
                 log.warning("%s: not the job's writer yet; the next save tries again", e)
                 return None

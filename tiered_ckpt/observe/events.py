@@ -61,6 +61,9 @@ class SaveEvent:
     staged_seconds: float | None  # from save() until the copy into staging buffers was done; None: it failed
     nbytes: int  # this rank's bytes of the checkpoint (one copy)
     tiers: tuple[TierEvent, ...]  # every targeted tier, fastest first; empty when no tier takes the step
+    # what the training loop waited for this save: the save() call, and for lazy=True also its wait in staged()
+    # (or in wait(), which waits for the copy first) for the copy to end; None: the copy failed
+    paused_seconds: float | None = None
     time: float = field(default_factory=_time.time)  # Unix time of the record
 
     @property
@@ -141,6 +144,37 @@ def to_json(event: Event) -> str:
     return json.dumps(to_dict(event), separators=(",", ":"), default=str)
 
 
+class _PauseClock:
+    """How long the training loop waited for one save. A plain save's copy is inside save(); a lazy save's ends
+    while the loop runs on, and the loop waits only if it calls staged() before the copy is done. Only the
+    caller's call to staged() tells when that is, so this wraps `staged` on that one handle (SaveHandle.wait()
+    calls it too) and keeps when it was first called. The record is made once every tier is done, after the
+    copy: a staged() not called by then returns at once, so it adds nothing."""
+
+    def __init__(self, handle: "SaveHandle", blocked: float, lazy: bool):
+        self.handle, self.blocked = handle, blocked
+        self.called_at: float | None = None  # seconds from save() to the first staged() call
+        if lazy:
+            staged = handle.staged
+
+            async def timed_staged() -> None:
+                if self.called_at is None:
+                    self.called_at = _time.perf_counter() - handle.started
+                await staged()
+            setattr(handle, "staged", timed_staged)  # this handle's alone, not the class's
+
+    def paused(self) -> float | None:
+        """save() plus the wait in staged() for the copy to end; None when the copy failed. The handle's own
+        staged() is back from here on (the copy is over), which also breaks the handle ↔ wrapper cycle."""
+        vars(self.handle).pop("staged", None)
+        copied = self.handle.staged_at
+        if copied is None:
+            return None
+        if self.called_at is None:
+            return self.blocked
+        return self.blocked + max(0.0, copied - max(self.called_at, self.blocked))
+
+
 def _error(e: BaseException | None) -> str | None:
     return None if e is None else f"{type(e).__name__}: {e}"
 
@@ -179,13 +213,15 @@ class Events:
             events_log.info(to_json(event))
 
     # -- what the engine reports -----------------------------------------------------------------
-    def watch_save(self, handle: "SaveHandle", blocked: float) -> None:
+    def watch_save(self, handle: "SaveHandle", blocked: float, *, lazy: bool = False) -> None:
         """Record each tier as it finishes, then the save: through the handle's own callbacks (no await, no
-        task). `blocked`: how long save() took."""
+        task). `blocked`: how long save() took; `lazy`: save() returned before the copy, so the caller's wait
+        for it in staged() is timed too (_PauseClock)."""
         if not self.listening:
             return
+        pause = _PauseClock(handle, blocked, lazy)
         if not handle.tiers:
-            self.emit(self._save(handle, blocked, ()))
+            self.emit(self._save(handle, blocked, (), pause))
             return
         done: dict[str, TierEvent] = {}
 
@@ -194,7 +230,7 @@ class Events:
             done[outcome.tier] = event
             self.emit(event)
             if len(done) == len(handle.tiers):
-                self.emit(self._save(handle, blocked, tuple(done[t] for t in handle.tiers)))
+                self.emit(self._save(handle, blocked, tuple(done[t] for t in handle.tiers), pause))
 
         handle.on_tier_done(tier_done)
 
@@ -204,8 +240,10 @@ class Events:
                          None if state == "failed" else outcome.seconds, handle.nbytes if state == "committed" else 0,
                          _error(outcome.error), outcome.superseded_by)
 
-    def _save(self, handle: "SaveHandle", blocked: float, tiers: tuple[TierEvent, ...]) -> SaveEvent:
-        return SaveEvent(self.job, self.rank, handle.step, blocked, handle.staged_at, handle.nbytes, tiers)
+    def _save(self, handle: "SaveHandle", blocked: float, tiers: tuple[TierEvent, ...],
+              pause: "_PauseClock") -> SaveEvent:
+        return SaveEvent(self.job, self.rank, handle.step, blocked, handle.staged_at, handle.nbytes, tiers,
+                         pause.paused())
 
     def loaded(self, info: "LoadInfo") -> None:
         if self.listening:

@@ -54,8 +54,14 @@ class JsonLinesFile:
         self._failed = False
 
     def close(self) -> None:
-        """Write what is queued, then close (blocking: call it in a thread)."""
+        """Write what is queued, then close (blocking: call it in a thread). A file that cannot take its last
+        bytes (a full disk: close() flushes what a failed write left buffered) is logged, never raised: the
+        records are lost either way, and the engine's close must go on to its other sinks."""
         self._writer.shutdown(wait=True)
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None
+        if file is None:
+            return
+        try:
+            file.close()  # closes the descriptor even when the flush before it fails
+        except (OSError, ValueError) as e:
+            log.warning("events_log %s: records lost at close, cannot write them (%s)", self.path, e)

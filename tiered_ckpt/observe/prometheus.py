@@ -4,6 +4,7 @@ metrics are made, so the package and the CLI never need it. The public helpers a
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -14,6 +15,7 @@ log = logging.getLogger(__name__)
 EXTRA = "pip install -e '.[prometheus]' from a clone (or pip install 'prometheus_client>=0.20')"
 # save() pauses training for milliseconds to seconds; a tier may take minutes to hold a large checkpoint
 BLOCKED_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+MAX_PORT = 65535
 DURABLE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
@@ -43,6 +45,9 @@ class EngineMetrics:
         self.save_staged = client.Histogram(
             "tiered_ckpt_save_staged_seconds", "From save() until the copy into staging buffers was done",
             ["job_name"], registry=r, buckets=BLOCKED_BUCKETS)
+        self.save_paused = client.Histogram(
+            "tiered_ckpt_save_paused_seconds", "What the training loop waited for the save: save(), and for a lazy "
+            "save its wait in staged()", ["job_name"], registry=r, buckets=BLOCKED_BUCKETS)
         self.save_durable = client.Histogram(
             "tiered_ckpt_save_durable_seconds", "From save() until the checkpoint was committed on the tier",
             tier, registry=r, buckets=DURABLE_BUCKETS)
@@ -91,6 +96,8 @@ class EngineMetrics:
             self.save_blocked.labels(job).observe(event.blocked_seconds)
             if event.staged_seconds is not None:
                 self.save_staged.labels(job).observe(event.staged_seconds)
+            if event.paused_seconds is not None:
+                self.save_paused.labels(job).observe(event.paused_seconds)
         elif isinstance(event, LoadEvent):
             self.loads.labels(job, "failed" if event.error else "ok").inc()
             if event.error is None:
@@ -137,6 +144,28 @@ class Observed(Protocol):
     def saves_in_flight(self) -> int: ...
 
     def on_event(self, callback: EventCallback) -> Callable[[], None]: ...
+
+
+def rank_port(base: int, addr: str) -> int | None:
+    """`[engine] metrics_port` plus this process's LOCAL_RANK (torchrun's; 0 without it), so the ranks of a node
+    take consecutive ports; None, logged as an error, when that is no port (above 65535, or a LOCAL_RANK that is
+    no whole number >= 0): like a taken port, it costs the metrics, never the training."""
+    text = os.environ.get("LOCAL_RANK", "") or "0"
+    try:
+        local_rank = int(text)
+    except ValueError:
+        local_rank = -1
+    if local_rank < 0:
+        log.error("metrics are not served on %s: LOCAL_RANK=%r is no whole number >= 0 ([engine] metrics_port %d "
+                  "adds it)", addr, text, base)
+        return None
+    port = base + local_rank
+    if port > MAX_PORT:
+        log.error("metrics are not served on %s: [engine] metrics_port %d + LOCAL_RANK %d is port %d, above %d "
+                  "(give a metrics_port that leaves room for every rank of the node)", addr, base, local_rank,
+                  port, MAX_PORT)
+        return None
+    return port
 
 
 def serve(engine: Observed, port: int = 0, addr: str = "0.0.0.0") -> MetricsServer:

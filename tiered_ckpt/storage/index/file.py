@@ -67,10 +67,11 @@ class FileIndex:
         except OSError as e:
             raise TieredCkptError(f"index {self.root}: {type(e).__name__}: {e}") from e
 
-    async def fence(self, job: str) -> int:
+    async def fence(self, job: str, *, lease: bool = True) -> int:
         """Take the job's writer lease: an exclusive lock on <root>/<job>/writer.lock, held while this index is
         open and released by the OS when the process dies (a crash leaves no stale lease). A second writer
-        of the job gets an error naming the holder. The file index has no epochs: this returns 0."""
+        of the job gets an error naming the holder. The file index has no epochs, so the lease is its only
+        fence: taken whatever `lease` says. Returns 0."""
         if job in self._leases:
             self._cleaning.discard(job)  # a cleaner that saves becomes the writer: its lease stays
             return 0

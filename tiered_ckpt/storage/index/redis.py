@@ -6,7 +6,8 @@ per step with fields `created`, `target:<tier>` (its position, fastest first), `
 metadata}, rank 0), `manifest`, `rank:<r>` (checksums), `done:<tier>:<session>` (a bitmap of the ranks that
 marked the tier, bit r of byte r // 8, most significant first), `count:<tier>:<session>`, `complete:<tier>`,
 `failed:<tier>:<rank>:<session>` and `fail:<tier>:<session>` (the first failure), `skipped:<tier>:<rank>:<session>`
-and `skip:<tier>:<session>` (a newer save superseded this one there: the newer step), and `list`: one hash for
+and `skip:<tier>:<session>` (a newer save superseded this one there: the newer step), `writer` (the writer lease of
+a `role = "writer"` engine: a hash of token, holder and renewals, with a TTL its holder renews), and `list`: one hash for
 the job mapping each step to a summary of what `list()` reports (msgpack {c: created, t: {tier: position},
 i: info, k: {tier: 1} complete, f: {tier: "rank r: reason"}, s: {tier: newer step}}, sealed with its SHA-1), kept by the same scripts, so listing reads two
 keys whatever the number of checkpoints and ranks. Releases before 0.2 wrote one `durable:<tier>:<session>:
@@ -20,11 +21,24 @@ commit is one script: add this rank's durable marker, bump the tier's count, and
 when the count reaches the world size, all atomically, with no training-side collective. A cleaner (`gc`,
 `delete` from the CLI) `attach`es instead of fencing: it writes with the current epoch, so a running
 trainer is not fenced out, and a trainer that starts meanwhile fences the cleaner.
+
+Fencing lets any new incarnation take over, which is how a restarted job shuts out a zombie. A trainer that
+opens with `role = "writer"` wants more: to be refused beside a live writer, as the file index's lock refuses
+it. So it also takes the job's writer lease, in the same script as its fence, and renews it every third of its
+TTL until close() releases it: a second `role = "writer"` open fails while the holder renews, and a holder
+killed with -9 stops renewing, so its restart waits at most the TTL. An `"auto"` engine neither takes nor
+checks the lease: its first save fences as before (the way to take over from a writer that must go), and the
+fenced holder's next renewal gives the lease up.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import os
+import socket
+import time
+import uuid
 from importlib import resources
 from typing import Any, Mapping, Sequence
 
@@ -32,7 +46,7 @@ import msgpack
 from redis import exceptions as rexc
 
 from ...errors import (AuthenticationError, ConfigError, Fenced, IncompleteCheckpoint, IndexUnavailable,
-                       TieredCkptError)
+                       TieredCkptError, WriterConflict)
 from ...state.gc_pause import automatic_gc_paused
 from .base import CheckpointStatus, CommitState, TierState
 
@@ -50,7 +64,9 @@ def _lua(name: str) -> str:
 _CHECK, _SUMMARY = _lua("check"), _lua("summary")
 _SCRIPTS = {"hset": _CHECK + _SUMMARY + _lua("hset"), "commit": _CHECK + _SUMMARY + _lua("commit"),
             "unmark": _CHECK + _SUMMARY + _lua("unmark"), "delete": _CHECK + _lua("delete"),
-            "bury": _CHECK + _lua("bury"), "fence": _lua("fence")}
+            "bury": _CHECK + _lua("bury"), "fence": _lua("fence"), "lease": _lua("lease") + _lua("fence"),
+            "renew": _lua("renew"), "release": _lua("release")}
+LEASE_SECONDS = 10.0  # a `role = "writer"` engine's lease lives this long unless renewed (every third of it)
 
 
 class RedisIndex:
@@ -59,10 +75,14 @@ class RedisIndex:
     Writes are followed by WAIT when the URL asks for replicas (`wait`, default 1 with Sentinel), and every
     operation is retried through a failover for up to `failover_timeout` (redis_connect.py has the URL forms)."""
 
-    def __init__(self, url: str, *, timeout: float = 10.0):
+    def __init__(self, url: str, *, timeout: float = 10.0, lease_seconds: float = LEASE_SECONDS):
         self.url = url
         self.epoch = 0
         self.timeout = timeout  # [engine] index_timeout: one call unanswered this long fails, naming the index
+        self.lease_seconds = lease_seconds  # the writer lease's TTL (fence(lease=True)); renewed every third
+        self._token = uuid.uuid4().hex  # this index's writer-lease token
+        self._holder = ""  # who holds the lease, as a second writer is told (pid, host, since when)
+        self._leases: dict[str, asyncio.Task[None]] = {}  # job → the task renewing its writer lease
         self._redis = RedisDeployment(url, key="engine.index", socket_timeout=timeout,
                                       connect_timeout=min(timeout, 10.0))
         self.identity = self._redis.identity  # written into each manifest (unchanged for redis:// URLs)
@@ -95,6 +115,17 @@ class RedisIndex:
                                   f"index, and a separate one for the peer-cache tier", key="engine.index")
 
     async def close(self) -> None:
+        """Release the writer leases this index holds (best effort: an unreachable server lets them expire),
+        then the connections."""
+        for job, renewing in list(self._leases.items()):
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
+            try:  # once, not through a failover: closing must not wait for one
+                await self._call("releasing the writer lease", self._redis.write(
+                    [1, self._k(job, "writer"), self._token], key=self._k(job, "writer"), script=_SCRIPTS["release"]))
+            except TieredCkptError as e:
+                log.warning("%s; the writer lease of job %r expires within %gs", e, job, self.lease_seconds)
+        self._leases.clear()
         if self._client is not None:
             await self._redis.close()
 
@@ -136,10 +167,70 @@ class RedisIndex:
         return await self._call(what, lambda: self._redis.write([len(keys), *keys, *args], key=keys[0],
                                                                 script=_SCRIPTS[name]))
 
-    async def fence(self, job: str) -> int:
-        """Start a new incarnation of `job`: writers holding an older epoch are refused from now on."""
-        self.epoch = int(await self._script("fence", "fence", [self._k(job, "epoch")], []))
+    async def fence(self, job: str, *, lease: bool = False) -> int:
+        """Start a new incarnation of `job`: writers holding an older epoch are refused from now on. With `lease`
+        (`role = "writer"`), first take the job's writer lease, in the same atomic step: a lease another live
+        writer holds is a WriterConflict naming it (_take_lease); the lease is renewed until close()."""
+        if not lease or job in self._leases:
+            self.epoch = int(await self._script("fence", "fence", [self._k(job, "epoch")], []))
+            return self.epoch
+        self.epoch = await self._take_lease(job)
+        self._leases[job] = asyncio.create_task(self._renew(job), name=f"tiered_ckpt-lease-{job}")
         return self.epoch
+
+    async def _take_lease(self, job: str) -> int:
+        """The new epoch, with the writer lease taken. A lease held by another writer is waited for while it may
+        be a dead one's: until it expires (a process killed with -9 renews it no more, so a restart waits at most
+        its TTL), unless its holder renews it meanwhile, which only a live writer does: WriterConflict then."""
+        keys = [self._k(job, "epoch"), self._k(job, "writer")]
+        self._holder = _holder()
+        args = [self._token, self._holder, int(self.lease_seconds * 1000)]
+        seen: bytes | None = None
+        deadline = 0.0
+        while True:
+            reply = await self._script("taking the writer lease", "lease", keys, args)
+            if not isinstance(reply, list):
+                return int(reply)
+            holder, renewals, ttl_ms = reply[0], reply[1], int(reply[2])
+            if seen is None:
+                seen = renewals
+                deadline = time.monotonic() + (ttl_ms if ttl_ms > 0 else self.lease_seconds * 1000) / 1000 + 0.5
+            elif renewals != seen or time.monotonic() > deadline:
+                who = holder.decode(errors="replace") if isinstance(holder, bytes) else str(holder)
+                raise WriterConflict(f"job {job!r} already has a writer on index {self.identity}: {who} (its lease "
+                                     f"is renewed: it is alive); run one writer per job (readers may list and load "
+                                     f"at any time; an engine with role \"auto\" takes over at its first save, "
+                                     f"fencing it)")
+            await asyncio.sleep(min(0.2, self.lease_seconds / 10))
+
+    async def _renew(self, job: str) -> None:
+        """Renew the writer lease every third of its TTL, until close(); stop when a newer incarnation fenced
+        this writer (the script releases the lease then). A failed renewal is logged and tried again."""
+        keys = [self._k(job, "epoch"), self._k(job, "writer")]
+        warned = False
+        while True:
+            await asyncio.sleep(self.lease_seconds / 3)
+            args = [self._token, int(self.lease_seconds * 1000), self.epoch, self._holder]
+            try:
+                reply = await self._script("renewing the writer lease", "renew", keys, args)
+            except TieredCkptError as e:
+                if not warned:
+                    log.warning("%s; tried again in %gs (the lease lapses after %gs without one)", e,
+                                self.lease_seconds / 3, self.lease_seconds)
+                warned = True
+                continue
+            warned = False
+            status = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+            if status == "fenced":
+                log.info("job %r: a newer incarnation fenced this writer; its writer lease is released", job)
+                return
+            if status == "lost":
+                who = reply[1].decode(errors="replace") if isinstance(reply[1], bytes) else str(reply[1])
+                log.warning("job %r: the writer lease lapsed and %s took it; this process will be fenced", job, who)
+                return
+            if status == "retaken":
+                log.warning("job %r: the writer lease had lapsed (a renewal late by more than %gs, or the index "
+                            "lost it); this writer holds it again", job, self.lease_seconds)
 
     async def attach(self, job: str, *, hold: bool = True) -> bool:
         """Join the job's current incarnation without fencing it. Redis cannot tell whether a writer is
@@ -347,6 +438,11 @@ class RedisIndex:
         await self._script(f"deletion of step {step}", "delete", [self._k(job, "epoch"), self._k(job, "step", step),
                                                                   self._k(job, "steps"), self._k(job, "list")],
                            [self.epoch, step])
+
+
+def _holder() -> str:
+    """Who holds a writer lease, for the error a second writer gets (as the file index's lease says it)."""
+    return f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %z')}"
 
 
 def _info(data: bytes | None) -> dict[str, Any]:
