@@ -13,6 +13,8 @@ BUILTIN = {
     "local": "tiered_ckpt.storage.tiers.local:LocalTier",
     "redis": "tiered_ckpt.storage.tiers.redis_peer:RedisPeerTier",
     "s3": "tiered_ckpt.storage.tiers.s3:S3Tier",
+    # a test double that users may also run fault drills with (docs/tiers.md): `local` plus injected faults
+    "faulty": "tiered_ckpt.testing.faults:FaultyTier",
 }
 
 

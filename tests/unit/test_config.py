@@ -114,7 +114,15 @@ def every_kind(tmp_path) -> dict:
             "tiers": [{"name": "host", "kind": "memory", "path": str(tmp_path / "shm")},
                       {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")},
                       {"name": "peer", "kind": "redis", "urls": ["redis://127.0.0.1:1/0"]},
-                      {"name": "s3", "kind": "s3", "bucket": "b"}]}
+                      {"name": "s3", "kind": "s3", "bucket": "b"},
+                      {"name": "drill", "kind": "faulty", "path": str(tmp_path / "drill"),
+                       "control": str(tmp_path / "faults.json")}]}
+
+
+def test_every_kind_has_a_tier_of_each_built_in_kind(tmp_path):
+    from tiered_ckpt.tier_kinds import BUILTIN
+
+    assert sorted(t["kind"] for t in every_kind(tmp_path)["tiers"]) == sorted(BUILTIN)
 
 
 def numeric_fields():
@@ -127,7 +135,8 @@ def numeric_fields():
 
     classes = [("engine", None, EngineConfig), ("tiers", "disk", TierConfig)]
     classes += [("tiers", name, driver_class(kind).Options)
-                for name, kind in (("host", "memory"), ("disk", "local"), ("peer", "redis"), ("s3", "s3"))]
+                for name, kind in (("host", "memory"), ("disk", "local"), ("peer", "redis"), ("s3", "s3"),
+                                           ("drill", "faulty"))]
     for section, tier, cls in classes:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -192,7 +201,8 @@ def test_every_number_out_of_range_names_its_key_from_toml_and_from_code(tmp_pat
     ("s3", "concurrency", 0),  # every multipart upload, listing and delete waited on a zero-sized semaphore
     ("peer", "chunk_size", 0),
     ("host", "capacity", 0), ("disk", "capacity", 0),
-    ("host", "path", ""), ("disk", "path", ""),  # the current folder
+    ("host", "path", ""), ("disk", "path", ""), ("drill", "path", ""),  # the current folder
+    ("drill", "control", ""),
 ])
 def test_zero_sizes_and_empty_paths_are_refused_when_parsed(tmp_path, tier, key, value):
     from tiered_ckpt.config import parse_config
