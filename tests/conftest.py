@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 import tiered_ckpt as tc
+from tiered_ckpt.testing.configs import stack_dict, tier_table
 from tiered_ckpt.testing.servers import start_local_server
 from tiered_ckpt.config import parse_config
 
@@ -45,24 +46,19 @@ def shm_dir():
 
 
 def config_dict(tmp_path: Path, shm_dir: Path, **engine: Any) -> dict[str, Any]:
-    return {
-        "engine": {"job": "test", "index": f"file://{tmp_path}/index", "part_size": "64KiB", **engine},
-        "tiers": [
-            # keep_last set: the memory tier is the staging buffer (the engine's default path with a memory tier)
-            {"name": "host", "kind": "memory", "path": str(shm_dir / "host"), "capacity": "1GiB", "keep_last": 8},
-            {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")},
-        ],
-    }
+    # keep_last set: the memory tier is the staging buffer (the engine's default path with a memory tier)
+    return stack_dict(tmp_path, {"kind": "memory", "capacity": "1GiB", "keep_last": 8}, "local", shm=shm_dir, **engine)
 
 
 @pytest.fixture
 def make_config(tmp_path, shm_dir) -> Callable[..., tc.Config]:
-    """make_config(engine_key=value, ..., tiers=[...overrides per tier...])"""
+    """make_config(engine_key=value, ..., tiers=[...overrides per tier...]); a `{"kind": "faulty"}` override makes
+    that tier inject faults, controlled by `tiered_ckpt.testing.configs.faults(config, name)`."""
 
     def make(tiers: list[dict[str, Any]] | None = None, **engine: Any) -> tc.Config:
         raw = config_dict(tmp_path, shm_dir, **engine)
-        for base, extra in zip(raw["tiers"], tiers or []):
-            base.update(extra)
+        for i, extra in enumerate((tiers or [])[:len(raw["tiers"])]):  # {"kind": "faulty"} gets its control file
+            raw["tiers"][i] = tier_table({**raw["tiers"][i], **extra}, tmp_path, shm_dir)
         return parse_config(raw)
 
     return make

@@ -10,30 +10,14 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
+from tiered_ckpt.testing.configs import stack_dict, write_toml
 
 HERE = Path(__file__).parent
 
 
 def write_config(tmp_path: Path, shm_dir: Path) -> Path:
-    path = tmp_path / "crash.toml"
-    path.write_text(f"""
-[engine]
-job = "crash"
-index = "file://{tmp_path}/index"
-part_size = "1MiB"
-
-[[tiers]]
-name = "host"
-kind = "memory"
-path = "{shm_dir}/host"
-
-[[tiers]]
-name = "disk"
-kind = "local"
-path = "{tmp_path}/disk"
-workers = 2
-""")
-    return path
+    return write_toml(tmp_path / "crash.toml", stack_dict(tmp_path, "memory", {"kind": "local", "workers": 2},
+                                                         shm=shm_dir, job="crash", part_size="1MiB"))
 
 
 # phase → the tiers on which step 2 is complete after the kill

@@ -17,6 +17,7 @@ import torch
 import tiered_ckpt as tc
 from tiered_ckpt import cli
 from tiered_ckpt.layout import PartKey, incarnation_dir, new_session, step_dir
+from tiered_ckpt.testing.configs import stack_dict, write_toml
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(300)
@@ -32,14 +33,13 @@ def tree(*roots: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
-def toml(path: Path, index: str, tiers: str) -> Path:
-    path.write_text(f'[engine]\njob = "crash"\nindex = "{index}"\npart_size = "1MiB"\n{tiers}')
-    return path
+def toml(path: Path, tmp_path: Path, *tiers: object, **engine: object) -> Path:
+    """What crash_saver.py expects: job crash, parts of 1 MiB."""
+    return write_toml(path, stack_dict(tmp_path, *tiers, job="crash", part_size="1MiB", **engine))
 
 
-def host_and_disk(tmp_path: Path, shm_dir: Path) -> str:
-    return (f'[[tiers]]\nname = "host"\nkind = "memory"\npath = "{shm_dir}/host"\n'
-            f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\nworkers = 2\n')
+def host_and_disk(shm_dir: Path) -> tuple[dict, dict]:
+    return {"kind": "memory", "path": str(shm_dir / "host")}, {"kind": "local", "workers": 2}
 
 
 # phase of the killed save of step 2 → what gc must remove: the whole checkpoint, or its unfinished disk tier
@@ -48,7 +48,7 @@ PHASES = {"parts-partly-on-host": "checkpoint", "host-committed": "disk"}
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_gc_removes_what_a_killed_save_left_and_keeps_what_completed(tmp_path, shm_dir, phase, capsys):
-    config = toml(tmp_path / "crash.toml", f"file://{tmp_path}/index", host_and_disk(tmp_path, shm_dir))
+    config = toml(tmp_path / "crash.toml", tmp_path, *host_and_disk(shm_dir))
     proc = subprocess.Popen([sys.executable, str(HERE / "crash_saver.py"), str(config), phase],
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -116,8 +116,7 @@ async def test_gc_and_delete_beside_a_running_trainer_on_the_redis_index(tmp_pat
     tiers; `tiered-ckpt delete` refuses the step in flight and deletes a complete one; the trainer is never
     fenced: its save completes and its next save commits."""
     server = redis_server()
-    config = toml(tmp_path / "redis.toml", server.url,
-                  f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
+    config = toml(tmp_path / "redis.toml", tmp_path, "local", index=server.url)
     state = lambda v: {"w": torch.full((300_000,), float(v))}  # noqa: E731
     async with tc.Engine.from_toml(config) as trainer:
         for step in (1, 3):
@@ -169,7 +168,7 @@ async def test_gc_and_delete_beside_a_running_trainer_on_the_redis_index(tmp_pat
 async def test_list_from_the_tiers_reports_size_and_metadata_when_the_redis_index_is_down(tmp_path, shm_dir,
                                                                                          redis_server):
     server = redis_server()
-    config = toml(tmp_path / "redis.toml", server.url, host_and_disk(tmp_path, shm_dir))
+    config = toml(tmp_path / "redis.toml", tmp_path, *host_and_disk(shm_dir), index=server.url)
     async with tc.Engine.from_toml(config) as engine:
         await (await engine.save(7, {"w": torch.ones(1000)}, metadata={"epoch": 3})).wait()
         server.stop()

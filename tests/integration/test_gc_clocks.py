@@ -8,28 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from tiered_ckpt.testing.configs import stack_dict, write_toml
+
 HELPER = str(Path(__file__).with_name("skewed_trainer.py"))
 
 
 @pytest.mark.timeout(300)
 def test_gc_keeps_a_save_in_flight_of_a_trainer_whose_clock_is_behind(tmp_path, shm_dir, redis_server):
     server = redis_server()
-    config = tmp_path / "tiers.toml"
-    config.write_text(f"""
-[engine]
-job = "clocks"
-index = "{server.url}"
-part_size = "64KiB"
-[[tiers]]
-name = "host"
-kind = "memory"
-path = "{shm_dir}/host"
-keep_last = 3
-[[tiers]]
-name = "disk"
-kind = "local"
-path = "{tmp_path}/disk"
-""")
+    config = write_toml(tmp_path / "tiers.toml", stack_dict(tmp_path, {"kind": "memory", "keep_last": 3}, "local",
+                                                           shm=shm_dir, job="clocks", index=server.url))
     go = tmp_path / "go"
     trainer = subprocess.Popen([sys.executable, HELPER, str(config), str(go)], stdout=subprocess.PIPE, text=True)
     try:

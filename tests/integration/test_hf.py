@@ -14,7 +14,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing.configs import stack
 from tiered_ckpt.integrations.hf import TieredTrainer, cap_keep_last, export_pretrained, run_config
 
 pytestmark = pytest.mark.timeout(300)  # several real Trainer runs per test
@@ -201,9 +201,7 @@ def test_runs_are_keyed_by_their_output_directory(tmp_path, shm_dir):
 
 
 def test_a_save_that_fails_in_the_background_fails_the_run(tmp_path, shm_dir):
-    full = parse_config({"engine": {"job": "full", "index": f"file://{tmp_path}/index", "part_size": "64KiB"},
-                         "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk"),
-                                    "capacity": "16KiB", "retries": 0}]})
+    full = stack(tmp_path, {"kind": "local", "capacity": "16KiB", "retries": 0}, job="full")
     t = trainer(tmp_path / "run", shm_dir, tiers=full)
     with pytest.raises(tc.SaveError, match="step 4 failed on 1 tier.*TierFull"):  # at the next save, or at the end
         t.train()

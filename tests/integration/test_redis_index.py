@@ -13,16 +13,12 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing import configs
 
 
 def stack(tmp_path, shm_dir, index_url, job="gpt", **engine):
-    return parse_config({
-        "engine": {"job": job, "index": index_url, "part_size": "64KiB", **engine},
-        "tiers": [
-            {"name": "host", "kind": "memory", "path": str(shm_dir / "host"), "keep_last": 2},
-            {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")},
-        ]})
+    return configs.stack(tmp_path, {"kind": "memory", "keep_last": 2}, "local", shm=shm_dir, job=job, index=index_url,
+                         **engine)
 
 
 def state(value: float) -> dict:
@@ -137,10 +133,8 @@ async def test_readers_beside_a_trainer_fence_nothing_and_delete_nothing(tmp_pat
             out = state(0.0)
             assert (await evaluator.load(out)).step == 2 and torch.all(out["w"] == 2.0)  # host is complete
             assert [c.step async for c in evaluator.list()] == [1, 2]
-        config = tmp_path / "cli.toml"
-        config.write_text(f'[engine]\njob = "gpt"\nindex = "{url}"\n[[tiers]]\nname = "host"\nkind = "memory"\n'
-                          f'path = "{shm_dir / "host"}"\n[[tiers]]\nname = "disk"\nkind = "local"\n'
-                          f'path = "{tmp_path / "disk"}"\n')
+        raw = configs.stack_dict(tmp_path, shm=shm_dir, job="gpt", index=url, part_size=None)
+        config = configs.write_toml(tmp_path / "cli.toml", raw)
         ls = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "ls", "-c", str(config)], capture_output=True,
                             text=True, timeout=60)
         assert ls.returncode == 0, ls.stderr

@@ -6,17 +6,12 @@ import asyncio
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing import configs
 
 
 def stack(tmp_path, shm_dir, urls, **peer):
-    return parse_config({
-        "engine": {"job": "redis", "index": f"file://{tmp_path}/index", "part_size": "64KiB"},
-        "tiers": [
-            {"name": "host", "kind": "memory", "path": str(shm_dir / "host")},
-            {"name": "peer", "kind": "redis", "urls": urls, "retries": 1, **peer},
-            {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")},
-        ]})
+    return configs.stack(tmp_path, "memory", {"kind": "redis", "urls": urls, "retries": 1, **peer}, "local",
+                         shm=shm_dir, job="redis")
 
 
 def state(value: float) -> dict:

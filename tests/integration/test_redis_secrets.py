@@ -11,6 +11,7 @@ import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt import cli
+from tiered_ckpt.testing.configs import stack_dict, write_toml
 
 PASSWORD = "p@ss:w/rd"
 WRONG = "wr@ng:pa/ss"
@@ -27,13 +28,9 @@ def url(server, db: int, password: str = PASSWORD) -> str:
 
 def write_config(tmp_path: Path, shm_dir: Path, server, password: str = PASSWORD, peer=None) -> Path:
     """The index on `server` (db 0), the peer tier on `peer` (default: the same server, db 1)."""
-    path = tmp_path / "c.toml"
-    path.write_text(f'[engine]\njob = "sec"\nindex = "{url(server, 0, password)}"\npart_size = "64KiB"\n'
-                    f'[[tiers]]\nname = "host"\nkind = "memory"\npath = "{shm_dir}/host"\n'
-                    f'[[tiers]]\nname = "peer"\nkind = "redis"\nurls = ["{url(peer or server, 1, password)}"]\n'
-                    f'retries = 0\n'
-                    f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
-    return path
+    ring = {"kind": "redis", "urls": [url(peer or server, 1, password)], "retries": 0}
+    return write_toml(tmp_path / "c.toml", stack_dict(tmp_path, "memory", ring, "local", shm=shm_dir, job="sec",
+                                                      index=url(server, 0, password)))
 
 
 def state(value: float) -> dict:

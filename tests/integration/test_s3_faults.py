@@ -4,20 +4,15 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing import configs
 
 from .fault_proxy import FaultProxy
 
 
 def stack(tmp_path, endpoint, bucket, **s3):
-    return parse_config({
-        "engine": {"job": "faults", "index": f"file://{tmp_path}/index", "part_size": "64KiB",
-                   "role": "writer"},  # its probe writes are done at open, before a test injects faults
-        "tiers": [
-            {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")},
-            {"name": "s3", "kind": "s3", "bucket": bucket, "endpoint_url": endpoint, "retries": 4,
-             "backoff": 0.01, **s3},
-        ]})
+    s3_tier = {"kind": "s3", "bucket": bucket, "endpoint_url": endpoint, "retries": 4, "backoff": 0.01, **s3}
+    return configs.stack(tmp_path, "local", s3_tier, job="faults",
+                         role="writer")  # its probe writes are done at open, before a test injects faults
 
 
 def state(value: float) -> dict:

@@ -4,17 +4,14 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing import configs
 from tiered_ckpt.layout import rank_meta_key
 
 
 def stack(tmp_path, index_dir, endpoint, bucket, *, local: bool, every: int = 1, adopt: bool = False):
-    tiers = [{"name": "s3", "kind": "s3", "bucket": bucket, "prefix": "runs", "endpoint_url": endpoint,
-              "every": every, "keep_last": 2}]
-    if local:
-        tiers.insert(0, {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")})
-    return parse_config({"engine": {"job": "gpt", "index": f"file://{index_dir}", "part_size": "64KiB",
-                                    "adopt": adopt}, "tiers": tiers})
+    s3 = {"kind": "s3", "bucket": bucket, "prefix": "runs", "endpoint_url": endpoint, "every": every, "keep_last": 2}
+    return configs.stack(tmp_path, *(["local"] if local else []), s3, job="gpt", index=f"file://{index_dir}",
+                         adopt=adopt)
 
 
 def state(value: float) -> dict:

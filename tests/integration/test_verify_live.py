@@ -15,6 +15,7 @@ import torch
 import tiered_ckpt as tc
 import tiered_ckpt.load.verify as verifying
 from tiered_ckpt import cli
+from tiered_ckpt.testing.configs import stack_dict, write_toml
 
 TRAINER = textwrap.dedent("""
     import asyncio, sys, torch, tiered_ckpt as tc
@@ -26,24 +27,9 @@ TRAINER = textwrap.dedent("""
 
 
 def write_config(tmp_path: Path, shm_dir: Path) -> Path:
-    config = tmp_path / "tiers.toml"
-    config.write_text(f"""
-[engine]
-job = "live"
-index = "file://{tmp_path}/index"
-part_size = "64KiB"
-[[tiers]]
-name = "host"
-kind = "memory"
-path = "{shm_dir}/host"
-keep_last = 1
-[[tiers]]
-name = "disk"
-kind = "local"
-path = "{tmp_path}/disk"
-keep_last = 1
-""")
-    return config
+    raw = stack_dict(tmp_path, {"kind": "memory", "keep_last": 1}, {"kind": "local", "keep_last": 1}, shm=shm_dir,
+                     job="live")
+    return write_toml(tmp_path / "tiers.toml", raw)
 
 
 async def save(config: Path, step: int) -> None:

@@ -11,26 +11,14 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
+from tiered_ckpt.testing.configs import stack_dict, write_toml
 
 NOBODY = 65534
 
 
 def write_config(tmp_path: Path, shm: Path) -> Path:
-    config = tmp_path / "tiers.toml"
-    config.write_text(f"""
-[engine]
-job = "private"
-index = "file://{tmp_path}/index"
-[[tiers]]
-name = "host"
-kind = "memory"
-path = "{shm}"
-[[tiers]]
-name = "disk"
-kind = "local"
-path = "{tmp_path}/disk"
-""")
-    return config
+    return write_toml(tmp_path / "tiers.toml", stack_dict(tmp_path, {"kind": "memory", "path": str(shm)}, "local",
+                                                         job="private", part_size=None))
 
 
 async def save_one(config: Path) -> None:

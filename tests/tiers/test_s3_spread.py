@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing import configs
 from tiered_ckpt.errors import ConfigError
 from tiered_ckpt.layout import PartKey
 from tiered_ckpt.testing import TierConformance
@@ -74,12 +74,9 @@ async def test_a_prefix_refuses_a_layout_it_was_not_written_with(s3_bucket):
 
 
 def stack(tmp_path, index_dir, endpoint, bucket, *, local, adopt=False):
-    tiers = [{"name": "s3", "kind": "s3", "bucket": bucket, "prefix": "runs", "endpoint_url": endpoint,
-              "spread": 16, "keep_last": 2}]
-    if local:
-        tiers.insert(0, {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")})
-    return parse_config({"engine": {"job": "gpt", "index": f"file://{index_dir}", "part_size": "64KiB",
-                                    "adopt": adopt}, "tiers": tiers})
+    s3 = {"kind": "s3", "bucket": bucket, "prefix": "runs", "endpoint_url": endpoint, "spread": 16, "keep_last": 2}
+    return configs.stack(tmp_path, *(["local"] if local else []), s3, job="gpt", index=f"file://{index_dir}",
+                         adopt=adopt)
 
 
 async def test_retention_and_an_s3_only_restore_with_spread(tmp_path, s3_bucket):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import termios
 import time
+import tomllib
 from pathlib import Path
 
 import torch
@@ -21,17 +22,17 @@ import torch
 import tiered_ckpt as tc
 from tiered_ckpt import cli
 from tiered_ckpt.layout import step_dir
+from tiered_ckpt.testing.configs import stack_dict, write_toml
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write_config(tmp_path: Path, shm_dir: Path, host_keep: int | None = None, extra: str = "") -> Path:
-    keep = f"keep_last = {host_keep}\n" if host_keep else ""
-    path = tmp_path / "c.toml"
-    path.write_text(f'[engine]\njob = "cli"\nindex = "file://{tmp_path}/index"\npart_size = "64KiB"\n{extra}'
-                    f'[[tiers]]\nname = "host"\nkind = "memory"\npath = "{shm_dir}/host"\n{keep}'
-                    f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
-    return path
+def write_config(tmp_path: Path, shm_dir: Path, host_keep: int | None = None, extra: str = "",
+                 **engine: object) -> Path:
+    """c.toml: host (keep_last = host_keep) and disk; `[engine]` keys as keywords, or as TOML lines in `extra`."""
+    host = {"kind": "memory", "keep_last": host_keep or None}
+    return write_toml(tmp_path / "c.toml", stack_dict(tmp_path, host, "local", shm=shm_dir, job="cli",
+                                                      **tomllib.loads(extra), **engine))
 
 
 def save(config: Path, steps, state=None, metadata=None) -> None:
@@ -293,10 +294,8 @@ def test_verify_checks_the_index_copies_of_the_manifest_and_rank_records(tmp_pat
 def test_show_best_describes_the_best_complete_checkpoint(tmp_path, shm_dir, capsys):
     """`show best`: the checkpoint load(best=True) takes, by the disk's best_metric; without one configured, a
     one-line error naming best_metric (status 2)."""
-    path = tmp_path / "c.toml"
-    path.write_text(f'[engine]\njob = "cli"\nindex = "file://{tmp_path}/index"\npart_size = "64KiB"\n'
-                    f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\nkeep_last = 1\n'
-                    f'keep_best = 1\nbest_metric = "val_loss"\n')
+    disk = {"kind": "local", "keep_last": 1, "keep_best": 1, "best_metric": "val_loss"}
+    path = write_toml(tmp_path / "c.toml", stack_dict(tmp_path, disk, job="cli"))
 
     async def run():
         async with tc.Engine.from_toml(path) as engine:

@@ -18,6 +18,7 @@ import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt import cli
+from tiered_ckpt.testing.configs import stack_dict, write_toml
 from tiered_ckpt.layout import step_dir
 
 from .test_cli import REPO, rows, save, write_config
@@ -118,10 +119,8 @@ def test_show_latest_is_the_newest_complete_checkpoint(tmp_path, shm_dir, capsys
 
 
 def test_show_best_json_names_the_metric(tmp_path, capsys):
-    path = tmp_path / "c.toml"
-    path.write_text(f'[engine]\njob = "cli"\nindex = "file://{tmp_path}/index"\npart_size = "64KiB"\n'
-                    f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\nkeep_last = 3\n'
-                    f'keep_best = 1\nbest_metric = "acc"\nbest_mode = "max"\n')
+    disk = {"kind": "local", "keep_last": 3, "keep_best": 1, "best_metric": "acc", "best_mode": "max"}
+    path = write_toml(tmp_path / "c.toml", stack_dict(tmp_path, disk, job="cli"))
     for step, acc in ((1, 0.5), (2, 0.9), (3, 0.7)):
         save(path, [step], metadata={"acc": acc})
     status, out, _ = run_cli(capsys, "-c", str(path), "show", "best", "--json")

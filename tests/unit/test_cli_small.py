@@ -16,6 +16,7 @@ import torch
 import tiered_ckpt as tc
 from tiered_ckpt import cli
 from tiered_ckpt.config import TierConfig
+from tiered_ckpt.testing.configs import stack_dict, write_toml
 from tiered_ckpt.tier_kinds import driver_class
 
 
@@ -35,10 +36,8 @@ def test_an_unknown_tier_key_lists_every_key_the_tier_accepts(tmp_path, capsys):
 
 
 def index_config(tmp_path: Path, index: Path) -> Path:
-    path = tmp_path / f"c-{abs(hash(str(index)))}.toml"
-    path.write_text(f'[engine]\njob = "x"\nindex = "file://{index}"\n'
-                    f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
-    return path
+    return write_toml(tmp_path / f"c-{abs(hash(str(index)))}.toml",
+                      stack_dict(tmp_path, "local", job="x", index=f"file://{index}", part_size=None))
 
 
 def test_ls_of_a_missing_index_that_could_not_be_created_says_no_checkpoints(tmp_path, capsys):
@@ -124,10 +123,7 @@ sys.exit(status)
 def test_export_to_an_existing_file_is_refused_before_any_work(tmp_path, shm_dir):
     """Without --force, an existing PATH is refused before the checkpoint is looked up or torch imported (seconds
     on a busy machine): the child process never imports torch, and the file stays as it was."""
-    config = tmp_path / "c.toml"
-    config.write_text(f'[engine]\njob = "x"\nindex = "file://{tmp_path}/index"\npart_size = "64KiB"\n'
-                      f'[[tiers]]\nname = "host"\nkind = "memory"\npath = "{shm_dir}/host"\n'
-                      f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
+    config = write_toml(tmp_path / "c.toml", stack_dict(tmp_path, shm=shm_dir, job="x"))
 
     async def save():
         async with tc.Engine.from_toml(config) as engine:

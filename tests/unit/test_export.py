@@ -17,6 +17,7 @@ import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt import cli
+from tiered_ckpt.testing.configs import stack_dict, write_toml
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -319,9 +320,7 @@ def test_the_checkpointer_exports_too(make_config, tmp_path):
 def test_the_cli_exports(tmp_path, shm_dir, capsys):
     import asyncio
 
-    config = tmp_path / "c.toml"
-    config.write_text(f'[engine]\njob = "a"\nindex = "file://{tmp_path}/index"\npart_size = "64KiB"\n'
-                      f'[[tiers]]\nname = "host"\nkind = "memory"\npath = "{shm_dir}/host"\n')
+    config = write_toml(tmp_path / "c.toml", stack_dict(tmp_path, "memory", shm=shm_dir, job="a"))
     model, optim, extra = trained(4)
 
     async def save():
@@ -382,9 +381,7 @@ def test_memory_is_about_one_tensor_plus_a_few_parts(tmp_path, shm_dir):
     the checkpoint's size (torch.save needs it all: the control)."""
     import asyncio
 
-    config = tmp_path / "c.toml"
-    config.write_text(f'[engine]\njob = "m"\nindex = "file://{tmp_path}/index"\npart_size = "4MiB"\nio_threads = 2\n'
-                      f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
+    config = write_toml(tmp_path / "c.toml", stack_dict(tmp_path, "local", job="m", part_size="4MiB", io_threads=2))
     mib = 2**20
 
     async def save():

@@ -67,13 +67,10 @@ def test_a_truncated_part_file_in_dev_shm_never_kills_the_trainer(tmp_path, shm_
     that is shorter than the mapping killed the process (SIGBUS, exit -7). Now the buffer is dropped."""
     script = textwrap.dedent(f"""
         import asyncio, os, pathlib, torch, tiered_ckpt as tc
-        from tiered_ckpt.config import parse_config
         from tiered_ckpt.layout import PartKey
+        from tiered_ckpt.testing.configs import stack
 
-        config = parse_config({{
-            "engine": {{"job": "t", "index": "file://{tmp_path}/index", "part_size": "64KiB"}},
-            "tiers": [{{"name": "host", "kind": "memory", "path": "{shm_dir}/host", "keep_last": 1}},
-                      {{"name": "disk", "kind": "local", "path": "{tmp_path}/disk"}}]}})
+        config = stack("{tmp_path}", {{"kind": "memory", "keep_last": 1}}, "local", shm="{shm_dir}", job="t")
 
         async def main():
             async with tc.Engine(config) as engine:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing.configs import stack
 from tiered_ckpt.load.verify import verify
 
 DATA = Path(__file__).parent.parent / "data"
@@ -27,8 +27,7 @@ def old_checkpoint(tmp_path, request):
 
 
 def config(root: Path, **engine) -> tc.Config:
-    return parse_config({"engine": {"job": "old", "index": f"file://{root}/index", "part_size": "64KiB", **engine},
-                         "tiers": [{"name": "disk", "kind": "local", "path": str(root / "disk")}]})
+    return stack(root, "local", job="old", **engine)
 
 
 def zeros() -> dict:

@@ -16,7 +16,7 @@ import torch
 import tiered_ckpt as tc
 from tiered_ckpt import cli
 from tiered_ckpt.checksum import seal, unseal
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing.configs import stack, stack_dict, write_toml
 from tiered_ckpt.layout import PartKey, incarnation_dir, manifest_key, new_session, step_dir
 
 from .common import wait_until
@@ -130,10 +130,8 @@ async def test_gc_beside_a_live_writer_keeps_its_save_in_flight_and_removes_old_
     save may still be writing (step 2, complete on host, still writing disk) and removes only incomplete
     saves older than the grace period (step 5, although newer than every complete one). The trainer's save
     then completes and loads; `tiered-ckpt delete` refuses the step while it is in flight."""
-    config = tmp_path / "c.toml"
-    config.write_text(f'[engine]\njob = "test"\nindex = "file://{tmp_path}/index"\npart_size = "64KiB"\n'
-                      f'[[tiers]]\nname = "host"\nkind = "memory"\npath = "{shm_dir}/host"\ncapacity = "1GiB"\n'
-                      f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\n')
+    config = write_toml(tmp_path / "c.toml", stack_dict(tmp_path, {"kind": "memory", "capacity": "1GiB"}, "local",
+                                                        shm=shm_dir))
     async with tc.Engine(make_config()) as writer:
         await (await writer.save(1, state(1))).wait()
         await writer.store.index.begin("test", 5, ["host", "disk"])  # a save of an earlier run that crashed 2 h ago
@@ -234,8 +232,7 @@ async def test_list_reports_each_checkpoints_size_and_metadata_without_reading_m
 async def test_an_earlier_releases_checkpoint_lists_its_size_and_gc_keeps_it(tmp_path):
     root = tmp_path / "format2"
     shutil.copytree(DATA, root)
-    config = parse_config({"engine": {"job": "old", "index": f"file://{root}/index", "part_size": "64KiB"},
-                           "tiers": [{"name": "disk", "kind": "local", "path": str(root / "disk")}]})
+    config = stack(root, "local", job="old")
     async with tc.Engine(config) as engine:
         [status] = [c async for c in engine.list()]
         assert status.step == 3 and status.nbytes == (await engine.read_manifest(3)).nbytes > 0
@@ -251,10 +248,8 @@ def test_gc_drops_an_unreadable_record_once_no_tier_holds_its_step_and_keeps_it_
     promises nothing any more, yet it was listed as "incomplete, cannot be read" (warned about by every command)
     and gc kept it for ever, saying load(step=2) might restore it. gc removes it now; a torn record whose step a
     tier still holds (step 4) stays, and gc says where its data is."""
-    config = tmp_path / "c.toml"
-    config.write_text(f'[engine]\njob = "test"\nindex = "file://{tmp_path}/index"\npart_size = "64KiB"\n'
-                      f'[[tiers]]\nname = "host"\nkind = "memory"\npath = "{shm_dir}/host"\nkeep_last = 2\n'
-                      f'[[tiers]]\nname = "disk"\nkind = "local"\npath = "{tmp_path}/disk"\nkeep_last = 2\n')
+    config = write_toml(tmp_path / "c.toml", stack_dict(tmp_path, {"kind": "memory", "keep_last": 2},
+                                                        {"kind": "local", "keep_last": 2}, shm=shm_dir))
 
     def tear(step: int) -> None:
         begun = tmp_path / "index" / "test" / step_dir(step) / "begun"

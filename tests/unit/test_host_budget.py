@@ -7,6 +7,7 @@ import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing import configs
 from tiered_ckpt.save.host_budget import fit_host_memory, ranks_per_machine
 
 from .common import load_values, state_of
@@ -15,17 +16,11 @@ MiB = 2**20
 
 
 def stack(host_memory, *, keep_last=8, keep_best=None, max_inflight=1, memory=True):
-    tiers = [{"name": "disk", "kind": "local", "path": "/tmp/unused"}]
-    if memory:
-        host = {"name": "host", "kind": "memory", "path": "/dev/shm/unused"}
-        host.update({k: v for k, v in (("keep_last", keep_last), ("keep_best", keep_best)) if v is not None})
-        if keep_best:
-            host["best_metric"] = "loss"
-        tiers.insert(0, host)
-    engine = {"part_size": "1MiB", "io_threads": 2, "max_inflight": max_inflight}
-    if host_memory is not None:
-        engine["host_memory"] = host_memory
-    return parse_config({"engine": engine, "tiers": tiers})
+    host = {"kind": "memory", "path": "/dev/shm/unused", "keep_last": keep_last, "keep_best": keep_best,
+            "best_metric": "loss" if keep_best else None}
+    disk = {"kind": "local", "path": "/tmp/unused"}
+    return configs.stack("/tmp/unused", *([host] if memory else []), disk, part_size="1MiB", io_threads=2,
+                         max_inflight=max_inflight, host_memory=host_memory)
 
 
 def test_no_budget_changes_nothing():
@@ -112,7 +107,7 @@ def test_ls_says_the_budget_and_what_the_memory_tier_holds_of_it(tmp_path, shm_d
     from .test_cli import save, write_config
     from .test_cli_scripts import run_cli
 
-    config = write_config(tmp_path, shm_dir, host_keep=4, extra='host_memory = "4MiB"\n')
+    config = write_config(tmp_path, shm_dir, host_keep=4, host_memory="4MiB")
     save(config, [1, 2, 3])
     status, out, _ = run_cli(capsys, "-c", str(config), "ls")
     assert status == 0 and "host_memory budget on this machine: 4.00 MiB" in out, out

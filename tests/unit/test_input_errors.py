@@ -8,6 +8,7 @@ import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt.storage.redis_connect import redact
+from tiered_ckpt.testing.configs import stack_dict, write_toml
 
 
 @pytest.mark.parametrize("job", ["../../x", "ok\n", "a/b", ""])
@@ -169,9 +170,7 @@ def test_the_cli_takes_config_and_job_before_or_after_the_subcommand(tmp_path, s
 
     from tiered_ckpt import cli
 
-    config = tmp_path / "c.toml"
-    config.write_text(f'[engine]\njob = "a"\nindex = "file://{tmp_path}/index"\n[[tiers]]\nname = "host"\n'
-                      f'kind = "memory"\npath = "{shm_dir}/host"\n')
+    config = write_toml(tmp_path / "c.toml", stack_dict(tmp_path, "memory", shm=shm_dir, job="a", part_size=None))
 
     async def save():
         async with tc.Engine.from_toml(config, job="b") as engine:

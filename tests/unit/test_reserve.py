@@ -58,14 +58,12 @@ async def test_a_reader_reserves_nothing(make_config):
 
 SMALL_TMPFS = textwrap.dedent("""
     import asyncio, os, subprocess, sys, torch, tiered_ckpt as tc
-    from tiered_ckpt.config import parse_config
+    from tiered_ckpt.testing.configs import stack
     root = sys.argv[1]
     shm = os.path.join(root, "shm")
     os.makedirs(shm)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", shm], check=True)
-    config = parse_config({"engine": {"job": "j", "index": f"file://{root}/index", "part_size": "64KiB"},
-                           "tiers": [{"name": "host", "kind": "memory", "path": shm + "/host", "keep_last": 2},
-                                     {"name": "disk", "kind": "local", "path": root + "/disk"}]})
+    config = stack(root, {"kind": "memory", "keep_last": 2}, "local", shm=shm, job="j")
     async def main():
         async with tc.Engine(config) as engine:
             try:

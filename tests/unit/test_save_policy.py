@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
+from tiered_ckpt.testing.configs import stack_dict, write_toml
 
 from .common import state_of
 
@@ -45,27 +46,9 @@ async def test_should_save_without_a_rule_names_the_keys(make_config):
 
 
 def write_config(tmp_path: Path, shm_dir: Path) -> Path:
-    path = tmp_path / "tiers.toml"
-    path.write_text(f"""
-[engine]
-job = "sigterm"
-index = "file://{tmp_path}/index"
-part_size = "64KiB"
-save_on_sigterm = true
-
-[[tiers]]
-name = "host"
-kind = "memory"
-path = "{shm_dir}/host"
-capacity = "256MiB"
-keep_last = 2
-
-[[tiers]]
-name = "disk"
-kind = "local"
-path = "{tmp_path}/disk"
-""")
-    return path
+    host = {"kind": "memory", "capacity": "256MiB", "keep_last": 2}
+    return write_toml(tmp_path / "tiers.toml", stack_dict(tmp_path, host, "local", shm=shm_dir, job="sigterm",
+                                                         save_on_sigterm=True))
 
 
 @pytest.mark.parametrize("mode, status", [("default", -signal.SIGTERM), ("own-handler", 3)])

@@ -13,17 +13,15 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing import configs
 from tiered_ckpt.storage.tiers.memory import MemoryOptions
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def stack(tmp_path: Path, shm_dir: Path, index: str = "index", job: str = "test", **host) -> tc.Config:
-    return parse_config({
-        "engine": {"job": job, "index": f"file://{tmp_path}/{index}", "part_size": "64KiB"},
-        "tiers": [{"name": "host", "kind": "memory", "path": str(shm_dir / "host"), **host},
-                  {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]})
+    return configs.stack(tmp_path, {"kind": "memory", **host}, "local", shm=shm_dir, job=job,
+                         index=f"file://{tmp_path}/{index}")
 
 
 def state(value: float) -> dict:

@@ -6,7 +6,7 @@ import logging
 import pytest
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing.configs import stack
 from tiered_ckpt.storage.tier_io import TierIO
 
 from .common import state_of
@@ -17,9 +17,7 @@ async def hang(*args, **kwargs):
 
 
 def io_of(tmp_path, **tier):
-    config = parse_config({"engine": {"index": f"file://{tmp_path}/index"},
-                           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk"), **tier}]})
-    return TierIO(config.tiers, 2)
+    return TierIO(stack(tmp_path, {"kind": "local", **tier}).tiers, 2)
 
 
 async def test_a_tier_whose_delete_hangs_cannot_block_a_save(make_config, monkeypatch, caplog):
@@ -74,9 +72,7 @@ async def test_a_retryable_failure_is_retried_and_a_final_one_is_not(tmp_path, m
 
 
 def test_file_tiers_are_declared_not_guessed(tmp_path):
-    config = parse_config({"engine": {"index": f"file://{tmp_path}/index"},
-                           "tiers": [{"name": "host", "kind": "memory", "path": str(tmp_path / "shm")},
-                                     {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]})
+    config = stack(tmp_path, {"kind": "memory", "path": str(tmp_path / "shm")}, "local")
     io = TierIO(config.tiers, 1)
     try:
         host, disk = io.file_tier("host"), io.file_tier("disk")
