@@ -25,7 +25,7 @@ from ..errors import TierError
 from ..layout import checkpoint_prefix, index_dir, job_prefix, parse_key
 from ..storage.index import CheckpointStatus, Index
 from ..storage.tier_io import TierIO
-from .gc import GRACE, in_flight
+from .gc import in_flight_steps
 from .host_memory import memory_tiers, remove_dead, staging_folders
 from .live_holders import live_holders
 from .removal import Removal
@@ -66,14 +66,14 @@ async def plan_free(job: str, index: Index, io: TierIO, removal: Removal, *, exc
                     force: bool) -> FreePlan:
     """What freeing `job`'s host memory on this machine removes and keeps (nothing is changed here). With
     `exclusive` (no writer of the job can run meanwhile) no save is in flight; else a save that began within
-    gc's grace is kept."""
+    gc's grace, or under the live writer's lease, is kept (gc.in_flight_steps)."""
     plan = FreePlan(job)
     tiers = memory_tiers(io)
     memory = {name for name, _ in tiers}
     statuses = {s.step: s for s in await index.list(job)}
     own = index_dir(index.identity)
     mine = own + "/"
-    now = await index.now()
+    flying, _, _ = await in_flight_steps(index, job, statuses.values(), exclusive=exclusive)
     for name, root in tiers:
         folders = await _folders(io, name, job)
         holders = await live_holders(io, job, [(name, step, f) for step, by in folders.items() for f in by], own)
@@ -86,7 +86,7 @@ async def plan_free(job: str, index: Index, io: TierIO, removal: Removal, *, exc
             ours = [f for f in by if not f or f.startswith(mine)]
             others = [f for f in by if f and not f.startswith(mine)]
             if status is not None and ours:
-                _this_index(plan, removal, name, status, ours, held, by, exclusive=exclusive, now=now)
+                _this_index(plan, removal, name, status, ours, held, by, in_flight=step in flying)
             else:
                 others += ours  # unlisted: an orphan of this index, to this plan like another index's
             for f in others:
@@ -113,13 +113,13 @@ async def plan_free(job: str, index: Index, io: TierIO, removal: Removal, *, exc
 
 
 def _this_index(plan: FreePlan, removal: Removal, tier: str, status: CheckpointStatus, ours: list[str],
-                held: dict[str, str | None], by: dict[str, dict[str, int]], *, exclusive: bool, now: float) -> None:
+                held: dict[str, str | None], by: dict[str, dict[str, int]], *, in_flight: bool) -> None:
     """A checkpoint of this index on memory tier `tier`: dropped from the tier through the index, whole, or kept
     whole (a live process holds a folder of it, or its save may be in flight)."""
     step = status.step
     if any(held[f] is not None for f in ours):
         return  # named in kept already
-    if in_flight(status, exclusive=exclusive, grace=GRACE, now=now):
+    if in_flight:
         plan.kept.append(f"{tier} step {step}: its save may still be running (a writer holds the job)")
         return
     elsewhere = sorted(status.complete - {tier})
