@@ -185,7 +185,7 @@ MUTANTS = {
         ["tests/unit/test_state_rules.py", "-k", "optimizer_over"]),
     "cancelled-save-unrecorded": (  # a plain save cancelled during its copy went on unseen: no records, and after
         "tiered_ckpt/engine.py",  # a SIGTERM the process went on training
-        "            self._began(handle)\n            raise\n", "            raise\n",
+        "            self._began(handle, lazy)\n            raise\n", "            raise\n",
         ["tests/unit/test_cancel_and_close.py", "-k", "recorded or sigterm"]),
 }
 
