@@ -125,6 +125,8 @@ class Engine:
             await self._open_sinks()  # first: a bad events_log fails before anything is fenced or cleaned up
             if engine.role == "writer":  # a second trainer, or a tier it can never write, fails here, not at a save
                 await store.writer.become()
+            elif engine.role == "auto":  # a reader until its first save: warned, with nothing written
+                await store.writer.warn_unwritable()
         except BaseException:
             await self.close(raise_errors=False)
             raise

@@ -40,11 +40,13 @@ def tree(*roots: Path) -> dict[str, tuple[int, int]]:
 
 
 def age_begun_record(index_root: Path, job: str, step: int, seconds: float) -> None:
-    """Make the file index's record of `step` say its save began `seconds` ago (a run that crashed then)."""
+    """Make the file index's record of `step` say its save began `seconds` ago (a run that crashed then): its
+    time in the record and the file's own (which tells a save begun before the live writer's lease)."""
     path = index_root / job / step_dir(step) / "begun"
     record = msgpack.unpackb(unseal(path.read_bytes(), str(path)))
-    record["created"] = time.time() - seconds
+    record["created"] = then = time.time() - seconds
     path.write_bytes(seal(msgpack.packb(record)))
+    os.utime(path, (then, then))
 
 
 async def test_gc_removes_zombie_folders_old_temp_files_and_empty_folders_and_dry_run_changes_nothing(

@@ -103,8 +103,10 @@ def test_a_killed_trainers_staging_buffers_are_shown_by_ls_and_reclaimed_by_gc(t
     assert load(config) == (2, "host", 2.0)  # the checkpoints themselves untouched
 
 
-def test_free_is_refused_while_only_host_memory_holds_the_newest_and_forced_loses_only_that(tmp_path, shm_dir):
-    """The disk takes even steps only (`every = 2`): step 3 is complete in host memory alone."""
+def test_free_is_refused_while_only_host_memory_holds_the_newest_and_forced_loses_what_it_names(tmp_path, shm_dir):
+    """The disk takes even steps only (`every = 2`): steps 1 and 3 are complete in host memory alone. The refusal
+    names both, and --force loses both, as it says (before: the refusal named step 3 alone, and --force lost
+    step 1 too)."""
     config = write_config(tmp_path, shm_dir)
     config.write_text(config.read_text() + "every = 2\n")  # on the last tier: disk
     trainer = start_trainer(config, "1,2,3")
@@ -115,11 +117,18 @@ def test_free_is_refused_while_only_host_memory_holds_the_newest_and_forced_lose
     assert refused.returncode == 2 and refused.stdout == "", refused
     assert refused.stderr.strip().splitlines() == [refused.stderr.strip()]  # one line
     assert "step 3, is complete only in host memory (host)" in refused.stderr and "--force" in refused.stderr
+    assert "and with it step 1, also complete only there" in refused.stderr, refused.stderr
     assert files(shm_dir / "host") == before and files(tmp_path / "disk") == disk
     assert cli(config, "free", "--dry-run").returncode == 2
+    dry = cli(config, "free", "--force", "--dry-run", "--json")
+    (job,) = json.loads(dry.stdout)["jobs"]
+    assert dry.returncode == 0 and job["lost"] == [1, 3] and "and with it step 1" in job["refused"], dry
+    lost = {r["step"] for r in job["removed"] if "the checkpoint is lost" in r["what"]}
+    assert lost == {1, 3}
     forced = cli(config, "free", "--force", "--yes")
     assert forced.returncode == 0, forced
     assert "the only complete one: the checkpoint is lost" in forced.stdout
+    assert "lost checkpoint(s) 1, 3: complete in host memory alone" in forced.stdout, forced.stdout
     assert not [k for k in files(shm_dir / "host") if k.startswith("cli/")]
     assert files(tmp_path / "disk") == disk  # only the memory tier's data went
     listed = json.loads(cli(config, "ls", "--json").stdout)

@@ -9,7 +9,7 @@ import sys
 from typing import Any, NoReturn
 
 from ..errors import TierError, TieredCkptError
-from ..lifecycle.gc import GRACE, in_flight
+from ..lifecycle.gc import GRACE, in_flight_steps
 from ..sizes import format_size
 from ..storage.index import CheckpointStatus
 from ..job_store import JobStore
@@ -278,7 +278,8 @@ async def _deletable(checkpoints: JobStore, step: int, *, hold: bool) -> Checkpo
     status = await checkpoints.status(step)  # again, under the lease: it may have gone meanwhile
     if status is None:
         await _no_checkpoint(checkpoints, step)
-    if in_flight(status, exclusive=exclusive, grace=GRACE, now=await checkpoints.index.now()):
+    flying, _, _ = await in_flight_steps(checkpoints.index, checkpoints.job, [status], exclusive=exclusive)
+    if status.step in flying:
         raise Refused(f"job {checkpoints.job!r} step {step} is being saved (it began {local_time(status.created)} "
                       f"and is not complete on {', '.join(status.incomplete)}); delete it once the save is over")
     return status

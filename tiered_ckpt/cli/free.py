@@ -38,9 +38,10 @@ async def cmd_free(checkpoints: JobStore, args: argparse.Namespace) -> int:
         return _report(plans, args, dry_run=True)
     if ask:
         total = sum(p.nbytes for p in plans)
+        losing = "; ".join(f"{p.job!r} {', '.join(map(str, p.lost))}" for p in plans if p.lost)
         try:
             yes = await _confirm(f"free {format_size(total)} of host memory of job(s) {', '.join(map(repr, jobs))} "
-                                 f"on this machine? [y/N] ")
+                                 f"on this machine{f', losing checkpoint(s) {losing}' if losing else ''}? [y/N] ")
         except asyncio.CancelledError:
             print(file=sys.stderr)
             raise Refused("nothing freed") from None
@@ -91,6 +92,9 @@ def _report(plans: list[FreePlan], args: argparse.Namespace, *, dry_run: bool) -
         width = max([len(r.name) for r in p.removed] + [10])
         for r in p.removed:
             print(f"  {verb} {r.tier:<8} {r.name:<{width}} {format_size(r.nbytes):>10}  {r.what}")
+        if p.lost:
+            print(f"  {'would lose' if dry_run else 'lost'} checkpoint(s) {', '.join(map(str, p.lost))}: complete in "
+                  f"host memory alone")
         for line in p.kept:
             print(f"  kept {line}")
         if not p.removed:

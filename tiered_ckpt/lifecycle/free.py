@@ -7,7 +7,8 @@ this machine, a job's memory-tier copies and its dead staging folders, with the 
   index record first, then the data), so the index never lists a copy that is gone and a load afterwards
   reads from the other tiers;
 - unless forced, only while the job's newest complete checkpoint is complete on a tier that is not host
-  memory (else freeing would lose the newest work): the whole plan is refused, nothing removed;
+  memory (else freeing would lose the newest work): the whole plan is refused, nothing removed, naming every
+  checkpoint that freeing would lose (`lost`: complete in host memory alone), which is what `force` loses;
 - never what a live process holds, forced or not (live_holders.py): a running trainer's folders, its staging
   buffers, another index's folders whose writer is running. What is kept is said, with why;
 - folders the index does not list (another index's, or an orphan of this one) go only with `force`: this
@@ -25,7 +26,7 @@ from ..errors import TierError
 from ..layout import checkpoint_prefix, index_dir, job_prefix, parse_key
 from ..storage.index import CheckpointStatus, Index
 from ..storage.tier_io import TierIO
-from .gc import GRACE, in_flight
+from .gc import in_flight_steps
 from .host_memory import memory_tiers, remove_dead, staging_folders
 from .live_holders import live_holders
 from .removal import Removal
@@ -50,6 +51,7 @@ class FreePlan:
     kept: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     dropped: set[int] = field(default_factory=set)  # steps of this index whose memory-tier copy goes
+    lost: list[int] = field(default_factory=list)  # of those, the ones no other tier holds complete: gone for good
     actions: list[tuple[str, Callable[[], Awaitable[Any]]]] = field(default_factory=list)
 
     @property
@@ -57,7 +59,7 @@ class FreePlan:
         return sum(r.nbytes for r in self.removed)
 
     def as_json(self) -> dict[str, Any]:
-        return {"job": self.job, "refused": self.refused, "nbytes": self.nbytes, "kept": self.kept,
+        return {"job": self.job, "refused": self.refused, "lost": self.lost, "nbytes": self.nbytes, "kept": self.kept,
                 "errors": self.errors, "removed": [{"tier": r.tier, "step": r.step, "name": r.name, "what": r.what,
                                                     "nbytes": r.nbytes} for r in self.removed]}
 
@@ -66,14 +68,14 @@ async def plan_free(job: str, index: Index, io: TierIO, removal: Removal, *, exc
                     force: bool) -> FreePlan:
     """What freeing `job`'s host memory on this machine removes and keeps (nothing is changed here). With
     `exclusive` (no writer of the job can run meanwhile) no save is in flight; else a save that began within
-    gc's grace is kept."""
+    gc's grace, or under the live writer's lease, is kept (gc.in_flight_steps)."""
     plan = FreePlan(job)
     tiers = memory_tiers(io)
     memory = {name for name, _ in tiers}
     statuses = {s.step: s for s in await index.list(job)}
     own = index_dir(index.identity)
     mine = own + "/"
-    now = await index.now()
+    flying, _, _ = await in_flight_steps(index, job, statuses.values(), exclusive=exclusive)
     for name, root in tiers:
         folders = await _folders(io, name, job)
         holders = await live_holders(io, job, [(name, step, f) for step, by in folders.items() for f in by], own)
@@ -86,7 +88,7 @@ async def plan_free(job: str, index: Index, io: TierIO, removal: Removal, *, exc
             ours = [f for f in by if not f or f.startswith(mine)]
             others = [f for f in by if f and not f.startswith(mine)]
             if status is not None and ours:
-                _this_index(plan, removal, name, status, ours, held, by, exclusive=exclusive, now=now)
+                _this_index(plan, removal, name, status, ours, held, by, in_flight=step in flying)
             else:
                 others += ours  # unlisted: an orphan of this index, to this plan like another index's
             for f in others:
@@ -104,22 +106,26 @@ async def plan_free(job: str, index: Index, io: TierIO, removal: Removal, *, exc
                 for prefix in (sorted(by[f]) if not f else [checkpoint_prefix(job, step, f)]):
                     plan.actions.append((f"{prefix} on {name}", lambda t=name, p=prefix: io.delete(t, p)))
         _staging(plan, io, name, root)
+    plan.lost = sorted(s for s in plan.dropped if statuses[s].is_complete and not statuses[s].complete - memory)
     newest = max((s for s in statuses.values() if s.is_complete), key=lambda s: s.step, default=None)
-    if newest is not None and not newest.complete - memory and newest.step in plan.dropped:
+    if newest is not None and newest.step in plan.lost:
+        others = [s for s in plan.lost if s != newest.step]
+        also = (f", and with it step{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}, also complete "
+                f"only there" if others else "")
         plan.refused = (f"job {job!r}: its newest complete checkpoint, step {newest.step}, is complete only in host "
-                        f"memory ({', '.join(io.order(newest.complete))}): freeing it would lose it; wait until "
-                        f"another tier holds it, or pass --force")
+                        f"memory ({', '.join(io.order(newest.complete))}): freeing it would lose it{also}; wait "
+                        f"until another tier holds it, or pass --force, which loses {'them' if others else 'it'}")
     return plan
 
 
 def _this_index(plan: FreePlan, removal: Removal, tier: str, status: CheckpointStatus, ours: list[str],
-                held: dict[str, str | None], by: dict[str, dict[str, int]], *, exclusive: bool, now: float) -> None:
+                held: dict[str, str | None], by: dict[str, dict[str, int]], *, in_flight: bool) -> None:
     """A checkpoint of this index on memory tier `tier`: dropped from the tier through the index, whole, or kept
     whole (a live process holds a folder of it, or its save may be in flight)."""
     step = status.step
     if any(held[f] is not None for f in ours):
         return  # named in kept already
-    if in_flight(status, exclusive=exclusive, grace=GRACE, now=now):
+    if in_flight:
         plan.kept.append(f"{tier} step {step}: its save may still be running (a writer holds the job)")
         return
     elsewhere = sorted(status.complete - {tier})

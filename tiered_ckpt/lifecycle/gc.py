@@ -11,8 +11,10 @@ Who may be writing decides what goes (docs/operations.md, "Cleaning up"):
   lease was free and gc holds it while it runs. Every incomplete checkpoint is a leftover then.
 - **a writer may be running** (the Redis index, which cannot tell; the file index's lease held by a
   trainer): a checkpoint (or one tier of it) that is not complete is removed only once its save began
-  more than `grace` seconds ago (default one hour). A trainer's save in flight is younger than that (a save
-  that takes longer on some tier needs a larger grace). Folders of a step that is still within its grace
+  more than `grace` seconds ago (default one hour), on the index's clock, and, with the file index, not
+  while the lease held now was (Index.began_under_writer: the file system's times, since the trainer
+  stamps `created` with its own clock, which may be hours behind gc's). A trainer's save in flight is
+  younger than that (a save that takes longer on some tier needs a larger grace). Folders of a step that is still within its grace
   but older than the newest one written for it (a zombie's, a crashed attempt's) go at once.
 Either way gc never fences: with Redis it writes with the current epoch (`Index.attach`), so a running
 trainer keeps committing; a trainer that starts meanwhile fences gc, whose next index write then fails.
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 from ..errors import IncompleteCheckpoint, IntegrityError, TierError
 from ..layout import checkpoint_prefix, index_dir, job_prefix, manifest_key, parse_key, parse_step_dir, step_prefix
@@ -84,14 +86,29 @@ class GcReport:
         return out
 
 
-def in_flight(status: CheckpointStatus, *, exclusive: bool, grace: float, now: float) -> bool:
+def in_flight(status: CheckpointStatus, *, exclusive: bool, grace: float, now: float,
+              under_writer: bool = False) -> bool:
     """Whether a running save may still be writing `status` somewhere: a tier it targets is neither complete
-    nor failed, its save began less than `grace` seconds ago, and a writer may be running. `now` is the
+    nor failed, a writer may be running, and its save began less than `grace` seconds ago or while the live
+    writer held its lease (`under_writer`: Index.began_under_writer, whatever the clocks). `now` is the
     index's clock (Index.now), the one `created` was stamped on."""
     if exclusive:
         return False
     pending = [t for t in status.tiers if t not in status.settled]
-    return bool(pending) and now - status.created < grace
+    return bool(pending) and (under_writer or now - status.created < grace)
+
+
+async def in_flight_steps(index: Index, job: str, statuses: Iterable[CheckpointStatus], *, exclusive: bool,
+                          grace: float = GRACE) -> tuple[set[int], set[int], float]:
+    """The steps of `statuses` whose save may still be running (in_flight), those of them begun under the live
+    writer's lease, and the index's clock they were judged on."""
+    now = await index.now()
+    if exclusive:
+        return set(), set(), now
+    pending = [s for s in statuses if any(t not in s.settled for t in s.tiers)]
+    under = await index.began_under_writer(job, [s.step for s in pending]) if pending else set()
+    return ({s.step for s in pending if in_flight(s, exclusive=False, grace=grace, now=now,
+                                                  under_writer=s.step in under)}, under, now)
 
 
 @dataclass(frozen=True)
@@ -167,7 +184,8 @@ async def collect(scope: GcScope, dry_run: bool = False, *, grace: float = GRACE
     statuses = {s.step: s for s in await scope.index.list(scope.job)}
     buried = await scope.index.buried(scope.job)
     busy = scope.busy.steps()
-    now = await scope.index.now()
+    flying, under, now = await in_flight_steps(scope.index, scope.job, statuses.values(), exclusive=exclusive,
+                                               grace=grace)
     mine = index_dir(scope.index.identity) + "/"
     steps = sorted(set(statuses) | buried | {s for t in tiers for s in t.steps})
     holders = await _foreign_holders(scope, tiers, mine) if other_indexes else None
@@ -184,7 +202,7 @@ async def collect(scope: GcScope, dry_run: bool = False, *, grace: float = GRACE
         elif not status.tiers and "index" in status.failed:
             _unreadable(plan, tiers, step, mine, status.failed["index"])
         else:
-            await _known(plan, tiers, status, mine, exclusive, grace, now)
+            await _known(plan, tiers, status, mine, _Flight(status.step in flying, status.step in under, grace, now))
         if holders is not None:
             for t in tiers:
                 foreign = [f for f in t.steps.get(step, {}) if f and not f.startswith(mine)]
@@ -257,18 +275,32 @@ async def _snapshot(scope: GcScope, report: GcReport) -> list[_Tier]:
     return out
 
 
-async def _known(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine: str, exclusive: bool,
-                 grace: float, now: float) -> None:
+@dataclass(frozen=True)
+class _Flight:
+    """Whether a step's save may still be running, and why (for what gc says it kept)."""
+
+    running: bool
+    under_writer: bool  # begun while the live writer held the job's lease
+    grace: float
+    now: float
+
+    def began(self, status: CheckpointStatus) -> str:
+        if self.under_writer:
+            return "its save began while the running writer held the job's lease"
+        return f"its save began {_age(self.now - status.created)} ago"
+
+
+async def _known(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine: str, flying: _Flight) -> None:
     """A step the index lists: incomplete ones whose save is over go whole; of complete ones, every folder
     of this index but the committed one, and the tiers where they did not complete."""
     report, step = plan.report, status.step
-    flight = in_flight(status, exclusive=exclusive, grace=grace, now=now)
+    flight = flying.running
     if not status.is_complete:
         if not flight:
             _remove_checkpoint(plan, tiers, step, mine, "incomplete: no save is writing it")
             return
-        report.kept.append(f"step {step}: incomplete, its save began {_age(now - status.created)} ago and may "
-                           f"still be running (grace {_age(grace)})")
+        report.kept.append(f"step {step}: incomplete, {flying.began(status)} and may still be running (grace "
+                           f"{_age(flying.grace)})")
         newest = max((f for t in tiers for f in _mine(t, step, mine)), default=None)
         for t in tiers:
             _remove_folders(plan, t, step, [f for f in _mine(t, step, mine) if f != newest],
@@ -289,8 +321,8 @@ async def _known(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine
                             "not the committed folder (a zombie's or a crashed attempt's)")
         elif t.name in status.tiers and t.name not in status.settled:  # targeted, never completed
             if flight:
-                report.kept.append(f"step {step} on {t.name}: its save began {_age(now - status.created)} ago and "
-                                   f"may still be writing there")
+                report.kept.append(f"step {step} on {t.name}: {flying.began(status)} and may still be writing "
+                                   f"there")
                 _remove_folders(plan, t, step, [f for f in folders if f != committed],
                                 "not the committed folder (a zombie's or a crashed attempt's)")
                 continue

@@ -18,6 +18,7 @@ import logging
 from ..distributed.coordinator import Coordinator
 from ..errors import IndexUnavailable, TierError, TierFull, TieredCkptError
 from ..layout import probe_key
+from ..storage.files import cannot_write
 from ..storage.index import Index
 from . import lineage
 from .removal import Removal
@@ -88,6 +89,33 @@ class Writer:
 
         failed = [e for e in await asyncio.gather(*map(probe, answers)) if e is not None]
         return failed[0] if failed else None
+
+    async def warn_unwritable(self) -> None:
+        """At open with `role = "auto"`: a warning naming each file tier this rank answers for (its node's; rank 0
+        also the shared ones) that it plainly cannot write, so a wrong path is known before the first save
+        fails on it. Why not `_probe`: an "auto" engine may only ever read (an evaluator, beside the trainer)
+        and then writes nothing, not even a probe, on the tiers (readers' promise: docs/operations.md, *Readers
+        and writers*); on a read-only copy it must still open. So this writes nothing: it looks at the folder
+        (read-only file system, permissions, a file in the way; storage/files.cannot_write), and says nothing of
+        what only a write shows (/proc as root, an S3 or Redis tier's permissions): the first save does."""
+        io, rank, c = self.removal.io, self.coordinator.rank, self.coordinator
+        key = probe_key(self.job, c.session, rank)
+
+        def reasons() -> list[tuple[str, str]]:
+            out = []
+            for name in io.names:
+                tier = io.file_tier(name)
+                if tier is None or not (rank == 0 or c.lists_for_node()):
+                    continue
+                why = cannot_write(tier.path_of(key).parent)
+                if why is not None:
+                    out.append((name, why))
+            return out
+
+        for name, why in await asyncio.to_thread(reasons):
+            log.warning("tier %r cannot be written by this process (%s): every save will fail there; an engine "
+                        "that only reads says so with [engine] role = \"reader\" (no warning), a trainer with "
+                        "role = \"writer\" (checked by a probe write at open)", name, why)
 
     async def _clean_leftovers(self) -> list[int]:
         """Finish removals a crash cut short, list again what the index forgot (returned), and remove incomplete

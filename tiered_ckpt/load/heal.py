@@ -7,7 +7,8 @@ checkpoint is complete on (memory, and the ring) are checked by one rank on the 
 (`healer_of`; the memory copy belongs there, and its ring copy then goes to that machine's successor, never
 beside it, whatever machines the ranks now run on), which rewrites what no node holds any more from the
 tiers that still hold it, verified part by part: parts first, then the checksum record, then the manifest and
-the committed marker, so a heal cut short never leaves a copy that looks whole. A part this node's cache copy
+the committed marker, so a heal cut short never leaves a copy that looks whole; one that fails (a full tmpfs)
+also removes the parts and record it wrote of that copy, so no half copy keeps the room it failed for. A part this node's cache copy
 returned damaged during the load is written again too. It runs in the background (the engine starts
 it after load() returns), writes only keys of the loaded checkpoint's own folder (never a newer
 checkpoint's), keeps the step busy in its process meanwhile, and writes a copy's records only while the index
@@ -123,25 +124,50 @@ async def _repair(io: TierIO, manifest: Manifest, order: Sequence[str], holdings
 
 async def _copy_rank(io: TierIO, index: Index, manifest: Manifest, rank: int, tier: str, sources: Sequence[str],
                      report: HealReport) -> None:
+    """Rank `rank`'s copy on `tier`, from `sources`. A copy that cannot be finished (the tier full, a source
+    gone, the checkpoint retired meanwhile) takes back what it wrote: _unwrite."""
     job, step, inc = manifest.job, manifest.step, manifest.incarnation
-    for p in range(len(manifest.ranks[rank].checksums)):
-        buf = bytearray(manifest.part_length(rank, p))
-        part = part_read(manifest, rank, p, [memoryview(buf)])
-        await io.read_verified(part, sources, ReadLog(), budgeted=False)
-        await io.write(tier, part.key, memoryview(buf), f"heal part {p} of rank {rank}, step {step}")
-        report.parts[tier] = report.parts.get(tier, 0) + 1
-        report.bytes[tier] = report.bytes.get(tier, 0) + len(buf)
-    if not await _still_complete(index, manifest, tier):  # retention (another process's) removed it meanwhile
-        raise TierNotFound(f"step {step} is no longer complete on the tier in the index: its healed parts are left "
-                           f"for gc", tier=tier)
-    await io.write(tier, rank_meta_key(job, step, rank, inc),
-                   memoryview(await _record(io, sources, rank_meta_key(job, step, rank, inc),
-                                            lambda: index.get_rank_meta(job, step, rank))))
-    if io.file_tier(tier) is not None or rank == 0:  # a node's own copy needs them; the ring, one copy
-        await io.write(tier, manifest_key(job, step, inc),
-                       memoryview(await _record(io, sources, manifest_key(job, step, inc),
-                                                lambda: index.get_manifest(job, step))))
-        await io.write(tier, committed_key(job, step, inc), memoryview(b""))
+    written: list[str] = []  # this rank's keys written on the tier (the one being written, too)
+    healed = (0, 0)
+    try:
+        for p in range(len(manifest.ranks[rank].checksums)):
+            buf = bytearray(manifest.part_length(rank, p))
+            part = part_read(manifest, rank, p, [memoryview(buf)])
+            await io.read_verified(part, sources, ReadLog(), budgeted=False)
+            written.append(part.key)
+            await io.write(tier, part.key, memoryview(buf), f"heal part {p} of rank {rank}, step {step}")
+            healed = (healed[0] + 1, healed[1] + len(buf))
+        if not await _still_complete(index, manifest, tier):  # retention (another process's) removed it meanwhile
+            raise TierNotFound(f"step {step} is no longer complete on the tier in the index: its healed parts are "
+                               f"removed", tier=tier)
+        record = rank_meta_key(job, step, rank, inc)
+        data = await _record(io, sources, record, lambda: index.get_rank_meta(job, step, rank))
+        written.append(record)
+        await io.write(tier, record, memoryview(data))
+        if io.file_tier(tier) is not None or rank == 0:  # a node's own copy needs them; the ring, one copy
+            # shared by the ranks of the copy: never taken back (a write that fails leaves the one before)
+            await io.write(tier, manifest_key(job, step, inc),
+                           memoryview(await _record(io, sources, manifest_key(job, step, inc),
+                                                    lambda: index.get_manifest(job, step))))
+            await io.write(tier, committed_key(job, step, inc), memoryview(b""))
+    except BaseException:
+        await _unwrite(io, tier, written, step)
+        raise
+    report.parts[tier] = report.parts.get(tier, 0) + healed[0]
+    report.bytes[tier] = report.bytes.get(tier, 0) + healed[1]
+
+
+async def _unwrite(io: TierIO, tier: str, keys: Sequence[str], step: int) -> None:
+    """Remove the keys a heal cut short wrote (each a key of its own: one rank's parts and record), so that no
+    half copy stays behind to take the room (a full tmpfs is RAM) that made it fail. The manifest and the
+    committed marker are written only after the rank's whole copy, and stay (other ranks' copies share them):
+    without the rank's record the copy never looks whole. What cannot be removed is logged: gc removes it."""
+    for key in reversed(keys):
+        try:
+            await io.delete(tier, key)
+        except (TieredCkptError, OSError) as e:
+            log.warning("step %d: %s on tier %s, written by a heal that failed, could not be removed (%s); gc "
+                        "removes it", step, key, tier, e)
 
 
 async def _still_complete(index: Index, manifest: Manifest, tier: str) -> bool:

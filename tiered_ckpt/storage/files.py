@@ -45,6 +45,23 @@ def check_creatable(root: Path) -> None:
         raise PermissionError(f"cannot create folders in {path}")
 
 
+def cannot_write(folder: Path) -> str | None:
+    """Why this process could not create files in `folder` (made first where missing), told without writing
+    anything: the nearest folder that exists is no folder, is on a read-only file system, or this user may not
+    write in it. None when nothing says so; some refusals show only when written (/proc takes no folder even
+    from root, whose permissions it passes)."""
+    path = folder.absolute()
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        return f"{path} is on a read-only file system"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"this user may not write in {path}"
+    return None
+
+
 def make_folders(path: Path, mode: int = 0o700) -> None:
     """`mkdir -p` where every folder it makes gets `mode` (less the umask's bits): Path.mkdir gives the parents
     it makes the umask's mode, which leaves an index's records readable by every local user."""

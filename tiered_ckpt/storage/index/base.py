@@ -116,3 +116,8 @@ class Index(Protocol):
         """The index's clock (Unix seconds), the one `CheckpointStatus.created` is read on: gc and delete judge
         a save's age by it, never by their own machine's clock against the trainer's."""
         ...
+    async def began_under_writer(self, job: str, steps: Sequence[int]) -> set[int]:
+        """Of `steps`, those begun while the job's live writer held its lease (it may be writing them now, however
+        old their `created` looks: the file index stamps it with the writer's clock); empty when no live writer
+        is known or the index's own clock stamps every save (Redis)."""
+        ...

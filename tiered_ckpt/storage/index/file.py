@@ -255,9 +255,36 @@ class FileIndex:
         await self._io(_atomic_write, self.root / job / TOMBSTONES / step_dir(step), b"")
 
     async def now(self) -> float:
-        """This machine's clock: a file index is one machine's folder (on a shared file system, its users'
-        clocks must agree, as they must for the file system's own times)."""
+        """This machine's clock: a file index is one machine's folder. On a shared file system a trainer
+        elsewhere stamps its saves with its own clock; what its running writer may be writing is told apart by
+        `began_under_writer`, not by the clocks."""
         return time.time()
+
+    async def began_under_writer(self, job: str, steps: Sequence[int]) -> set[int]:
+        """Of `steps`, those whose save began while the job's live writer (another process holding its lease)
+        held it: their `begun` record is no older than the lease, by the modification times the file system
+        gave both (one clock: the file server's, or this machine's kernel; the saves' `created` stamps are
+        the writer's clock, which may be hours off). Empty when no other live process holds the lease."""
+        def read() -> set[int]:
+            if job in self._leases or lease_holder(self.root, job) is None:
+                return set()
+            try:
+                taken = (self.root / job / "writer.lock").stat().st_mtime_ns
+            except FileNotFoundError:
+                return set()
+            out = set()
+            for step in steps:
+                d = self._dir(job, step)
+                for path in (d / "begun", d):  # no `begun`: a rank failed before it; the folder's own time
+                    try:
+                        began = path.stat().st_mtime_ns
+                    except FileNotFoundError:
+                        continue
+                    if began >= taken:
+                        out.add(step)
+                    break
+            return out
+        return await self._io(read)
 
     async def buried(self, job: str) -> set[int]:
         def read() -> set[int]:
