@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing import configs
 from tiered_ckpt.errors import IndexUnavailable
 from tiered_ckpt.storage.index.redis import RedisIndex
 from tiered_ckpt.testing import IndexConformance, TierConformance
@@ -35,12 +35,8 @@ class TestSentinelPeerTier(TierConformance):  # the peer tier reaches its master
 
 
 def stack(tmp_path, shm_dir, index_url, job="gpt"):
-    return parse_config({
-        "engine": {"job": job, "index": index_url, "part_size": "64KiB"},
-        "tiers": [
-            {"name": "host", "kind": "memory", "path": str(shm_dir / "host"), "keep_last": 3},
-            {"name": "disk", "kind": "local", "path": str(tmp_path / "disk"), "keep_last": 1000},
-        ]})
+    return configs.stack(tmp_path, {"kind": "memory", "keep_last": 3}, {"kind": "local", "keep_last": 1000},
+                         shm=shm_dir, job=job, index=index_url)
 
 
 def state(step: int) -> dict:
