@@ -138,11 +138,12 @@ async def test_a_stall_without_seconds_lasts_until_cleared_and_a_timeout_abandon
     faults.inject("stall", ops=["list"])
     with pytest.raises(asyncio.TimeoutError):  # as the pipeline's timeout abandons it
         await asyncio.wait_for(tier.list("job/"), 0.3)
+    assert faults.stalled() == 0  # the abandoned one is no longer stalled
     listing = asyncio.ensure_future(tier.list("job/"))
     await asyncio.sleep(0.2)
-    assert not listing.done()
+    assert not listing.done() and faults.stalled() == 1
     await asyncio.to_thread(faults.clear)  # from another thread, as another process would
-    assert await asyncio.wait_for(listing, 10) == []
+    assert await asyncio.wait_for(listing, 10) == [] and faults.stalled() == 0
 
 
 async def test_filters_ops_keys_ranks_hosts_and_count(started, faults, monkeypatch):
@@ -222,6 +223,36 @@ asyncio.run(main())
         executor.shutdown()
 
     asyncio.run(here())
+
+
+def test_stalled_counts_the_operations_held_in_live_processes(tmp_path, faults):
+    """A test acts once a save is held (a kill, a failover): stalled() says when, across processes; a process
+    killed while stalled leaves its marker behind, which no longer counts."""
+    faults.inject("stall", keys="held")
+    script = f"""
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from tiered_ckpt.storage.tiers.base import start_tier
+from tiered_ckpt.testing.faults import FaultyOptions, FaultyTier
+
+async def main():
+    options = FaultyOptions(path={str(tmp_path / "disk")!r}, control={str(tmp_path / "faults.json")!r})
+    tier = await start_tier(FaultyTier("disk", options), ThreadPoolExecutor(1))
+    await tier.write("job/held", memoryview(b"x"))
+
+asyncio.run(main())
+"""
+    child = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while faults.stalled() == 0:
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        assert faults.stalled() == 1
+    finally:
+        child.kill()
+        child.wait()
+    assert faults.stalled() == 0 and len(os.listdir(tmp_path / "faults.json.stalled")) == 1
 
 
 async def test_the_driver_parses_the_control_file_again_only_when_it_changed(started, faults):
