@@ -385,3 +385,19 @@ async def test_values_that_vanish_before_the_commit_keep_the_copy_from_committin
         errors = await settled(await engine.save(1, state(1.0)))
         assert set(errors) == {"disk"} and isinstance(errors["disk"], tc.TierNotFound)
         assert "vanished" in str(errors["disk"]) and (await engine.status(1)).complete == {"host"}
+
+
+async def test_a_quick_clear_and_inject_of_the_same_fault_is_seen_as_new(started, faults, tmp_path):
+    """clear() then inject() of the same fault, faster than the file system's clock ticks, can reuse the old
+    file's size and inode number: each version's mtime still moves on, so the driver reads it (its count anew)."""
+    tier = await started()
+    for _ in range(20):
+        faults.inject("fail", count=1)
+        with pytest.raises(tc.TierUnavailable):
+            await tier.write(KEY, memoryview(VALUE))
+        await tier.write(KEY, memoryview(VALUE))  # used up
+        faults.clear()
+    ahead = os.stat(tmp_path / "faults.json").st_mtime_ns + 10**10  # a version stamped by a clock that ticked late
+    os.utime(tmp_path / "faults.json", ns=(ahead, ahead))
+    faults.clear()
+    assert os.stat(tmp_path / "faults.json").st_mtime_ns > ahead  # (the old code stamped it now: the same or older)

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,8 +112,16 @@ class FaultControl:
             os.close(fd)
 
     def _write(self, faults: list[Fault]) -> None:
+        """Replace the file whole, its mtime past the old one's: drivers notice a change by (inode, mtime, size),
+        and a file's mtime ticks coarsely (a jiffy) while a freed inode number comes back soon."""
+        try:
+            old = os.stat(self.path).st_mtime_ns
+        except FileNotFoundError:
+            old = 0
         tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex[:8]}")
         tmp.write_text(json.dumps({"faults": [_as_dict(f) for f in faults]}, indent=1))
+        stamp = max(time.time_ns(), old + 1)
+        os.utime(tmp, ns=(stamp, stamp))
         os.replace(tmp, self.path)
 
 
