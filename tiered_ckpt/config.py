@@ -231,7 +231,7 @@ def _check_distinct(tiers: tuple[TierConfig, ...], source: str | None) -> None:
 def _storage_of(tier: TierConfig) -> tuple[object, ...] | None:
     """Where a tier keeps its data, comparable between tiers (None: a kind this check does not know)."""
     options = tier.options
-    if tier.kind in ("memory", "local"):
+    if tier.kind in ("memory", "local", "faulty"):
         return "file", os.path.normpath(os.path.abspath(options.path))
     if tier.kind == "redis":
         return "redis", frozenset(options.urls), options.prefix

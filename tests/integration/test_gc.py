@@ -17,7 +17,7 @@ import torch
 import tiered_ckpt as tc
 from tiered_ckpt import cli
 from tiered_ckpt.layout import PartKey, incarnation_dir, new_session, step_dir
-from tiered_ckpt.testing.configs import stack_dict, write_toml
+from tiered_ckpt.testing.configs import faults, stack_dict, write_toml
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(300)
@@ -109,14 +109,13 @@ def redis_dump(url: str) -> dict[bytes, object]:
     return out
 
 
-async def test_gc_and_delete_beside_a_running_trainer_on_the_redis_index(tmp_path, shm_dir, redis_server,
-                                                                       monkeypatch, capsys):
+async def test_gc_and_delete_beside_a_running_trainer_on_the_redis_index(tmp_path, shm_dir, redis_server, capsys):
     """The trainer saves step 2 (held on disk, so incomplete) while `tiered-ckpt gc` runs: gc keeps it and
     removes step 5, which an earlier run began two hours ago; a dry run changes nothing in Redis or on the
     tiers; `tiered-ckpt delete` refuses the step in flight and deletes a complete one; the trainer is never
     fenced: its save completes and its next save commits."""
     server = redis_server()
-    config = toml(tmp_path / "redis.toml", tmp_path, "local", index=server.url)
+    config = toml(tmp_path / "redis.toml", tmp_path, "faulty", index=server.url)
     state = lambda v: {"w": torch.full((300_000,), float(v))}  # noqa: E731
     async with tc.Engine.from_toml(config) as trainer:
         for step in (1, 3):
@@ -126,16 +125,9 @@ async def test_gc_and_delete_beside_a_running_trainer_on_the_redis_index(tmp_pat
         index = trainer.store.index
         await index._hset("crash", 5, "created", repr(await index.now() - 7200), "target:disk", "0")
         old_session = incarnation_dir(index.identity, new_session())
-        disk, release = trainer.store.io.driver("disk"), asyncio.Event()
+        disk = trainer.store.io.driver("disk")
         await disk.write(PartKey("crash", 5, 0, 0, old_session).path, memoryview(bytes(5000)))
-        real_write = disk.write
-
-        async def held(key, data):
-            if step_dir(2) in key:
-                await release.wait()
-            return await real_write(key, data)
-
-        monkeypatch.setattr(disk, "write", held)
+        faults(trainer.config).inject("stall", keys=step_dir(2))  # until cleared
         in_flight = await trainer.save(2, state(2))
         while 2 not in [s.step for s in await trainer.store.index.list("crash")]:
             await asyncio.sleep(0.01)  # begun in the index; its parts are held
@@ -155,7 +147,7 @@ async def test_gc_and_delete_beside_a_running_trainer_on_the_redis_index(tmp_pat
         assert await asyncio.to_thread(cli.main, ["-c", str(config), "delete", "1"]) == 0
         assert "deleted step 1" in capsys.readouterr().out
 
-        release.set()
+        faults(trainer.config).clear()
         await in_flight.wait()  # committed: neither gc nor delete fenced the trainer
         await (await trainer.save(4, state(4))).wait()
         assert [(c.step, sorted(c.complete)) async for c in trainer.list()] == [

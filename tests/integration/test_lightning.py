@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -25,33 +26,19 @@ import tiered_ckpt as tc
 from tiered_ckpt.integrations.lightning import ReserveStaging, TieredCheckpointIO
 from tiered_ckpt.save import plan as plan_module
 from tiered_ckpt.save.pool import StagingPool
+from tiered_ckpt.testing import configs
 
 from .lightning_script import Record, TinyModule, loader, weights
 
 SCRIPT = Path(__file__).with_name("lightning_script.py")
 
 
-def write_toml(tmp_path: Path, shm_dir: Path, host: str = "", **engine: Any) -> Path:
-    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in engine.items())
-    path = tmp_path / "tiers.toml"
-    path.write_text(f"""
-[engine]
-job = "lit"
-index = "file://{tmp_path}/index"
-part_size = "64KiB"
-{lines}
-[[tiers]]
-name = "host"
-kind = "memory"
-path = "{shm_dir}/host"
-capacity = "256MiB"
-{host}
-[[tiers]]
-name = "disk"
-kind = "local"
-path = "{tmp_path}/disk"
-""")
-    return path
+def write_toml(tmp_path: Path, shm_dir: Path, host: str = "", disk: str = "local", **engine: Any) -> Path:
+    """tiers.toml: host (256 MiB, and the memory tier's keys in the TOML lines `host`) and disk (of kind `disk`);
+    `[engine]` keys as keywords."""
+    memory = {"kind": "memory", "capacity": "256MiB", **tomllib.loads(host)}
+    return configs.write_toml(tmp_path / "tiers.toml", configs.stack_dict(tmp_path, memory, disk, shm=shm_dir,
+                                                                          job="lit", **engine))
 
 
 def fit(ckpt_dir: Path, io: TieredCheckpointIO | None, epochs: int, ckpt_path: str | None = None,
@@ -165,20 +152,12 @@ def test_save_last_link_resumes_and_removing_the_link_keeps_its_target(tmp_path,
     io.teardown()
 
 
-def test_remove_and_resave_while_saves_are_in_flight(tmp_path, shm_dir, monkeypatch):
-    config = write_toml(tmp_path, shm_dir)
+def test_remove_and_resave_while_saves_are_in_flight(tmp_path, shm_dir):
+    config = write_toml(tmp_path, shm_dir, disk="faulty")
     ckpt_dir = Path(os.path.realpath(tmp_path / "ckpt"))
     io = TieredCheckpointIO(config)
-    disk = io.checkpointer.engine.store.io.driver("disk")
-    write = disk.write
-    disk_open = threading.Event()  # closed: the disk holds every write (a disk far slower than the saves)
-
-    async def held_write(key: str, data: Any) -> Any:
-        if ".probe-" not in key:  # (the writer's probe of the tier at the first save goes through)
-            await asyncio.to_thread(disk_open.wait, 60)
-        return await write(key, data)
-
-    monkeypatch.setattr(disk, "write", held_write)
+    disk = configs.faults(tc.load_config(config))
+    disk.inject("stall")  # the disk holds every write until cleared (a disk far slower than the saves)
 
     def state(value: float, step: int) -> dict[str, Any]:
         return {"state_dict": {"w": torch.full((64 * 1024,), value)}, "global_step": step, "epoch": 0}
@@ -186,9 +165,9 @@ def test_remove_and_resave_while_saves_are_in_flight(tmp_path, shm_dir, monkeypa
     gone = ckpt_dir / "gone.ckpt"
     io.save_checkpoint(state(1.0, 3), gone)
     assert not any(s.is_complete for s in io.checkpointer.list())  # still being written
-    threading.Timer(0.5, disk_open.set).start()  # the disk comes back while remove_checkpoint waits
+    threading.Timer(0.5, disk.clear).start()  # the disk comes back while remove_checkpoint waits
     io.remove_checkpoint(gone)  # waits for the save, then deletes it (no CheckpointExists)
-    disk_open.clear()
+    disk.inject("stall", seconds=1.0)  # slow, no longer stopped: a second a write (it held them 60 s before)
     assert io.checkpointer.list() == [] and not gone.exists()
 
     # save_last: one global step under two paths; then last.ckpt saved again, before the first save is done
@@ -197,7 +176,7 @@ def test_remove_and_resave_while_saves_are_in_flight(tmp_path, shm_dir, monkeypa
     io.save_checkpoint(state(1.0, 3), other)  # waits for its turn on the slow disk: must not be skipped there
     io.save_checkpoint(state(1.0, 3), last)
     io.save_checkpoint(state(2.0, 6), last)
-    disk_open.set()
+    disk.clear()
     assert io.load_checkpoint(best)["global_step"] == 3
     loaded = io.load_checkpoint(last)
     assert loaded["global_step"] == 6 and torch.all(loaded["state_dict"]["w"] == 2.0)

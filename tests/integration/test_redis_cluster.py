@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing import configs
 from tiered_ckpt.errors import IndexUnavailable, TierUnavailable
 from tiered_ckpt.storage.index.redis import RedisIndex
 from tiered_ckpt.testing import IndexConformance, TierConformance
@@ -34,11 +34,9 @@ class TestClusterPeerTier(TierConformance):
 
 
 def stack(tmp_path, shm_dir, index_url, peer_url=None, job="gpt"):
-    tiers = [{"name": "host", "kind": "memory", "path": str(shm_dir / "host"), "keep_last": 2}]
-    if peer_url:
-        tiers.append({"name": "peer", "kind": "redis", "urls": [peer_url], "chunk_size": "64KiB", "keep_last": 2})
-    tiers.append({"name": "disk", "kind": "local", "path": str(tmp_path / "disk")})
-    return parse_config({"engine": {"job": job, "index": index_url, "part_size": "64KiB"}, "tiers": tiers})
+    peer = {"kind": "redis", "urls": [peer_url], "chunk_size": "64KiB", "keep_last": 2}
+    return configs.stack(tmp_path, {"kind": "memory", "keep_last": 2}, *([peer] if peer_url else []), "local",
+                         shm=shm_dir, job=job, index=index_url)
 
 
 def state(value: float) -> dict:

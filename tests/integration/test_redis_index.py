@@ -16,8 +16,8 @@ import tiered_ckpt as tc
 from tiered_ckpt.testing import configs
 
 
-def stack(tmp_path, shm_dir, index_url, job="gpt", **engine):
-    return configs.stack(tmp_path, {"kind": "memory", "keep_last": 2}, "local", shm=shm_dir, job=job, index=index_url,
+def stack(tmp_path, shm_dir, index_url, job="gpt", disk="local", **engine):
+    return configs.stack(tmp_path, {"kind": "memory", "keep_last": 2}, disk, shm=shm_dir, job=job, index=index_url,
                          **engine)
 
 
@@ -109,24 +109,17 @@ path = "{tmp_path / 'disk'}"
     assert [line.split()[0] for line in ls.stdout.splitlines() if line.split() and line.split()[0].isdigit()] == ["7"]
 
 
-async def test_readers_beside_a_trainer_fence_nothing_and_delete_nothing(tmp_path, shm_dir, redis_server, monkeypatch):
+async def test_readers_beside_a_trainer_fence_nothing_and_delete_nothing(tmp_path, shm_dir, redis_server):
     """An evaluator (an engine that only lists and loads) and the CLI open the index while the trainer runs:
     the trainer's later commits still succeed, and a save the trainer has in flight is not removed."""
     import subprocess
     import sys
 
     url = redis_server().url
-    async with tc.Engine(stack(tmp_path, shm_dir, url)) as trainer:
+    async with tc.Engine(stack(tmp_path, shm_dir, url, disk="faulty")) as trainer:
         await (await trainer.save(1, state(1.0))).wait()
-        disk = trainer.store.io.driver("disk")
-        real_write, release = disk.write, asyncio.Event()
-
-        async def held(key, data):
-            if "step-000000000002" in key:
-                await release.wait()
-            return await real_write(key, data)
-
-        monkeypatch.setattr(disk, "write", held)
+        disk = configs.faults(trainer.config)
+        disk.inject("stall", keys="step-000000000002")  # until cleared
         in_flight = await trainer.save(2, state(2.0))  # complete on host soon; disk held
         await in_flight.wait("host")
         async with tc.Engine(stack(tmp_path, shm_dir, url)) as evaluator:
@@ -138,7 +131,7 @@ async def test_readers_beside_a_trainer_fence_nothing_and_delete_nothing(tmp_pat
         ls = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "ls", "-c", str(config)], capture_output=True,
                             text=True, timeout=60)
         assert ls.returncode == 0, ls.stderr
-        release.set()
+        disk.clear()
         await in_flight.wait()  # the trainer commits step 2 on disk: nobody fenced it
         await (await trainer.save(3, state(3.0))).wait()
         assert [(c.step, sorted(c.complete)) async for c in trainer.list()][-2:] == [

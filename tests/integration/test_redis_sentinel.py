@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing import configs
 from tiered_ckpt.errors import IndexUnavailable
 from tiered_ckpt.storage.index.redis import RedisIndex
 from tiered_ckpt.testing import IndexConformance, TierConformance
@@ -34,13 +34,9 @@ class TestSentinelPeerTier(TierConformance):  # the peer tier reaches its master
         return lambda: RedisPeerTier("peer", RedisOptions(urls=(url,), chunk_size=100_000))
 
 
-def stack(tmp_path, shm_dir, index_url, job="gpt"):
-    return parse_config({
-        "engine": {"job": job, "index": index_url, "part_size": "64KiB"},
-        "tiers": [
-            {"name": "host", "kind": "memory", "path": str(shm_dir / "host"), "keep_last": 3},
-            {"name": "disk", "kind": "local", "path": str(tmp_path / "disk"), "keep_last": 1000},
-        ]})
+def stack(tmp_path, shm_dir, index_url, job="gpt", disk="local"):
+    return configs.stack(tmp_path, {"kind": "memory", "keep_last": 3}, {"kind": disk, "keep_last": 1000},
+                         shm=shm_dir, job=job, index=index_url)
 
 
 def state(step: int) -> dict:
@@ -70,8 +66,8 @@ async def test_writes_wait_for_the_replica_and_say_so_when_it_cannot_answer(sent
     await relaxed.close()
 
 
-async def test_a_failover_in_the_middle_of_saves_loses_no_acknowledged_save(tmp_path, shm_dir, sentinel_deployment,
-                                                                          monkeypatch):  # noqa: F811
+async def test_a_failover_in_the_middle_of_saves_loses_no_acknowledged_save(tmp_path, shm_dir,
+                                                                          sentinel_deployment):  # noqa: F811
     """Saves run back to back while the replica falls behind and the master is then SIGKILLed: what only the
     master had is lost with it. The sentinel promotes the replica, and the killed server comes back
     empty (no persistence), which the sentinel turns into the new master's replica. Each
@@ -95,28 +91,21 @@ async def test_a_failover_in_the_middle_of_saves_loses_no_acknowledged_save(tmp_
         subprocess.run(["redis-cli", "-p", str(old_master), "client", "kill", "type", "replica"], check=True,
                        capture_output=True)
         await asyncio.sleep(1.0)
-        disk_open.clear()  # the next save's disk write waits for the kill: a save is in flight when it comes
-        await asyncio.wait_for(write_held.wait(), 30)
+        disk.inject("stall")  # the next save's disk write waits for the kill: a save is in flight when it comes
+        deadline = time.monotonic() + 30
+        while disk.stalled() == 0:
+            assert time.monotonic() < deadline, "no disk write was held"
+            await asyncio.sleep(0.005)
         await loop.run_in_executor(None, d.server_on(old_master).kill)
         killed = time.monotonic()
-        disk_open.set()
+        disk.clear()
         await loop.run_in_executor(None, frozen.wait)
         new_master = await loop.run_in_executor(None, d.wait_for_failover, old_master)
         await loop.run_in_executor(None, d.rejoin, old_master)  # back, empty, as the new master's replica
         return killed, new_master
 
-    async with tc.Engine(stack(tmp_path, shm_dir, d.url)) as engine:
-        disk = engine.store.io.driver("disk")
-        disk_open, write_held = asyncio.Event(), asyncio.Event()
-        disk_open.set()
-
-        async def gated_write(key, data, real_write=disk.write):
-            if not disk_open.is_set():
-                write_held.set()
-                await disk_open.wait()
-            return await real_write(key, data)
-
-        monkeypatch.setattr(disk, "write", gated_write)
+    async with tc.Engine(stack(tmp_path, shm_dir, d.url, disk="faulty")) as engine:
+        disk = configs.faults(engine.config)
 
         async def save(step: int) -> None:
             started = time.monotonic()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing.configs import stack
 
 from .spawn import run_ranks
 
@@ -20,14 +20,9 @@ pytestmark = pytest.mark.timeout(300)  # real processes (gloo, torchrun): slower
 
 def node_config(root: str, node: int, urls: list[str]):
     """Per-node memory and disk; the peer caches on urls[0:2]; the Redis index on urls[2]."""
-    base = Path(root)
-    return parse_config({
-        "engine": {"job": "nodes", "index": urls[2], "part_size": "64KiB"},
-        "tiers": [
-            {"name": "host", "kind": "memory", "path": str(base / f"node{node}" / "shm")},
-            {"name": "peer", "kind": "redis", "urls": urls[:2]},
-            {"name": "disk", "kind": "local", "path": str(base / f"node{node}" / "disk")},
-        ]})
+    base = Path(root) / f"node{node}"
+    return stack(base, {"kind": "memory", "path": str(base / "shm")}, {"kind": "redis", "urls": urls[:2]}, "local",
+                 job="nodes", index=urls[2])
 
 
 def shard_state(rank: int, world: int, fill: bool) -> dict:

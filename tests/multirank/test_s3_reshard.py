@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.config import parse_config
+from tiered_ckpt.testing.configs import stack
 
 from .spawn import run_ranks
 
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.timeout(300)  # real processes (gloo, torchrun): slower
 
 
 def s3_only(index: Path, endpoint: str, bucket: str):
-    return parse_config({"engine": {"job": "s3dist", "index": f"file://{index}", "part_size": "64KiB", "adopt": True},
-                         "tiers": [{"name": "s3", "kind": "s3", "bucket": bucket, "endpoint_url": endpoint}]})
+    return stack(index.parent, {"kind": "s3", "bucket": bucket, "endpoint_url": endpoint}, job="s3dist",
+                 index=f"file://{index}", adopt=True)
 
 
 def sharded(world: int, fill: bool):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import tiered_ckpt as tc
+from tiered_ckpt.testing.configs import faults
 
 from .common import config
 from .spawn import run_ranks
@@ -159,19 +160,11 @@ def test_training_collectives_while_saves_persist_do_not_deadlock(tmp_path):
 
 
 async def _burst_with_one_slow_rank(rank: int, world: int, root: str) -> dict:
-    cfg = config(root, commit_timeout=60.0)
+    cfg = config(root, commit_timeout=60.0, disk="faulty")  # rank 1's disk stalled (the test injected it)
     async with tc.Engine(cfg) as engine:
-        disk_open = asyncio.Event()
-        if rank == 1:  # only this rank's disk falls behind (it writes nothing during the burst): only it decides to skip
-            disk = engine.store.io.driver("disk")
-
-            async def held_write(key, data, real_write=disk.write):
-                await disk_open.wait()
-                return await real_write(key, data)
-
-            disk.write = held_write
         handles = [await engine.save(step, replicated_state(float(step))) for step in range(1, 13)]
-        disk_open.set()
+        if rank == 1:
+            faults(cfg).clear()
         for h in handles:
             await h.wait()  # a skip on one rank is a skip on every rank, never a RankFailed or a timeout
         complete = {c.step: sorted(c.complete) async for c in engine.list()}
@@ -182,6 +175,8 @@ async def _burst_with_one_slow_rank(rank: int, world: int, root: str) -> dict:
 
 
 def test_a_tier_skipping_saves_on_one_rank_skips_them_on_every_rank(tmp_path):
+    # only rank 1's disk falls behind (it writes nothing during the burst): only it decides to skip
+    faults(config(str(tmp_path), disk="faulty")).inject("stall", ranks=[1])
     results = run_ranks(_burst_with_one_slow_rank, 2, str(tmp_path))
     assert results[0]["skipped"] == results[1]["skipped"]
     skipped = {step for step, newer in results[0]["skipped"].items() if newer is not None}

@@ -138,11 +138,12 @@ async def test_a_stall_without_seconds_lasts_until_cleared_and_a_timeout_abandon
     faults.inject("stall", ops=["list"])
     with pytest.raises(asyncio.TimeoutError):  # as the pipeline's timeout abandons it
         await asyncio.wait_for(tier.list("job/"), 0.3)
+    assert faults.stalled() == 0  # the abandoned one is no longer stalled
     listing = asyncio.ensure_future(tier.list("job/"))
     await asyncio.sleep(0.2)
-    assert not listing.done()
+    assert not listing.done() and faults.stalled() == 1
     await asyncio.to_thread(faults.clear)  # from another thread, as another process would
-    assert await asyncio.wait_for(listing, 10) == []
+    assert await asyncio.wait_for(listing, 10) == [] and faults.stalled() == 0
 
 
 async def test_filters_ops_keys_ranks_hosts_and_count(started, faults, monkeypatch):
@@ -222,6 +223,36 @@ asyncio.run(main())
         executor.shutdown()
 
     asyncio.run(here())
+
+
+def test_stalled_counts_the_operations_held_in_live_processes(tmp_path, faults):
+    """A test acts once a save is held (a kill, a failover): stalled() says when, across processes; a process
+    killed while stalled leaves its marker behind, which no longer counts."""
+    faults.inject("stall", keys="held")
+    script = f"""
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from tiered_ckpt.storage.tiers.base import start_tier
+from tiered_ckpt.testing.faults import FaultyOptions, FaultyTier
+
+async def main():
+    options = FaultyOptions(path={str(tmp_path / "disk")!r}, control={str(tmp_path / "faults.json")!r})
+    tier = await start_tier(FaultyTier("disk", options), ThreadPoolExecutor(1))
+    await tier.write("job/held", memoryview(b"x"))
+
+asyncio.run(main())
+"""
+    child = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while faults.stalled() == 0:
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        assert faults.stalled() == 1
+    finally:
+        child.kill()
+        child.wait()
+    assert faults.stalled() == 0 and len(os.listdir(tmp_path / "faults.json.stalled")) == 1
 
 
 async def test_the_driver_parses_the_control_file_again_only_when_it_changed(started, faults):
@@ -354,3 +385,19 @@ async def test_values_that_vanish_before_the_commit_keep_the_copy_from_committin
         errors = await settled(await engine.save(1, state(1.0)))
         assert set(errors) == {"disk"} and isinstance(errors["disk"], tc.TierNotFound)
         assert "vanished" in str(errors["disk"]) and (await engine.status(1)).complete == {"host"}
+
+
+async def test_a_quick_clear_and_inject_of_the_same_fault_is_seen_as_new(started, faults, tmp_path):
+    """clear() then inject() of the same fault, faster than the file system's clock ticks, can reuse the old
+    file's size and inode number: each version's mtime still moves on, so the driver reads it (its count anew)."""
+    tier = await started()
+    for _ in range(20):
+        faults.inject("fail", count=1)
+        with pytest.raises(tc.TierUnavailable):
+            await tier.write(KEY, memoryview(VALUE))
+        await tier.write(KEY, memoryview(VALUE))  # used up
+        faults.clear()
+    ahead = os.stat(tmp_path / "faults.json").st_mtime_ns + 10**10  # a version stamped by a clock that ticked late
+    os.utime(tmp_path / "faults.json", ns=(ahead, ahead))
+    faults.clear()
+    assert os.stat(tmp_path / "faults.json").st_mtime_ns > ahead  # (the old code stamped it now: the same or older)

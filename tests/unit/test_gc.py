@@ -16,7 +16,7 @@ import torch
 import tiered_ckpt as tc
 from tiered_ckpt import cli
 from tiered_ckpt.checksum import seal, unseal
-from tiered_ckpt.testing.configs import stack, stack_dict, write_toml
+from tiered_ckpt.testing.configs import faults, stack, stack_dict, write_toml
 from tiered_ckpt.layout import PartKey, incarnation_dir, manifest_key, new_session, step_dir
 
 from .common import wait_until
@@ -127,28 +127,21 @@ async def test_gc_finishes_removals_cut_short_removes_partial_orphans_and_keeps_
 
 
 async def test_gc_beside_a_live_writer_keeps_its_save_in_flight_and_removes_old_crashed_saves(
-        make_config, tmp_path, shm_dir, monkeypatch):
+        make_config, tmp_path, shm_dir):
     """The file index's lease is held by a running trainer: gc cannot rule out a writer, so it keeps what a
     save may still be writing (step 2, complete on host, still writing disk) and removes only incomplete
     saves older than the grace period (step 5, although newer than every complete one). The trainer's save
     then completes and loads; `tiered-ckpt delete` refuses the step while it is in flight."""
     config = write_toml(tmp_path / "c.toml", stack_dict(tmp_path, {"kind": "memory", "capacity": "1GiB"}, "local",
                                                         shm=shm_dir))
-    async with tc.Engine(make_config()) as writer:
+    async with tc.Engine(make_config(tiers=[{}, {"kind": "faulty"}])) as writer:
         await (await writer.save(1, state(1))).wait()
         await writer.store.index.begin("test", 5, ["host", "disk"])  # a save of an earlier run that crashed 2 h ago
         age_begun_record(tmp_path / "index", "test", 5, 7200)
         crashed = incarnation_dir(writer.store.index.identity, new_session())
         await writer.store.io.driver("host").write(PartKey("test", 5, 0, 0, crashed).path, memoryview(bytes(4096)))
-        disk, release = writer.store.io.driver("disk"), asyncio.Event()
-        real_write = disk.write
-
-        async def held(key, data):
-            if step_dir(2) in key:
-                await release.wait()
-            return await real_write(key, data)
-
-        monkeypatch.setattr(disk, "write", held)
+        disk = faults(writer.config)
+        disk.inject("stall", keys=step_dir(2))  # until cleared
         in_flight = await writer.save(2, state(2))
         await in_flight.wait("host")
         assert await asyncio.to_thread(cli.main, ["-c", str(config), "delete", "2"]) == 2
@@ -159,7 +152,7 @@ async def test_gc_beside_a_live_writer_keeps_its_save_in_flight_and_removes_old_
         assert any(line.startswith("step 2 on disk") for line in report.kept)
         assert all(r.step != 2 for r in report.removed)
         assert not [k for k in await writer.store.io.driver("host").list("test/") if step_dir(5) in k]
-        release.set()
+        disk.clear()
         await in_flight.wait()
         await (await writer.save(3, state(3))).wait()
         assert [(c.step, sorted(c.complete)) async for c in writer.list()] == [

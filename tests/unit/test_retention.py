@@ -8,6 +8,7 @@ import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt.layout import step_dir
+from tiered_ckpt.testing.configs import faults
 
 from .common import load_values, state_of
 
@@ -92,28 +93,22 @@ async def exported(engine, path, step):
     return info, torch.load(path)
 
 
-async def test_a_tier_that_cannot_keep_up_skips_to_the_newest_and_retention_holds_during_a_burst(make_config,
-                                                                                              monkeypatch):
+async def test_a_tier_that_cannot_keep_up_skips_to_the_newest_and_retention_holds_during_a_burst(make_config):
     """30 saves in a row with keep_last = 2 and a disk far slower than the saves: the disk skips saves that
     a newer one superseded while they waited (reported in the handle and in list()), jobs in flight stay
     bounded, and the disk never holds more than keep_last complete checkpoints plus those committing."""
-    async with tc.Engine(make_config(tiers=[{"keep_last": 2}, {"keep_last": 2}])) as engine:
-        disk = engine.store.io.driver("disk")
-        disk_open = asyncio.Event()  # a disk that cannot keep up: it writes nothing until the burst is over
-
-        async def held_write(key, data, real_write=disk.write):
-            if ".probe-" not in key:  # (the writer's probe of the tier at the first save goes through)
-                await disk_open.wait()
-            return await real_write(key, data)
-
-        monkeypatch.setattr(disk, "write", held_write)
+    config = make_config(tiers=[{"keep_last": 2}, {"kind": "faulty", "keep_last": 2}])
+    async with tc.Engine(config) as engine:
+        disk = faults(config)
+        disk.inject("stall")  # a disk that cannot keep up: it writes nothing until the burst is over (the writer's
+        # probe of the tier at the first save goes through: it is no "write")
         handles, most_jobs, most_on_disk = [], 0, 0
         for step in range(1, 31):
             handles.append(await asyncio.wait_for(engine.save(step, state_of(float(step))), 30))
             most_jobs = max(most_jobs, engine.saves_in_flight)
             most_on_disk = max(most_on_disk, sum("disk" in c.complete for c in await engine.statuses()))
             if step == 20:
-                disk_open.set()  # the last ten saves find the disk writing again
+                disk.clear()  # the last ten saves find the disk writing again
         for h in handles:
             await h.wait()  # skipping is not an error
         skipped = {h.step: h.skipped["disk"] for h in handles if "disk" in h.skipped}

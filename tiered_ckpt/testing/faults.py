@@ -24,6 +24,7 @@ import json
 import math
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +83,15 @@ class FaultControl:
         with self._locked():
             self._write([])
 
+    def stalled(self) -> int:
+        """Operations stalled right now, in every live process that shares the control file: what a test waits
+        for before it acts on a save held in flight (a kill, a failover, a gc beside it)."""
+        try:
+            names = os.listdir(_stalls(self.path))
+        except FileNotFoundError:
+            return 0
+        return sum(_alive(int(name.split("-", 1)[0])) for name in names)
+
     def faults(self) -> list[Fault]:
         """The active faults (none while the file does not exist)."""
         try:
@@ -102,8 +112,16 @@ class FaultControl:
             os.close(fd)
 
     def _write(self, faults: list[Fault]) -> None:
+        """Replace the file whole, its mtime past the old one's: drivers notice a change by (inode, mtime, size),
+        and a file's mtime ticks coarsely (a jiffy) while a freed inode number comes back soon."""
+        try:
+            old = os.stat(self.path).st_mtime_ns
+        except FileNotFoundError:
+            old = 0
         tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex[:8]}")
         tmp.write_text(json.dumps({"faults": [_as_dict(f) for f in faults]}, indent=1))
+        stamp = max(time.time_ns(), old + 1)
+        os.utime(tmp, ns=(stamp, stamp))
         os.replace(tmp, self.path)
 
 
@@ -226,11 +244,19 @@ class FaultyTier(LocalTier):
                 yield fault
 
     async def _stall(self, fault: Fault) -> None:
-        if fault.seconds is not None:
-            await asyncio.sleep(fault.seconds)
-            return
-        while any(f.id == fault.id for f in self._control.current()):
-            await asyncio.sleep(STALL_POLL)
+        """Wait on the event loop, a marker file naming this process meanwhile (FaultControl.stalled() counts
+        them; made and removed in place, as small as the stat each operation makes)."""
+        marker = _stalls(self._control.path) / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        try:
+            if fault.seconds is not None:
+                await asyncio.sleep(fault.seconds)
+                return
+            while any(f.id == fault.id for f in self._control.current()):
+                await asyncio.sleep(STALL_POLL)
+        finally:
+            marker.unlink(missing_ok=True)
 
 
 class _ControlFile:
@@ -273,6 +299,21 @@ def _use(control: Path, fault: Fault) -> bool:
             return False
         _used[key] = done + 1
         return True
+
+
+def _stalls(control: Path) -> Path:
+    """The folder of markers of operations stalled now, beside the control file."""
+    return control.with_name(control.name + ".stalled")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False  # killed while stalled: its marker stays, and counts for nothing
+    except PermissionError:
+        pass
+    return True
 
 
 def _remove_file(path: Path) -> int:
