@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             info = ckpt.load(state)  # every rank; each reads the parts of the saved shards its own shards need
             report.say(f"resumed from step {info.step} at world size {world} (tier {info.tier})")
-        except tc.IncompleteCheckpoint:
-            report.say(f"starting fresh at world size {world}")
+        except tc.IncompleteCheckpoint as e:  # tc.FreshStart too: every checkpoint lost, and on_lost = "fresh"
+            report.say(f"starting fresh at world size {world}" + (f" ({e})" if isinstance(e, tc.FreshStart) else ""))
         if progress["step"] >= args.steps:  # every rank loaded the same step: the loop below is empty on all
             report.say(nothing_left(progress["step"], args.steps))
         losses = open(args.losses, "a") if args.losses and rank == 0 else None

@@ -200,8 +200,9 @@ def train(argv: list[str] | None) -> int:
             info = ckpt.load(state)
             torch.set_rng_state(state["rng"].value)  # the dropout masks go on as if never interrupted
             print(f"resumed from step {info.step} (tier {info.tier}, {info.seconds * 1e3:.1f} ms)", flush=True)
-        except tc.IncompleteCheckpoint:
-            print(f"starting fresh: {nparams / 1e6:.2f}M parameters", flush=True)
+        except tc.IncompleteCheckpoint as e:  # tc.FreshStart too: every checkpoint lost, and on_lost = "fresh"
+            print(f"starting fresh: {nparams / 1e6:.2f}M parameters" + (f" ({e})" if isinstance(e, tc.FreshStart)
+                                                                         else ""), flush=True)
         if train["step"] >= args.steps:
             print(nothing_left(train["step"], args.steps), flush=True)
             return 0

@@ -119,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             progress["world"] = world
             if rank == 0:
                 print(f"resumed from step {info.step} at world size {world} (tier {info.tier})", flush=True)
-        except tc.IncompleteCheckpoint:
+        except tc.IncompleteCheckpoint as e:  # tc.FreshStart too: every checkpoint lost, and on_lost = "fresh"
             if rank == 0:
-                print(f"starting fresh at world size {world}", flush=True)
+                print(f"starting fresh at world size {world}" + (f" ({e})" if isinstance(e, tc.FreshStart) else ""),
+                      flush=True)
         if progress["step"] >= args.steps:  # every rank loaded the same step: the loop below is empty on all
             report.say(nothing_left(progress["step"], args.steps))
         losses = open(args.losses, "a") if args.losses and rank == 0 else None

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from .config import Config, EngineConfig, TierConfig, load_config
     from .engine import Engine
     from .interval import Advice, FailureRates, SaveCosts, advise
-    from .errors import (AuthenticationError, CheckpointExists, CheckpointLost, ConfigError, Fenced, IncompleteCheckpoint,
+    from .errors import (AuthenticationError, CheckpointExists, CheckpointLost, ConfigError, Fenced, FreshStart,
+                         IncompleteCheckpoint,
                          IndexUnavailable, IntegrityError, RankFailed, SaveError, StateError, TieredCkptError,
                          TierError, TierFull, TierNotFound, TierTimeout, TierUnavailable, WriterConflict)
     from .load.heal import HealReport
@@ -33,11 +34,12 @@ __all__ = [
     "HealReport", "Fallback", "CheckpointStatus", "SaveEvent", "TierEvent", "LoadEvent", "RemovalEvent",
     "Config", "EngineConfig", "TierConfig", "load_config", "advise", "SaveCosts", "FailureRates", "Advice",
     "TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable", "TierTimeout",
-    "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointLost", "CheckpointExists", "SaveError",
-    "RankFailed", "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError",
+    "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointLost", "FreshStart", "CheckpointExists",
+    "SaveError", "RankFailed", "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError",
 ]
 _ERRORS = ("TieredCkptError", "ConfigError", "StateError", "TierError", "TierNotFound", "TierUnavailable",
-           "TierTimeout", "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointLost", "CheckpointExists",
+           "TierTimeout", "TierFull", "IntegrityError", "IncompleteCheckpoint", "CheckpointLost", "FreshStart",
+           "CheckpointExists",
            "SaveError", "RankFailed", "IndexUnavailable", "Fenced", "WriterConflict", "AuthenticationError")
 _EVENTS = ("SaveEvent", "TierEvent", "LoadEvent", "RemovalEvent")
 _MODULE_OF = {  # public name → the module that defines it

@@ -112,6 +112,12 @@ class CheckpointLost(TieredCkptError):
     when nothing was ever saved must not start fresh here, over lost work."""
 
 
+class FreshStart(IncompleteCheckpoint):
+    """Every checkpoint the index lists complete is lost (its parts gone from every tier), and [engine] on_lost =
+    "fresh": start fresh, as when nothing was saved. The message names the lost checkpoints, which the first save
+    removes. An IncompleteCheckpoint, so code that starts fresh when nothing was saved does so unattended."""
+
+
 class CheckpointExists(TieredCkptError, FileExistsError):
     """A complete checkpoint with this step already exists; delete it before saving the step again."""
 

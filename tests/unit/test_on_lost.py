@@ -55,9 +55,9 @@ async def test_a_first_checkpoint_lost_wedges_by_default_and_starts_fresh_unatte
     for attempt in range(2):  # a launcher restarting the job: it starts fresh, saves step 4 again, then resumes
         async with tc.Engine(make_config(on_lost="fresh")) as e:
             if attempt == 0:
-                with pytest.raises(tc.IncompleteCheckpoint, match="starting fresh") as err:
+                with pytest.raises(tc.FreshStart, match=r"starting fresh.*\[4\]") as err:
                     await load_values(e)
-                assert not isinstance(err.value, tc.CheckpointLost)
+                assert isinstance(err.value, tc.IncompleteCheckpoint) and not isinstance(err.value, tc.CheckpointLost)
                 await (await e.save(4, state_of(40.0))).wait()
             else:
                 info, out = await load_values(e)

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Awaitable, Callable, Sequence, TypeVar
 
-from ..errors import CheckpointLost, IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
+from ..errors import CheckpointLost, FreshStart, IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
 from ..storage.index import CheckpointStatus, Index
 from ..layout import index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
 from ..manifest import Manifest, RankMeta
@@ -27,11 +27,6 @@ log = logging.getLogger(__name__)
 
 class PartsGone(IncompleteCheckpoint):
     """Every tier was looked at, and none holds some saved rank's parts of a checkpoint the index lists complete."""
-
-
-class StartFresh(IncompleteCheckpoint):
-    """Every checkpoint the index lists complete is lost, and [engine] on_lost = "fresh": a program starts fresh,
-    as when nothing was ever saved (`lost` on the catalog names them; the first save removes them)."""
 
 
 class Catalog:
@@ -193,7 +188,7 @@ class Catalog:
         detail = f"; passed over: {'; '.join(passed_over[:5])}" if passed_over else ""
         if lost and len(lost) == len(unloadable) and self.on_lost == "fresh":
             self.lost = lost
-            raise StartFresh(f"job {self.job!r}: the index lists {len(lost)} complete checkpoint(s) on tiers "
+            raise FreshStart(f"job {self.job!r}: the index lists {len(lost)} complete checkpoint(s) on tiers "
                              f"{list(allowed)}, but none can be loaded{detail}. [engine] on_lost = \"fresh\": "
                              f"starting fresh; the first save removes the lost checkpoint(s) "
                              f"{[s.step for s in lost]}")

@@ -16,7 +16,7 @@ import time
 from typing import Any, Iterator, Mapping, Sequence
 
 from ..distributed.coordinator import Coordinator
-from ..errors import CheckpointLost, IncompleteCheckpoint, TierError
+from ..errors import CheckpointLost, FreshStart, IncompleteCheckpoint, TierError
 from ..layout import job_prefix, parse_key
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.rules import Best
@@ -27,7 +27,7 @@ from ..storage.index import CheckpointStatus
 from ..manifest.table import TensorTable
 from ..storage.tier_io import TierIO
 from ..storage.verified_read import Fallback
-from .catalog import Catalog, StartFresh
+from .catalog import Catalog
 from .heal import HealReport, heal
 from .reads import LoadInfo, Reads, node_holdings, plan_reads, read_parts, target_devices, wait_for_devices
 
@@ -237,7 +237,7 @@ class Loader:
         async def pick() -> tuple[CheckpointStatus | None, dict[str, frozenset[int]], list[int], str]:
             try:
                 status = await self.catalog.pick(step, allowed, best, listings)
-            except StartFresh as e:  # an answer, not a failure: every rank learns which steps were lost
+            except FreshStart as e:  # an answer, not a failure: every rank learns which steps were lost
                 return None, {}, [s.step for s in self.catalog.lost], str(e)
             return status, self._held(status), [s.step for s in self.catalog.lost], ""
 
@@ -247,7 +247,7 @@ class Loader:
             self.lost.update(lost)
         if status is None:
             log.warning("%s", fresh)
-            raise IncompleteCheckpoint(fresh)
+            raise FreshStart(fresh)
         return status, held
 
     def _held(self, status: CheckpointStatus) -> dict[str, frozenset[int]]:
