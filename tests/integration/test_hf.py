@@ -227,3 +227,26 @@ def test_reserve_makes_the_buffers_after_the_first_step_at_the_size_every_save_h
         sizes = {s.step: s.nbytes for s in ckpt.list() if s.is_complete}
     assert sorted(sizes) == [4, 8] and set(sizes.values()) == {r.state_bytes}
     assert steps.trained == list(range(1, 9))
+
+
+def test_resume_true_with_every_checkpoint_lost_follows_on_lost(tmp_path, shm_dir):
+    """Every copy of the run's checkpoints is gone (the memory and the disk tier: nodes lost) while the index still
+    lists them. resume_from_checkpoint=True takes what a load takes: by default CheckpointLost (a person decides);
+    with on_lost = "fresh" the run trains from the start, unattended, and saves the lost steps again."""
+    import shutil
+
+    out = tmp_path / "run"
+    first = trainer(out, shm_dir, steps=8)
+    first.train()
+    config = first.tiers_config
+    for tier in config.tiers:
+        shutil.rmtree(Path(tier.options.path) / config.engine.job)
+    with pytest.raises(tc.CheckpointLost):
+        trainer(out, shm_dir, steps=8).train(resume_from_checkpoint=True)
+    steps = Steps()
+    fresh = trainer(out, shm_dir, steps=8, callbacks=(steps,),
+                    tiers=run_config(out, shm_root=shm_dir, part_size="64KiB", on_lost="fresh"))
+    fresh.train(resume_from_checkpoint=True)
+    assert steps.trained == list(range(1, 9))
+    assert_bit_equal(weights(fresh), weights(first))
+    assert fresh.last_checkpoint() == 8

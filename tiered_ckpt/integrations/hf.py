@@ -56,7 +56,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "pip install 'tiered_ckpt[hf]'") from e
 
 from ..config import Config, load_config
-from ..errors import IncompleteCheckpoint
+from ..errors import FreshStart, IncompleteCheckpoint
 from ..save.reserve import Reservation
 from ..state import PerRank
 from ..sync import Checkpointer, SyncSaveHandle
@@ -200,7 +200,9 @@ class TieredCheckpointMixin:
         if trial is not None:  # trials would save the same steps into one job
             raise ValueError(f"{type(self).__name__} does not support hyper-parameter search")
         try:
-            if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+            if resume_from_checkpoint is True:
+                resume_from_checkpoint = self._resume_newest()
+            elif resume_from_checkpoint is not None and resume_from_checkpoint is not False:
                 step = self._step_to_resume(resume_from_checkpoint)
                 if step is not None:  # else a folder of the Trainer's own, which it resumes from itself
                     self._resume = self._begin_resume(step)
@@ -212,6 +214,23 @@ class TieredCheckpointMixin:
                 shutil.rmtree(os.path.dirname(self._resume.folder), ignore_errors=True)
                 self._resume = None
             self.close_checkpointer(raise_errors=not failing)
+
+    def _resume_newest(self) -> str | bool | None:
+        """resume_from_checkpoint=True: the checkpoint a load takes (the newest that can be loaded, every rank
+        agreeing, [engine] on_lost applied); the folder to hand the Trainer, None to train from the start (every
+        checkpoint lost, with on_lost = "fresh": the first save removes them), or True for the Trainer's own
+        checkpoint-N folders (a run begun without tiered_ckpt)."""
+        try:
+            self._resume = self._begin_resume(None)
+            return self._resume.folder
+        except FreshStart as e:
+            log.warning("training from the start: %s", e)
+            return None
+        except IncompleteCheckpoint as e:  # nothing saved on the tiers: a run begun with the Trainer's own folders?
+            if os.path.isdir(self.args.output_dir) and get_last_checkpoint(self.args.output_dir) is not None:
+                return True
+            raise ValueError(f"No valid checkpoint found: tiered_ckpt job {self.job!r}: {e}; and output directory "
+                             f"{self.args.output_dir} holds no checkpoint-N folder") from None
 
     def _step_to_resume(self, resume: str | bool | int) -> int | None:
         """The tiered step to resume from, or None for a folder the Trainer saved itself."""
@@ -240,14 +259,16 @@ class TieredCheckpointMixin:
                              f"this run would save over; delete them first (tiered-ckpt delete STEP)")
         return step
 
-    def _begin_resume(self, step: int) -> _Resume:
-        """Load the plain values of checkpoint `step` (every rank), and write its TrainerState where the
+    def _begin_resume(self, step: int | None) -> _Resume:
+        """Load the plain values of checkpoint `step` (None: the newest a load takes; every rank), and write its TrainerState where the
         Trainer's resume path reads it."""
         ckpt = self.checkpointer
         values: dict[str, Any] = {"trainer": {"state": None, "data": None, "world_size": None}}
         try:
             info = ckpt.load(values, step=step)
         except IncompleteCheckpoint as e:
+            if step is None:  # the newest: the caller decides (nothing saved, or on_lost = "fresh")
+                raise
             raise ValueError(f"cannot resume from step {step} of job {self.job!r}: {e}") from e
         trainer = values["trainer"]
         rng = None
