@@ -1,12 +1,11 @@
 """The blocking Checkpointer mirrors the Engine for ordinary training loops."""
-import asyncio
 import concurrent.futures
-import threading
 
 import pytest
 import torch
 
 import tiered_ckpt as tc
+from tiered_ckpt.testing.configs import faults
 
 
 def test_checkpointer_save_load_list_delete(make_config):
@@ -47,21 +46,14 @@ def test_checkpointer_from_toml_with_bad_file(tmp_path):
         tc.Checkpointer.from_toml(tmp_path / "missing.toml")
 
 
-def test_checkpointer_handles_report_skipped_tiers(make_config, monkeypatch):
+def test_checkpointer_handles_report_skipped_tiers(make_config):
     """A Checkpointer handle says which tiers skipped its save, as the async handle does."""
-    with tc.Checkpointer(make_config()) as ckpt:
-        disk = ckpt.engine.store.io.driver("disk")
-        real_write = disk.write
-        disk_open = threading.Event()  # the disk writes nothing until every save was made: it falls behind
-
-        async def held(key, data):
-            if ".probe-" not in key:  # (the writer's probe of the tier at the first save goes through)
-                await asyncio.to_thread(disk_open.wait, 60)
-            return await real_write(key, data)
-
-        monkeypatch.setattr(disk, "write", held)
+    config = make_config(tiers=[{}, {"kind": "faulty"}])
+    disk = faults(config, "disk")
+    disk.inject("stall")  # the disk writes nothing until every save was made: it falls behind (its probe goes on)
+    with tc.Checkpointer(config) as ckpt:
         handles = [ckpt.save(step, {"w": torch.full((40_000,), float(step))}) for step in range(1, 6)]
-        disk_open.set()
+        disk.clear()
         for h in handles:
             h.wait()
         assert any("disk" in h.skipped for h in handles) and handles[-1].skipped == {}
