@@ -4,7 +4,7 @@ environment (RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR, ...) and
     SPEC    JSON: {"config": TOML path, "action": "save" | "load" | "train" | "load_save" | "run",
                    "steps": [int, ...] (save, load_save: saved one after the other, each waited for),
                    "tiers": [tier names] (load, optional), "first": int and "progress": path (train: save
-                   first, first+1, ... until killed, each waited for, the last complete step written to
+                   first, first+1, ... until killed, each waited for and committed on every tier, the last such step written to
                    progress + ".<rank>"); run: save each of "steps" as a training loop does (no wait on
                    the handle, "interval" seconds apart, the step written to progress + ".<rank>"), then wait for
                    them all, and report each step's tiers committed and failed, and what save() raised;
@@ -71,7 +71,10 @@ async def main(spec: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
             step = spec["first"]
             try:
                 while True:
-                    await (await engine.save(step, state(step, mesh))).wait()
+                    handle = await engine.save(step, state(step, mesh))
+                    await handle.wait()
+                    if handle.errors:  # progress counts a step committed on every tier (one on node-local
+                        raise tc.SaveError(step, handle.errors)  # tiers alone can be lost with the node)
                     Path(f"{spec['progress']}.{dist.get_rank()}").write_text(str(step))
                     step += 1
             except Exception as e:  # a node died: the save in flight fails; say when
