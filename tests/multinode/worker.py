@@ -4,8 +4,8 @@ environment (RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR, ...) and
     SPEC    JSON: {"config": TOML path, "action": "save" | "load" | "train" | "load_save" | "run",
                    "steps": [int, ...] (save, load_save: saved one after the other, each waited for),
                    "tiers": [tier names] (load, optional), "first": int and "progress": path (train: save
-                   first, first+1, ... until killed, each waited for and committed on every tier, the last such step written to
-                   progress + ".<rank>"); run: save each of "steps" as a training loop does (no wait on
+                   first, first+1, ... until killed, each waited for and committed on every tier, the last
+                   such step written to progress + ".<rank>"); run: save each of "steps" as a training loop does (no wait on
                    the handle, "interval" seconds apart, the step written to progress + ".<rank>"), then wait for
                    them all, and report each step's tiers committed and failed, and what save() raised;
                    "fresh_ok" (load_save): an IncompleteCheckpoint (nothing to resume) starts fresh and saves}
