@@ -160,9 +160,10 @@ def test_a_lazy_saves_pause_counts_the_loops_wait_in_staged(tmp_path, shm_dir):
     asyncio.run(train())
     records = [r for r in read_events(log) if r["event"] == "save"]
     costs = costs_from_events(r for r in records if r["step"] <= 5)
-    waited = statistics.median(waits[s] for s in range(2, 6))  # the loop's own waits, the first save left out
-    assert costs.blocked_seconds >= 0.8 * waited, (costs, waits)
     saves = {r["step"]: r for r in records}
+    # advise counts the whole pause (the first save left out), not save() alone: no timing compared across clocks
+    assert costs.blocked_seconds == statistics.median(saves[s]["paused_seconds"] for s in range(2, 6)), costs
+    assert costs.blocked_seconds > statistics.median(saves[s]["blocked_seconds"] for s in range(2, 6)), costs
     for step in range(1, 6):
         r = saves[step]
         assert r["paused_seconds"] > r["blocked_seconds"], r  # the copy ran after save() returned
