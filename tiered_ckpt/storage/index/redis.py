@@ -47,7 +47,7 @@ from redis import exceptions as rexc
 
 from ...errors import (AuthenticationError, ConfigError, Fenced, IncompleteCheckpoint, IndexUnavailable,
                        TieredCkptError, WriterConflict)
-from ...state.gc_pause import automatic_gc_paused
+from ...gc_pause import automatic_gc_paused
 from .base import CheckpointStatus, CommitState, TierState
 
 log = logging.getLogger(__name__)
