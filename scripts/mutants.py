@@ -139,7 +139,7 @@ MUTANTS = {
         "tiered_ckpt/save/saver.py", "            await self.services.pool.release(launch.buffer)",
         "            pass", ["tests/unit/test_early_copies.py", "-k", "refused_mid_walk"]),
     "automatic-gc-never-paused": (  # a full collection then stops every thread for 100-170 ms mid-save or mid-load
-        "tiered_ckpt/state/gc_pause.py", "            gc.disable()\n", "            pass\n",
+        "tiered_ckpt/gc_pause.py", "            gc.disable()\n", "            pass\n",
         ["tests/unit/test_gc_pause.py"]),
     "lightning-scores-kept-as-tensors": (  # a new set of tensors, so a new plan and buffer, at nearly every save
         "tiered_ckpt/integrations/lightning.py",

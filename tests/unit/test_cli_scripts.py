@@ -350,13 +350,16 @@ with open(sys.argv[1], "w") as f:
 """
 
 
-def test_help_config_check_ls_and_gc_dry_run_do_not_import_torch(tmp_path, shm_dir):
-    """Importing torch took most of every command's ~2-4 s; these answer a script without it."""
-    config = write_config(tmp_path, shm_dir)
+@pytest.mark.parametrize("index", ["file", "redis"])
+def test_help_config_check_ls_gc_and_delete_do_not_import_torch(tmp_path, shm_dir, redis_server, index):
+    """Importing torch took most of every command's ~2-4 s; these answer a script without it, with either
+    index (the Redis index imported torch through state/gc_pause.py until it moved to tiered_ckpt/gc_pause.py)."""
+    config = write_config(tmp_path, shm_dir, **({"index": redis_server().url} if index == "redis" else {}))
     save(config, [1, 2])
     result = tmp_path / "result.json"
     for argv in (["--help"], ["config", "check", str(config)], ["-c", str(config), "ls"],
-                 ["-c", str(config), "ls", "--json"], ["-c", str(config), "gc", "--dry-run"]):
+                 ["-c", str(config), "ls", "--json"], ["-c", str(config), "gc", "--dry-run"],
+                 ["-c", str(config), "delete", "1", "--dry-run"], ["-c", str(config), "delete", "1", "-y"]):
         proc = subprocess.run([sys.executable, "-c", IMPORTS_OF, str(result), json.dumps(argv)], cwd=REPO,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr

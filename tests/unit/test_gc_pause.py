@@ -1,4 +1,4 @@
-"""Automatic collections paused while a save or a load does its per-tensor Python (state/gc_pause.py): a full
+"""Automatic collections paused while a save or a load does its per-tensor Python (gc_pause.py): a full
 collection walks every tracked object of the process, and with many tensors alive it stopped the event loop
 for 100-170 ms in the middle of a first save, a load or a reserve(). Counted with gc.callbacks, not timed."""
 import asyncio
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.state.gc_pause import automatic_gc_paused
+from tiered_ckpt.gc_pause import automatic_gc_paused
 
 
 @pytest.fixture

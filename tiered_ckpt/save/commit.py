@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import IndexUnavailable, RankFailed, TieredCkptError, TierTimeout
 from ..storage.index import CommitState, Index
+from ..storage.index.base import TierState
 from ..layout import incarnation_dir
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class Committer:
         while True:
             asked = time.monotonic()
             try:
-                state = await self.index.tier_state(self.job, step, tier, self.session)
+                state = await self.index.tier_state(self.job, step, tier, self.session, rank=self.rank)
             except IndexUnavailable:
                 unreachable_since = unreachable_since or asked
                 if time.monotonic() - unreachable_since >= self.index_timeout or time.monotonic() > deadline:
@@ -104,7 +105,7 @@ class Committer:
                 if not last_poll and slowest > 1.0:  # the answer may be stale: the stall ended just now
                     last_poll = True
                     continue
-                missing = sorted(set(range(self.world_size)) - state.ranks_done)
+                missing = sorted(set(range(self.world_size)) - await self._ranks_done(step, tier, state))
                 if troubled:
                     raise IndexUnavailable(f"index {self.index.identity} was unreachable or slow for {troubled:.1f}s "
                                            f"while step {step} waited for its commit on tier {tier!r}; ranks "
@@ -116,6 +117,14 @@ class Committer:
                                   f"ranks {missing} never reported their parts durable{slow}", tier=tier)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)
+
+    async def _ranks_done(self, step: int, tier: str, polled: TierState) -> frozenset[int]:
+        """Every rank that marked `tier`, for a timeout's message: a poll may have reported this rank alone
+        (the file index's does); one full read, or what the poll said where the index cannot answer."""
+        try:
+            return (await self.index.tier_state(self.job, step, tier, self.session)).ranks_done | polled.ranks_done
+        except TieredCkptError:
+            return polled.ranks_done
 
     async def skip_tier(self, step: int, tier: str, newer: int) -> None:
         """This rank skips `tier` for `step` (a newer save superseded it there): recorded where every rank's
@@ -130,7 +139,7 @@ class Committer:
         """The newer step for which another rank skipped `tier` for `step`; None if none did."""
         if self.world_size == 1:
             return None
-        state = await self.index.tier_state(self.job, step, tier, self.session)
+        state = await self.index.tier_state(self.job, step, tier, self.session, rank=self.rank)
         return state.newer if state.state == CommitState.SKIPPED else None
 
     async def fail_tier(self, step: int, tier: str, error: BaseException) -> BaseException:

@@ -12,7 +12,7 @@ from ..checksum import CHUNK_SIZE, Running, chunk_digest, of_chunk_digests, part
 from ..layout import manifest_key, rank_meta_key
 from ..manifest import Manifest, RankMeta
 from ..state import encode_skeleton
-from ..state.gc_pause import automatic_gc_paused
+from ..gc_pause import automatic_gc_paused
 from ..storage.tier_io import TierIO
 from ..storage.tiers.base import machine_name
 from .commit import Committer
@@ -160,7 +160,7 @@ class Records:
             skeleton=b"",  # each rank's record carries its own skeleton
             created=time.time(), metadata=self.metadata, index=self.commit.index.identity,
             incarnation=self.commit.incarnation, chunk_size=self.chunk_size)
-        with automatic_gc_paused():  # 100k tensors: ~0.3 s of Python, off the loop (state/gc_pause.py)
+        with automatic_gc_paused():  # 100k tensors: ~0.3 s of Python, off the loop (gc_pause.py)
             data = await asyncio.to_thread(manifest.to_bytes)
         await self.commit.put_manifest(self.step, data)
         return data

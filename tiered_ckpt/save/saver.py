@@ -24,7 +24,7 @@ from ..lifecycle.busy import BusySteps
 from ..lifecycle.writer import Writer
 from ..sizes import format_size
 from ..state import FlatState, flatten
-from ..state.gc_pause import automatic_gc_paused
+from ..gc_pause import automatic_gc_paused
 from .copy import prepare, producer_events
 from .early import EarlyCopies, Launch
 from .failures import FailurePolicy
@@ -113,7 +113,7 @@ class Saver:
             try:
                 metadata = _checked_metadata(metadata)
                 # in a thread: a state of 100k tensors takes a second of Python, and the loop serves saves in flight
-                with automatic_gc_paused():  # (state/gc_pause.py)
+                with automatic_gc_paused():  # (gc_pause.py)
                     flat = await asyncio.to_thread(_walk, state, engine.allow_pickle, rank, launch)
             except Exception as e:
                 if not self.coordinator.distributed:
@@ -196,7 +196,7 @@ class Saver:
                               key="engine.role", file=self.config.source)
         async with self.starting:
             await self.writer.become()  # as a save's start: the lease, the probes, the leftovers
-            with automatic_gc_paused():  # its per-tensor Python: walk, plan, every buffer's views (state/gc_pause.py)
+            with automatic_gc_paused():  # its per-tensor Python: walk, plan, every buffer's views (gc_pause.py)
                 return await self._reserve(state)
 
     async def _reserve(self, state: Any) -> Reservation:

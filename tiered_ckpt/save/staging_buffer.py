@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..buffers import tensor_bytes
-from ..state.gc_pause import automatic_gc_paused
+from ..gc_pause import automatic_gc_paused
 
 if TYPE_CHECKING:
     from .mapped import MappedParts
@@ -50,7 +50,7 @@ class StagingBuffer:
             typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
             views = []
             local = plan.local
-            with automatic_gc_paused():  # a view per tensor: 100k objects (state/gc_pause.py)
+            with automatic_gc_paused():  # a view per tensor: 100k objects (gc_pause.py)
                 for dtype, shape, offset in zip(local.dtype, local.shape, local.offset):
                     if dtype not in typed:
                         size = dtype.itemsize

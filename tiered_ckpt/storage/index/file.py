@@ -4,7 +4,8 @@
                                    info         msgpack {nbytes, metadata} (rank 0, at begin)
                                    manifest     the manifest bytes (rank 0)
                                    ranks/<rank> each rank's part checksums
-                                   durable/<tier>.<rank>.<session>
+                                   durable/<tier>.<rank>.<session>  a hard link to tallies/<tier>.<session>
+                                   tallies/<tier>.<session>          empty; its link count is 1 + the markers
                                    complete/<tier>
                                    failed/<tier>.<rank>.<session>  the reason
                                    skipped/<tier>.<rank>.<session> the newer step that superseded it
@@ -13,10 +14,24 @@ rank of one session has its durable marker there, so a killed process leaves the
 incomplete, and an earlier crashed attempt's markers never complete a new one. Every process of a job
 must see the same directory (a shared file system for several nodes). Folders are created at the first
 write, so opening the index to read (`tiered-ckpt ls`) creates nothing.
+
+A marker and a poll cost O(1) file operations, whatever the number of ranks (listing `durable/` after each
+marker made a commit O(R^2): 16.8 s at 1,024 ranks). Each rank's marker is a hard link to its session's tally
+file, so the tally's link count, read with one stat after the link, is 1 + the number of ranks marked: the
+kernel (or the file server) counts atomically, a rank marked twice (a retry) is counted once, and the count
+only grows, so the rank that makes it reach the world size, and any rank that reads it afterwards, tries to
+create complete/<tier>; that creation is exclusive (a hard link that fails if the name exists), so the tier
+is committed exactly once. Chosen over a counter of numbered slot files (a rank's O_EXCL tries grow with the
+ranks before it) and over one rank listing for all (the others would need that rank alive to commit): the
+markers stay one file per rank, crash-safe as before, so a listing still names the ranks that never reported.
+Where the file system has no hard links, or reports no link count (some FUSE mounts), a marker is a plain file
+and the folder is listed after it, as before. A rank's poll (`tier_state` given its rank) stats complete/ and
+its own marker, and lists the folders of failures and skips (absent unless a rank failed or skipped).
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import logging
 import os
@@ -148,8 +163,12 @@ class FileIndex:
     async def mark_durable(self, job: str, step: int, tier: str, rank: int, world_size: int, session: str) -> bool:
         def mark() -> bool:
             d = self._dir(job, step)
-            _atomic_write(d / "durable" / f"{tier}.{rank}.{session}", b"")
-            if len(_ranks(d / "durable", tier, session)) < world_size:
+            marker = d / "durable" / f"{tier}.{rank}.{session}"
+            marked = _link_marker(d / "tallies" / f"{tier}.{session}", marker)
+            if marked is None:  # no hard links, or no link count, here: a plain marker, and the folder listed
+                _atomic_write(marker, b"")
+                marked = len(_ranks(d / "durable", tier, session))
+            if marked < world_size:
                 return False
             return _atomic_create(d / "complete" / tier)  # several last ranks may race here: one wins
         return await self._io(mark)
@@ -162,10 +181,15 @@ class FileIndex:
         path = self._dir(job, step) / "skipped" / f"{tier}.{rank}.{session}"
         await self._io(_atomic_write, path, str(newer).encode())
 
-    async def tier_state(self, job: str, step: int, tier: str, session: str) -> TierState:
+    async def tier_state(self, job: str, step: int, tier: str, session: str, *, rank: int | None = None) -> TierState:
+        """With `rank` (a rank polling its commit), `ranks_done` holds that rank alone, if it marked the tier:
+        a poll stats files instead of listing every rank's marker."""
         def state() -> TierState:
             d = self._dir(job, step)
-            done = frozenset(_ranks(d / "durable", tier, session))
+            if rank is None:
+                done = frozenset(_ranks(d / "durable", tier, session))
+            else:
+                done = frozenset({rank}) if (d / "durable" / f"{tier}.{rank}.{session}").exists() else frozenset()
             if (d / "complete" / tier).exists():
                 return TierState(CommitState.COMPLETE, "", done)
             for p in sorted(_entries(d / "skipped")):
@@ -175,9 +199,9 @@ class FileIndex:
                     if newer is not None:
                         return TierState(CommitState.SKIPPED, "", done, newer)
             for p in sorted(_entries(d / "failed")):
-                name, rank, sess = p.name.rsplit(".", 2)
+                name, who, sess = p.name.rsplit(".", 2)
                 if name == tier and sess == session:
-                    return TierState(CommitState.FAILED, f"rank {rank}: {p.read_text(errors='replace')}", done)
+                    return TierState(CommitState.FAILED, f"rank {who}: {p.read_text(errors='replace')}", done)
             return TierState(CommitState.PENDING, "", done)
         return await self._io(state)
 
@@ -196,7 +220,7 @@ class FileIndex:
                 # rewrite the record only in the folder as it is, never re-creating it
                 _rewrite(d / "begun", seal(msgpack.packb(record)))
             for p in [*(d / "durable").glob(f"{tier}.*"), *(d / "failed").glob(f"{tier}.*"),
-                      *(d / "skipped").glob(f"{tier}.*")]:
+                      *(d / "skipped").glob(f"{tier}.*"), *(d / "tallies").glob(f"{tier}.*")]:
                 p.unlink(missing_ok=True)
         await self._io(unmark)
 
@@ -414,6 +438,50 @@ def _ranks(d: Path, tier: str, session: str) -> set[int]:
         if name == tier and sess == session:
             ranks.add(int(rank))
     return ranks
+
+
+# os.link's refusals that mean "no hard links here" (not "no such folder"): the marker falls back to a plain file
+NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
+
+
+def _link_marker(tally: Path, marker: Path) -> int | None:
+    """Link `marker` to `tally` (made first if missing) and return how many markers the tally has now (one
+    stat: its link count less its own name); None where the file system takes no hard links or counts none.
+    A marker already there (this rank's retry) is counted once, as the first time."""
+    try:
+        try:
+            os.link(tally, marker)
+        except FileNotFoundError:  # the session's first marker here, or the folders not made yet
+            make_folders(marker.parent)
+            _create_tally(tally)
+            try:
+                os.link(tally, marker)
+            except FileExistsError:
+                pass
+        except FileExistsError:
+            pass
+        fsync_dir(marker.parent)
+        links = os.stat(tally).st_nlink
+    except OSError as e:
+        if e.errno in NO_LINKS:
+            return None
+        raise
+    return links - 1 if links >= 2 else None  # a marker is linked: fewer links means no real count here
+
+
+def _create_tally(tally: Path) -> None:
+    """The empty file that every marker of one tier and session links to; created once (O_EXCL), directly under
+    its name: a temporary name linked to it meanwhile would count as a marker."""
+    make_folders(tally.parent)
+    try:
+        fd = os.open(tally, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(tally.parent)
 
 
 def _entries(d: Path) -> list[Path]:

@@ -47,7 +47,7 @@ from redis import exceptions as rexc
 
 from ...errors import (AuthenticationError, ConfigError, Fenced, IncompleteCheckpoint, IndexUnavailable,
                        TieredCkptError, WriterConflict)
-from ...state.gc_pause import automatic_gc_paused
+from ...gc_pause import automatic_gc_paused
 from .base import CheckpointStatus, CommitState, TierState
 
 log = logging.getLogger(__name__)
@@ -286,8 +286,9 @@ class RedisIndex:
     async def mark_skipped(self, job: str, step: int, tier: str, rank: int, session: str, newer: int) -> None:
         await self._hset(job, step, f"skipped:{tier}:{rank}:{session}", str(newer))
 
-    async def tier_state(self, job: str, step: int, tier: str, session: str) -> TierState:
-        """Five fields, whatever the number of ranks: every rank polls this while it waits for a commit."""
+    async def tier_state(self, job: str, step: int, tier: str, session: str, *, rank: int | None = None) -> TierState:
+        """Five fields, whatever the number of ranks: every rank polls this while it waits for a commit. The
+        ranks done come as one bitmap (R/8 bytes), so `rank` changes nothing here."""
         assert self._client is not None
         key = self._k(job, "step", step)
         complete, bits, failure, skip, created = await self._call("read of the index", lambda: self._client.hmget(
