@@ -199,6 +199,7 @@ class Engine:
             await self._finishing
         try:
             await loader.wait_healed(timeout=self.config.engine.commit_timeout)  # then cancelled
+            await saver.services.commit.close()  # failures still being recorded: the index goes now
             await self.store.close()
             await self.coordinator.destroy()
             await self.pool.clear()

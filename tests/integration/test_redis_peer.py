@@ -249,3 +249,33 @@ async def test_a_hung_ring_server_costs_a_save_one_probe_per_down_seconds(tmp_pa
             assert all(torch.equal(out[k], v) for k, v in random_state(2).items())
     assert not redis.Redis(port=servers[0].port).keys("*")  # never the writer's own machine
     assert redis.Redis(port=servers[2].port).keys("*")
+
+
+async def test_a_checkpoint_is_never_taken_for_lost_while_a_ring_server_is_unreachable(tmp_path, shm_dir,
+                                                                                       redis_server):
+    """Step 1's memory and disk copies are gone; its ring copy is on this node's successor. With that server
+    unreachable, what it holds is unknown: even with on_lost = "fresh" the load raises CheckpointLost and removes
+    nothing (the server may come back). With the server answering and empty, the step is really lost: FreshStart."""
+    import shutil
+
+    import pytest
+
+    servers = [redis_server() for _ in range(2)]
+    config = stack(tmp_path, shm_dir, [s.url for s in servers], node=0, down_seconds=60)
+    async with tc.Engine(config) as engine:
+        await (await engine.save(1, state(1.0))).wait()
+    for root in (shm_dir / "host" / "redis", tmp_path / "disk" / "redis"):
+        shutil.rmtree(root)
+    fresh = config.replace_engine(on_lost="fresh")
+    servers[1].stop()
+    async with tc.Engine(fresh) as engine:
+        with pytest.raises(tc.CheckpointLost):
+            await load(engine)
+        assert [s.step for s in await engine.statuses() if s.is_complete] == [1]  # nothing removed
+    servers[1].start()  # back, and empty: the ring copy is gone for good
+    async with tc.Engine(fresh) as engine:
+        with pytest.raises(tc.FreshStart):
+            await load(engine)
+        await (await engine.save(1, state(10.0))).wait()  # the lost step 1 is removed, and saved again
+        info, out = await load(engine)
+    assert info.step == 1 and torch.all(out["w"] == 10.0)

@@ -166,3 +166,17 @@ async def test_saves_called_at_once_start_one_at_a_time_in_call_order(make_confi
         await twice[0].wait()
         _, out = await load_values(engine, step=5)
         assert torch.all(out["w"] == 5.0)
+
+
+async def test_waiting_on_one_tier_does_not_silence_a_required_tiers_failure(make_config):
+    """The loop waits for disk alone; host, marked required, fails: the next save() still stops training."""
+    engine = await tc.Engine(make_config(tiers=[{"capacity": "100KiB", "required": True}, {}],
+                                         stage_in_memory_tier=False)).open()
+    try:
+        handle = await engine.save(1, state_of(1.0))
+        await handle.wait("disk")
+        await engine.wait_all()
+        with pytest.raises(tc.SaveError, match="required"):
+            await engine.save(2, {"w": torch.ones(10)})
+    finally:
+        await engine.close()

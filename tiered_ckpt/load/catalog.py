@@ -165,7 +165,8 @@ class Catalog:
                 passed_over.append(f"step {st}: {e}")
                 if status is not None and set(self.io.names) <= set(allowed):  # not lost: on tiers not asked
                     unloadable.append(status)
-                    if isinstance(e, PartsGone):
+                    # lost (removed by the next save, or a fresh start) only where every tier was listed whole
+                    if isinstance(e, PartsGone) and not any(self.io.listed_partly(t) for t in allowed):
                         lost.append(status)
                 continue
             if unloadable and self.on_lost == "error":

@@ -36,6 +36,7 @@ class Committer:
                  index_timeout: float = 10.0):
         self.index = index
         self.index_timeout = index_timeout  # how long the index may be unreachable before a commit wait fails
+        self._recording: set[asyncio.Future[None]] = set()  # failures being recorded once the index answers
         self.job = job
         self.rank = rank
         self.world_size = world_size
@@ -85,10 +86,7 @@ class Committer:
                 continue
             took = time.monotonic() - asked
             if unreachable_since is not None or took > self.index_timeout / 2:
-                troubled += time.monotonic() - (unreachable_since or asked)
-                # the other ranks' markers may have been lost in the index's trouble (a reply lost, a failure that
-                # could not be recorded): wait for them a little longer, not the whole commit_timeout
-                deadline = min(deadline, time.monotonic() + 2 * self.index_timeout)
+                troubled += time.monotonic() - (unreachable_since or asked)  # named if the wait times out
             unreachable_since = None
             slowest = max(slowest, took)
             if state.state == CommitState.COMPLETE:
@@ -97,10 +95,11 @@ class Committer:
                 raise Superseded(state.newer)
             if state.state == CommitState.FAILED:
                 raise RankFailed(f"step {step}: {state.reason}", tier=tier)
-            if state.forgotten or self.rank not in state.ranks_done:  # this rank marked the tier before it waited
-                raise IndexUnavailable(f"index {self.index.identity} lost the record of step {step} (restarted empty, "
-                                       f"or restored from an older snapshot?): its commit on tier {tier!r} cannot "
-                                       f"complete; the next save commits again")
+            if state.forgotten:  # begin's record is gone (retention keeps it while a tier still holds the step)
+                raise IndexUnavailable(f"index {self.index.identity} no longer has the record of step {step} (the "
+                                       f"server restarted empty or was restored from an older snapshot, or the "
+                                       f"step was deleted meanwhile): its commit on tier {tier!r} cannot complete; "
+                                       f"the next save commits again")
             if time.monotonic() > deadline:
                 if not last_poll and slowest > 1.0:  # the answer may be stale: the stall ended just now
                     last_poll = True
@@ -108,9 +107,9 @@ class Committer:
                 missing = sorted(set(range(self.world_size)) - await self._ranks_done(step, tier, state))
                 if troubled:
                     raise IndexUnavailable(f"index {self.index.identity} was unreachable or slow for {troubled:.1f}s "
-                                           f"while step {step} waited for its commit on tier {tier!r}; ranks "
-                                           f"{missing} were not seen durable since (their markers may have been "
-                                           f"lost there)")
+                                           f"while step {step} waited {self.timeout:g}s for its commit on tier "
+                                           f"{tier!r}; ranks {missing} were not seen durable (their markers, or "
+                                           f"their failures, may have been lost there)")
                 slow = (f"; the index {self.index.identity} was slow to answer (one poll took {slowest:.1f}s), so "
                         f"their markers may have been held up there" if slowest > 1.0 else "")
                 raise TierTimeout(f"step {step} not complete after {self.timeout}s: "
@@ -125,6 +124,29 @@ class Committer:
             return (await self.index.tier_state(self.job, step, tier, self.session)).ranks_done | polled.ranks_done
         except TieredCkptError:
             return polled.ranks_done
+
+    async def close(self) -> None:
+        """Stop recording failures the index did not take (the engine closes: the index goes with it)."""
+        for task in list(self._recording):
+            task.cancel()
+        if self._recording:
+            await asyncio.wait(list(self._recording))
+
+    async def _record_failure_later(self, step: int, tier: str, reason: str) -> None:
+        """Record a failure the index did not take (a stalled or restarting server), retrying until
+        `commit_timeout`: the other ranks wait for this rank's marker or failure until then, and end at once
+        when they see it."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.1
+        while time.monotonic() < deadline:
+            await asyncio.sleep(delay)
+            try:
+                await self.index.mark_failed(self.job, step, tier, self.rank, self.session, reason)
+                return
+            except (TieredCkptError, OSError):
+                delay = min(delay * 2, 2.0)
+        log.error("the failure of tier %s at step %d was never recorded in the index: the other ranks waited "
+                  "commit_timeout", tier, step)
 
     async def skip_tier(self, step: int, tier: str, newer: int) -> None:
         """This rank skips `tier` for `step` (a newer save superseded it there): recorded where every rank's
@@ -152,7 +174,11 @@ class Committer:
         try:
             await self.index.mark_failed(self.job, step, tier, self.rank, self.session, reason)
         except (TieredCkptError, OSError) as e:  # the index being down must not hide the original error
-            log.error("could not record the failure of tier %s in the index: %s", tier, e)
+            log.warning("could not record the failure of tier %s in the index yet (%s); trying again in the "
+                        "background, so the other ranks' commit wait ends when the index answers again", tier, e)
+            task = asyncio.ensure_future(self._record_failure_later(step, tier, reason))
+            self._recording.add(task)
+            task.add_done_callback(self._recording.discard)
         if self.world_size == 1:
             return error
         failed = RankFailed(f"step {step}: rank {self.rank}: {reason}", tier=tier)

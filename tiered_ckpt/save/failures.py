@@ -16,7 +16,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from ..errors import SaveError
+from ..errors import RankFailed, SaveError
 from .handle import SaveHandle, TierDone
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class Outage:
     """One tier failing, from its first failed save until it commits one again."""
 
     first_step: int
+    warned: bool  # this rank's own error began it (it warned); another rank's failure is said at INFO
     saves: int = 1  # failed saves so far
 
 
@@ -56,7 +57,7 @@ class FailurePolicy:
         if done.committed:
             if outage is not None:
                 del self.outages[done.tier]
-                log.warning("job %r: tier %s works again: step %d is complete on it, after %d failed save(s) there "
+                (log.warning if outage.warned else log.info)("job %r: tier %s works again: step %d is complete on it, after %d failed save(s) there "
                             "(since step %d)", self.job, done.tier, done.step, outage.saves, outage.first_step)
             return
         if done.error is None or isinstance(done.error, asyncio.CancelledError):
@@ -67,10 +68,13 @@ class FailurePolicy:
                      self.job, done.step, done.tier, outage.first_step, outage.saves, type(done.error).__name__,
                      done.error)
             return
-        self.outages[done.tier] = Outage(done.step)
+        # the rank whose own error it is warns; the others (RankFailed naming it) say it at INFO: one warning a job
+        warned = not isinstance(done.error, RankFailed)
+        self.outages[done.tier] = Outage(done.step, warned)
+        say = log.warning if warned else log.info
         policy = ("a required tier: training stops at the next save" if done.tier in self.required else
                   "training goes on while another tier commits the saves")
-        log.warning("job %r: step %d failed on tier %s (%s); %s. Further failures there are logged at INFO until the "
+        say("job %r: step %d failed on tier %s (%s); %s. Further failures there are logged at INFO until the "
                     "tier works again", self.job, done.step, done.tier, f"{type(done.error).__name__}: {done.error}",
                     policy)
 

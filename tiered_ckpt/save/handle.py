@@ -68,12 +68,12 @@ class SaveHandle:
         raise SaveError naming every failed tier when the save failed: it committed on no tier, or a tier marked
         `required` failed. A save complete on some tier while another failed is a checkpoint (a load takes it):
         this returns, and `errors` names the tiers that failed."""
-        self.observed = True
-        if tier is not None:
+        if tier is not None:  # one tier's outcome: the save's own failure (a required tier's) is still raised later
             if tier not in self._done:
                 raise ValueError(f"step {self.step} does not target tier {tier!r} (targets: {list(self.tiers)})")
             await asyncio.shield(self._done[tier])
             return
+        self.observed = True
         await self.staged()
         if self._done:
             await asyncio.wait(self._done.values())

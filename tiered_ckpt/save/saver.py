@@ -265,29 +265,32 @@ class Saver:
     async def _remove_lost(self) -> None:
         """Checkpoints a load found lost (parts gone from every tier; [engine] on_lost) go before this save, on every
         rank at once (a collective: rank 0 removes, the others wait), so the run can save their steps again and no
-        later load picks them."""
+        later load picks them. Tried once: an index that cannot list them now leaves them listed (the next load
+        finds them lost again), and saving one of their steps again is refused as before."""
         lost = sorted(self.services.lost)
+        self.services.lost.clear()
 
-        async def remove() -> list[int]:
-            removed = []
+        async def remove() -> list[int] | None:
             try:
-                for status in await self.services.removal.index.list(self.job):
-                    if status.step in lost:
-                        try:
-                            await self.services.removal.forget(status)
-                        except TierError as e:  # out of the index and buried: the next writer or gc finishes it
-                            log.warning("removing lost checkpoint %d: %s", status.step, e)
-                        removed.append(status.step)
-            except TieredCkptError as e:  # the index is down: the next save tries again
-                log.warning("lost checkpoint(s) %s not removed yet: %s: %s", lost, type(e).__name__, e)
-            return removed
+                listed = {s.step: s for s in await self.services.removal.index.list(self.job)}
+            except TieredCkptError as e:
+                log.warning("lost checkpoint(s) %s not removed: the index cannot list them now (%s: %s)", lost,
+                            type(e).__name__, e)
+                return None
+            for step in lost:
+                if step in listed:
+                    try:
+                        await self.services.removal.forget(listed[step])
+                    except TieredCkptError as e:  # out of the index and buried: the next writer or gc finishes it
+                        log.warning("removing lost checkpoint %d: %s", step, e)
+            return lost
 
         removed = await self.coordinator.on_first(remove, "removing lost checkpoints")
-        if removed and self.coordinator.rank == 0:
-            log.warning("job %r: removed lost checkpoint(s) %s (their parts are gone from every tier)", self.job,
-                        removed)
-        self.services.committed.difference_update(removed)
-        self.services.lost.difference_update(removed)
+        if removed:
+            if self.coordinator.rank == 0:
+                log.warning("job %r: removed lost checkpoint(s) %s (their parts are gone from every tier)", self.job,
+                            removed)
+            self.services.committed.difference_update(removed)
 
     def _check_new(self, step: int) -> None:
         if step in self.services.committed:

@@ -89,6 +89,10 @@ class TierIO:
         driver = self._drivers[name]
         return driver if isinstance(driver, FileTier) else None
 
+    def listed_partly(self, name: str) -> bool:
+        """Whether the last listing of `name` left out part of its store it could not reach (Tier.listed_partly)."""
+        return bool(getattr(self._drivers[name], "listed_partly", False))
+
     def driver(self, name: str) -> Tier:
         """The driver itself, for tests and tools that inject faults or look at the store. The library never
         uses it: every one of its calls goes through the methods below, with timeouts and retries."""

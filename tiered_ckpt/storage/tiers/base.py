@@ -31,6 +31,9 @@ class NoOptions:
 
 class Tier(ABC):
     Options: ClassVar[type] = NoOptions
+    # set by a driver whose last list() left out part of its store that it could not reach just now (a peer ring
+    # passing a server over): what that part holds is unknown, so nothing may be judged gone from that listing
+    listed_partly: bool = False
 
     def __init__(self, name: str, options: Any):
         self.check_options(name, options)

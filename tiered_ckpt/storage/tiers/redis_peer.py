@@ -370,8 +370,12 @@ class RedisPeerTier(Tier):
                 raise self._fail(server, e, f"deleting {prefix}*") from e
 
     async def list(self, prefix: str) -> list[str]:
+        """Every server's keys under `prefix`; a server passed over (unreachable now) is left out, and
+        `listed_partly` says so until the next listing: what it holds is unknown, not gone."""
         keys: set[str] = set()
-        for server in self._live(range(len(self._clients))):
+        live = self._live(range(len(self._clients)))
+        self.listed_partly = len(live) < len(self._clients)
+        for server in live:
             client = self._clients[server]
             try:
                 await self._probe(server)
@@ -382,7 +386,8 @@ class RedisPeerTier(Tier):
                 self._answered(server)
             except ERRORS as e:
                 if self._passed_over(server, e):
-                    continue  # what it held cannot be read anyway
+                    self.listed_partly = True
+                    continue  # what it held cannot be read now
                 raise self._fail(server, e, f"listing {prefix}*") from e
         return sorted(keys)
 
