@@ -116,8 +116,11 @@ class SaveJob:
                 await commit.begin(self.step, self.tiers, nbytes=sum(self.plan.rank_nbytes),
                                    metadata=self.records.metadata)
             except Exception as e:  # the index is down, or refused: every tier fails, naming it
-                for tier in self.tiers:
-                    handle.set_done(tier, e)
+                # recorded (once the index answers, in the background) where the other ranks' commit waits see it:
+                # those whose begin went through would wait for this rank's markers until commit_timeout
+                failed = await asyncio.gather(*(commit.fail_tier(self.step, t, e) for t in self.tiers))
+                for tier, error in zip(self.tiers, failed):
+                    handle.set_done(tier, error)
                 return
             await asyncio.gather(*(self._persist(t) for t in self.tiers))
             for write in self.writes.values():
