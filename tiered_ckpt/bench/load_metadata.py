@@ -4,7 +4,9 @@ file index. A checkpoint of R synthetic ranks is written first (a manifest and R
 real save writes: 4 parts, a digest per 4 MiB chunk, a small skeleton); then one loading rank reads it.
 
 Reported per R: index round trips of that read (every index call counted), its CPU and wall time, and the slope
-of each against R fitted on a log-log scale (1.0: linear, 0: flat).
+of each against R fitted on a log-log scale (1.0: linear, 0: flat). With several ranks only rank 0 makes that
+read and hands the manifest on (load/shared.py): also reported, rank 0's CPU to encode it, the bytes it sends,
+and the CPU another rank spends decoding and checking it (no index call).
 
     python -m tiered_ckpt.bench.load_metadata --ranks 64 256 1024 4096 10240
 """
@@ -61,6 +63,21 @@ async def read_metadata(index: Any, *, job: str = JOB, step: int = STEP) -> tupl
     return manifest, counting.total, time.process_time() - cpu, time.perf_counter() - wall
 
 
+def _handed_on(manifest: Manifest) -> tuple[float | None, float | None, int]:
+    """With several ranks, rank 0 hands the manifest it read to the others (load/shared.py): its CPU to encode it,
+    another rank's to decode and check it, and the bytes sent. (None, None, 0) in a release without it."""
+    try:
+        from ..load.shared import SharedManifest  # noqa: F401
+    except ImportError:
+        return None, None, 0
+    cpu = time.process_time()
+    data = manifest.to_bytes()
+    encode = time.process_time() - cpu
+    cpu = time.process_time()
+    Manifest.from_bytes(data, source="bench").expect(manifest.job, manifest.step, "bench")
+    return encode, time.process_time() - cpu, len(data)
+
+
 def slope(xs: list[int], ys: list[float]) -> float:
     """Least-squares slope of log y against log x."""
     lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-9)) for y in ys]
@@ -84,11 +101,15 @@ async def run(sizes: list[int], url: str | None) -> None:
                 manifest, trips, cpu, wall = await read_metadata(index, job=f"{JOB}{n}")
                 assert len(manifest.ranks) == ranks
                 await index.close()
-                rows.append((ranks, trips, cpu, wall))
-                print(f"{name:5} R={ranks:6d}  round trips {trips:6d}  CPU {cpu:8.3f} s  wall {wall:8.3f} s", flush=True)
+                handed = _handed_on(manifest)
+                rows.append((ranks, trips, cpu, wall, *handed))
+                print(f"{name:5} R={ranks:6d}  round trips {trips:6d}  CPU {cpu:8.3f} s  wall {wall:8.3f} s"
+                      + ("" if handed[0] is None else f"  | rank 0 encodes {handed[0]:.3f} s CPU, {handed[2] / 1e6:.1f} "
+                         f"MB sent; each other rank decodes {handed[1]:.3f} s CPU, 0 round trips"), flush=True)
             xs = [r[0] for r in rows]
-            print(f"{name:5} slope vs R: round trips {slope(xs, [r[1] for r in rows]):.2f}, "
-                  f"CPU {slope(xs, [r[2] for r in rows]):.2f}, wall {slope(xs, [r[3] for r in rows]):.2f}", flush=True)
+            fits = [f"{what} {slope(xs, [r[i] for r in rows]):.2f}" for what, i in
+                    (("round trips", 1), ("CPU", 2), ("wall", 3), ("decode CPU", 5)) if rows[0][i] is not None]
+            print(f"{name:5} slope vs R: {', '.join(fits)}", flush=True)
 
 
 class _Given:
