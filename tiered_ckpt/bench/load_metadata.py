@@ -49,7 +49,8 @@ async def write_checkpoint(index: Any, ranks: int, *, job: str = JOB, step: int 
         return RankMeta(r, nbytes, tuple(range(r, r + PARTS)), b"s" * 200, (r % 256).to_bytes(1, "little") * 8 * chunks,
                         f"node{r // 8}").to_bytes()
     for start in range(0, ranks, 256):
-        await asyncio.gather(*(index.put_rank_meta(job, step, r, record(r)) for r in range(start, min(ranks, start + 256))))
+        batch = range(start, min(ranks, start + 256))
+        await asyncio.gather(*(index.put_rank_meta(job, step, r, record(r)) for r in batch))
     return manifest
 
 
@@ -104,8 +105,9 @@ async def run(sizes: list[int], url: str | None) -> None:
                 handed = _handed_on(manifest)
                 rows.append((ranks, trips, cpu, wall, *handed))
                 print(f"{name:5} R={ranks:6d}  round trips {trips:6d}  CPU {cpu:8.3f} s  wall {wall:8.3f} s"
-                      + ("" if handed[0] is None else f"  | rank 0 encodes {handed[0]:.3f} s CPU, {handed[2] / 1e6:.1f} "
-                         f"MB sent; each other rank decodes {handed[1]:.3f} s CPU, 0 round trips"), flush=True)
+                      + ("" if handed[0] is None else f"  | rank 0 encodes {handed[0]:.3f} s CPU, "
+                         f"{handed[2] / 1e6:.1f} MB sent; each other rank decodes {handed[1]:.3f} s CPU, "
+                         f"0 round trips"), flush=True)
             xs = [r[0] for r in rows]
             fits = [f"{what} {slope(xs, [r[i] for r in rows]):.2f}" for what, i in
                     (("round trips", 1), ("CPU", 2), ("wall", 3), ("decode CPU", 5)) if rows[0][i] is not None]

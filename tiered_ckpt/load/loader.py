@@ -245,7 +245,8 @@ class Loader:
                 status = await self.catalog.pick(step, allowed, best, listings)
             except FreshStart as e:  # an answer, not a failure: every rank learns which steps were lost
                 return None, {}, [s.step for s in self.catalog.lost], str(e), None
-            shared = await SharedManifest.read(self.catalog, status, allowed) if self.coordinator.distributed else None
+            shared = None if not self.coordinator.distributed else await SharedManifest.read(self.catalog, status,
+                                                                                               allowed)
             return status, self._held(status), [s.step for s in self.catalog.lost], "", shared
 
         status, held, lost, fresh, shared = await self.coordinator.on_first(
