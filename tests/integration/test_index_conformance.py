@@ -18,3 +18,25 @@ class TestRedisIndex(IndexConformance):
     def make_index(self, redis_server):
         url = redis_server().url
         return lambda: RedisIndex(url)
+
+
+class WithoutBatchedReads:
+    """A third party's index written before `get_rank_metas` existed (not subclassing Index): every call but
+    that one goes to a file index."""
+
+    def __init__(self, inner: FileIndex):
+        object.__setattr__(self, "_inner", inner)
+
+    def __getattr__(self, name):
+        if name == "get_rank_metas":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._inner, name, value)
+
+
+class TestIndexWithoutBatchedReads(IndexConformance):
+    @pytest.fixture
+    def make_index(self, tmp_path):
+        return lambda: WithoutBatchedReads(FileIndex(tmp_path / "index"))

@@ -13,7 +13,7 @@ import os
 from typing import Awaitable, Callable, Sequence, TypeVar
 
 from ..errors import CheckpointLost, FreshStart, IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
-from ..storage.index import CheckpointStatus, Index
+from ..storage.index import CheckpointStatus, Index, rank_metas
 from ..layout import index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
 from ..manifest import Manifest, RankMeta
 from ..lifecycle import lineage
@@ -359,14 +359,40 @@ class Catalog:
                     break
         if manifest is None:
             raise IncompleteCheckpoint(f"job {self.job!r} step {step}: no readable manifest ({'; '.join(errors)})")
-        records = {}
-        for r in manifest.ranks:
-            records[r.rank] = await self._first_valid(
-                lambda r=r: self.index.get_rank_meta(self.job, step, r.rank), tiers,
-                rank_meta_key(self.job, step, r.rank, manifest.incarnation),
-                lambda data, src, r=r: RankMeta.from_bytes(data, source=src).expect(r.rank, src),
-                f"checksums of rank {r.rank}", errors)
+        records, damaged = await self._records_from_index(step, [r.rank for r in manifest.ranks], errors)
+        for rank in damaged:  # the index's copy missing or damaged: the first intact copy on the tiers
+            records[rank] = await self._first_valid(
+                None, tiers, rank_meta_key(self.job, step, rank, manifest.incarnation),
+                lambda data, src, rank=rank: RankMeta.from_bytes(data, source=src).expect(rank, src),
+                f"checksums of rank {rank}", errors)
         return manifest.with_checksums(records)
+
+    async def _records_from_index(self, step: int, ranks: list[int], errors: list[str],
+                                  ) -> tuple[dict[int, RankMeta], list[int]]:
+        """Every saved rank's checksum record from the index in one batched read (before: one round trip per
+        rank, 22.9 s at 10,240 ranks on Redis), each checked against its seal; with the ranks whose record the
+        index lacks or holds damaged (each named in `errors`)."""
+        try:
+            stored = await rank_metas(self.index, self.job, step, ranks)
+        except IndexUnavailable as e:
+            errors.append(str(e))
+            stored = {}
+
+        def parse() -> tuple[dict[int, RankMeta], list[int]]:
+            records: dict[int, RankMeta] = {}
+            damaged: list[int] = []
+            for rank in ranks:
+                source = f"index checksums of rank {rank}"
+                try:
+                    if rank not in stored:
+                        raise IncompleteCheckpoint(f"job {self.job!r} step {step}: no checksums of rank {rank} "
+                                                   f"in the index")
+                    records[rank] = RankMeta.from_bytes(stored[rank], source=source).expect(rank, source)
+                except (IncompleteCheckpoint, IntegrityError) as e:
+                    errors.append(str(e))
+                    damaged.append(rank)
+            return records, damaged
+        return await asyncio.to_thread(parse)
 
     async def _incarnations(self, step: int, tiers: Sequence[str]) -> list[str]:
         """The folders holding a manifest of `step` on `tiers`: this index's first, newest session first."""

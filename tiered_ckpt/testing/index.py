@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Callable
 import pytest
 
 from ..errors import IncompleteCheckpoint
-from ..storage.index import Index
+from ..storage.index import Index, rank_metas
 
 JOB = "job"
 
@@ -72,6 +72,16 @@ class IndexConformance:
             await index.get_rank_meta(JOB, 1, 1)
         with pytest.raises(IncompleteCheckpoint):
             await index.get_manifest(JOB, 2)
+
+    async def test_rank_records_are_read_in_one_batch_missing_ones_absent(self, index):
+        await index.begin(JOB, 1, ["disk"])
+        records = {r: f"rank{r}".encode() * (r % 5 + 1) for r in range(0, 2500, 2)}  # more than one batch
+        for r, data in records.items():
+            await index.put_rank_meta(JOB, 1, r, data)
+        assert await rank_metas(index, JOB, 1, range(2500)) == records  # odd ranks: no record, absent
+        assert await rank_metas(index, JOB, 1, [4, 0]) == {4: records[4], 0: records[0]}
+        assert await rank_metas(index, JOB, 1, []) == {}
+        assert await rank_metas(index, JOB, 2, [0, 1]) == {}  # no such step: nothing, not an error
 
     async def test_a_tier_completes_when_every_rank_of_one_session_marked_it(self, index):
         await index.begin(JOB, 1, ["host", "disk"])

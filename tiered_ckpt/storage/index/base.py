@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Mapping, Protocol, Sequence
 
+from ...errors import IncompleteCheckpoint
+
 @dataclass(frozen=True)
 class CheckpointStatus:
     """One checkpoint as the index (or, when the index forgot it, the tiers) knows it: where it was meant to
@@ -102,6 +104,11 @@ class Index(Protocol):
     async def get_manifest(self, job: str, step: int) -> bytes: ...
     async def put_rank_meta(self, job: str, step: int, rank: int, data: bytes) -> None: ...
     async def get_rank_meta(self, job: str, step: int, rank: int) -> bytes: ...
+    async def get_rank_metas(self, job: str, step: int, ranks: Sequence[int]) -> dict[int, bytes]:
+        """The checksum records of `ranks`, in as few calls to the store as it allows (a load reads every saved
+        rank's: thousands); a rank the index holds no record of is absent. This default asks one rank at a
+        time: an index that can do better overrides it (`rank_metas` serves indexes that lack it)."""
+        return await _rank_metas_one_by_one(self, job, step, ranks)
     async def mark_durable(self, job: str, step: int, tier: str, rank: int, world_size: int, session: str) -> bool: ...
     async def mark_failed(self, job: str, step: int, tier: str, rank: int, session: str, reason: str) -> None: ...
     async def mark_skipped(self, job: str, step: int, tier: str, rank: int, session: str, newer: int) -> None: ...
@@ -123,3 +130,22 @@ class Index(Protocol):
         old their `created` looks: the file index stamps it with the writer's clock); empty when no live writer
         is known or the index's own clock stamps every save (Redis)."""
         ...
+
+
+async def rank_metas(index: Index, job: str, step: int, ranks: Sequence[int]) -> dict[int, bytes]:
+    """`index.get_rank_metas`, or for an index written before it existed (a third party's, not subclassing
+    Index) one `get_rank_meta` per rank."""
+    batched = getattr(index, "get_rank_metas", None)
+    if batched is None:
+        return await _rank_metas_one_by_one(index, job, step, ranks)
+    return await batched(job, step, ranks)
+
+
+async def _rank_metas_one_by_one(index: Index, job: str, step: int, ranks: Sequence[int]) -> dict[int, bytes]:
+    found: dict[int, bytes] = {}
+    for rank in ranks:
+        try:
+            found[rank] = await index.get_rank_meta(job, step, rank)
+        except IncompleteCheckpoint:
+            continue  # no record: absent (an unreachable index raises, as for one record)
+    return found

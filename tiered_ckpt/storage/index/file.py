@@ -336,6 +336,15 @@ class FileIndex:
             trash.rmdir()
         await self._io(delete)
 
+    async def get_rank_metas(self, job: str, step: int, ranks: Sequence[int]) -> dict[int, bytes]:
+        """Every record asked for in one pass of one thread (a load reads every saved rank's)."""
+        folder = self._dir(job, step) / "ranks"
+
+        def read() -> dict[int, bytes]:
+            found = {r: _read_or_none(folder / str(r)) for r in ranks}
+            return {r: data for r, data in found.items() if data is not None}
+        return await self._io(read)
+
 
 CLEANER = "cleaner"  # how a lease taken by attach() starts: a writer's fence waits for it
 CLEANER_WAIT = 60.0  # seconds a writer's first save waits for a cleaner's lease (gc or delete take seconds)

@@ -66,6 +66,7 @@ _SCRIPTS = {"hset": _CHECK + _SUMMARY + _lua("hset"), "commit": _CHECK + _SUMMAR
             "unmark": _CHECK + _SUMMARY + _lua("unmark"), "delete": _CHECK + _lua("delete"),
             "bury": _CHECK + _lua("bury"), "fence": _lua("fence"), "lease": _lua("lease") + _lua("fence"),
             "renew": _lua("renew"), "release": _lua("release")}
+RECORDS_PER_HMGET = 1024  # checksum records per HMGET when a load reads every rank's (get_rank_metas)
 LEASE_SECONDS = 10.0  # a `role = "writer"` engine's lease lives this long unless renewed (every third of it)
 
 
@@ -273,6 +274,23 @@ class RedisIndex:
 
     async def get_rank_meta(self, job: str, step: int, rank: int) -> bytes:
         return await self._get(job, step, f"rank:{rank}", f"checksums of rank {rank}")
+
+    async def get_rank_metas(self, job: str, step: int, ranks: Sequence[int]) -> dict[int, bytes]:
+        """One round trip whatever the number of ranks: one pipeline of HMGETs of the step's hash, each of at
+        most RECORDS_PER_HMGET fields (the server serves other clients between them)."""
+        assert self._client is not None
+        key, wanted = self._k(job, "step", step), list(ranks)
+        batches = [wanted[i:i + RECORDS_PER_HMGET] for i in range(0, len(wanted), RECORDS_PER_HMGET)]
+
+        async def read() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            for batch in batches:
+                pipe.hmget(key, [f"rank:{r}" for r in batch])
+            return await pipe.execute()
+
+        replies = await self._call(f"read of step {step}", read) if batches else []
+        values = [v for reply in replies for v in reply]
+        return {r: v for r, v in zip(wanted, values, strict=True) if v is not None}
 
     async def mark_durable(self, job: str, step: int, tier: str, rank: int, world_size: int, session: str) -> bool:
         done = await self._script(f"commit of step {step} on {tier}", "commit",
