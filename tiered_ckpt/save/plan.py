@@ -9,13 +9,15 @@ The cache decision is local: like the training step itself, saves are SPMD, so e
 state structure at the same save (a rank that does not would stall in the gather until its timeout).
 
 Replicated data (plain tensors present on several ranks, DTensor Replicate placements) is written once:
-unique chunks are assigned largest first to the least-loaded rank that holds them, and a chunk bigger than
-1/16 of a rank's fair share is split along dim 0 across its holders, so max/mean bytes per rank stays near 1.
+a chunk up to 1/16 of a rank's fair share goes whole, largest first, to the least-loaded rank that holds it;
+the larger ones held by the same ranks are laid end to end and cut along dim 0 so that those ranks end level,
+so max/mean bytes per rank stays near 1 with at most one piece a holder more than there are chunks (cutting
+every chunk into a piece per holder made tensors x ranks pieces, and the plan grew as ranks squared).
 """
 from __future__ import annotations
 
 import asyncio
-
+import heapq
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -255,17 +257,23 @@ def _raise_first_failure(everyone: list[Any], rank: int, error: BaseException | 
 
 def build_plan(key: tuple, everyone: list[list[Box]], rank: int, part_size: int) -> Plan:
     """Deterministic: every rank computes the same plan from the same gathered boxes (each rank's, in its
-    tensors' order)."""
+    tensors' order). Linear in the gathered boxes, O(pieces log R) beyond: ranks whose boxes are equal are read
+    as one group, and no step scans every holder of every piece."""
     world = len(everyone)
+    groups, group_of = _equal_ranks(everyone)
     meta: dict[str, tuple[str, int, tuple[int, ...]]] = {}
-    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
-    for r, boxes in enumerate(everyone):
-        for index, box in enumerate(map(Box._make, boxes)):
-            known = meta.setdefault(box.path, (box.dtype, box.itemsize, box.global_shape))
-            if known != (box.dtype, box.itemsize, box.global_shape):
-                raise StateError(f"tensor {box.path!r} is {known[0]} {list(known[2])} on one rank but "
-                                 f"{box.dtype} {list(box.global_shape)} on rank {r}")
-            holders.setdefault((box.path, box.offsets, box.sizes), []).append((r, index))
+    first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[int, int]] = {}  # box -> (group, index)
+    shared: dict[tuple[str, tuple[int, ...], tuple[int, ...]], dict[int, int]] = {}  # held by several groups
+    for g, (boxes, ranks) in enumerate(groups):
+        for index, (path, dtype, itemsize, global_shape, offsets, sizes) in enumerate(boxes):
+            known = meta.setdefault(path, (dtype, itemsize, global_shape))
+            if known[2] != global_shape or known[0] != dtype or known[1] != itemsize:
+                raise StateError(f"tensor {path!r} is {known[0]} {list(known[2])} on one rank but "
+                                 f"{dtype} {list(global_shape)} on rank {ranks[0]}")
+            box = (path, offsets, sizes)
+            owner = first.setdefault(box, (g, index))
+            if owner[0] != g:
+                shared.setdefault(box, {owner[0]: owner[1]})[g] = index
 
     def nbytes(path: str, sizes: tuple[int, ...]) -> int:
         n = meta[path][1]
@@ -273,28 +281,53 @@ def build_plan(key: tuple, everyone: list[list[Box]], rank: int, part_size: int)
             n *= s
         return n
 
-    total = sum(nbytes(p, s) for p, _, s in holders)
-    # Replicated chunks above 1/16 of a rank's fair share are split across their holders; greedy
-    # largest-first placement of what remains keeps max/mean below about 1 + 1/16.
+    total = sum(nbytes(p, s) for p, _, s in first)
+    # Replicated chunks above 1/16 of a rank's fair share are cut along dim 0 so that their holders end level
+    # (_fill); smaller ones go whole, largest first, to their least-loaded holder.
     threshold = total / world / 16
     load = [0] * world
-    pieces: dict[int, list[Piece]] = {r: [] for r in range(world)}
-    for (path, offsets, sizes), who in sorted(holders.items(), key=lambda kv: (-nbytes(kv[0][0], kv[0][2]), kv[0])):
+    pieces: list[list[Piece]] = [[] for _ in range(world)]
+    small: list[tuple[int, tuple, dict[int, int]]] = []
+    large: dict[tuple[int, ...], list[tuple[tuple, dict[int, int]]]] = {}
+    for box, (g, index) in first.items():
+        who = shared.get(box)
+        path, offsets, sizes = box
         size = nbytes(path, sizes)
-        count = min(len(who), sizes[0]) if len(who) > 1 and size > threshold and sizes else 1
-        rows = [sizes[0] * i // count for i in range(count + 1)] if count > 1 else None
-        free = sorted(who)
-        for i in range(count):
-            r, index = min(free, key=lambda h: (load[h[0]], h[0]))
-            free.remove((r, index))
-            if rows is None:
-                piece_offsets, piece_sizes, dim0 = offsets, sizes, None
-            else:
-                piece_offsets = (offsets[0] + rows[i],) + offsets[1:]
-                piece_sizes = (rows[i + 1] - rows[i],) + sizes[1:]
-                dim0 = (rows[i], rows[i + 1] - rows[i])
-            pieces[r].append(Piece(path, piece_offsets, piece_sizes, index, dim0))
-            load[r] += nbytes(path, piece_sizes)
+        if who is None and len(groups[g][1]) == 1:
+            r = groups[g][1][0]
+            pieces[r].append(Piece(path, offsets, sizes, index, None))
+            load[r] += size
+            continue
+        who = who or {g: index}
+        if size > threshold and sizes and sizes[0] > 1:
+            large.setdefault(tuple(sorted(who)), []).append((box, who))
+        else:
+            small.append((size, box, who))
+
+    holder_ranks: dict[tuple[int, ...], list[int]] = {}
+
+    def ranks_of(gs: tuple[int, ...]) -> list[int]:
+        ranks = holder_ranks.get(gs)
+        if ranks is None:
+            ranks = holder_ranks[gs] = sorted(r for g in gs for r in groups[g][1])
+        return ranks
+
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for size, (path, offsets, sizes), who in sorted(small, key=lambda s: (-s[0], s[1])):
+        gs = tuple(sorted(who))
+        heap = heaps.get(gs)
+        if heap is None:
+            heap = heaps[gs] = [(load[r], r) for r in ranks_of(gs)]
+            heapq.heapify(heap)
+        while heap[0][0] != load[heap[0][1]]:  # loads only grow: a stale entry is refreshed when it comes up
+            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        r = heap[0][1]
+        pieces[r].append(Piece(path, offsets, sizes, who[group_of[r]], None))
+        load[r] += size
+        heapq.heapreplace(heap, (load[r], r))
+
+    for gs in sorted(large, key=lambda gs: (len(ranks_of(gs)), gs)):
+        _fill(sorted(large[gs]), ranks_of(gs), group_of, load, pieces, nbytes)
 
     chunks: dict[str, list[tuple]] = {path: [] for path in meta}
     local = LocalCopies()
@@ -311,6 +344,68 @@ def build_plan(key: tuple, everyone: list[list[Box]], rank: int, part_size: int)
         rank_nbytes.append(offset)
     tensors = TensorTable.from_rows((path, dtype, shape, chunks[path]) for path, (dtype, _, shape) in meta.items())
     return Plan(key, rank, world, part_size, tensors, local, tuple(rank_nbytes))
+
+
+def _equal_ranks(everyone: list[list[Box]]) -> tuple[list[tuple[list[Box], list[int]]], list[int]]:
+    """Ranks whose gathered boxes are equal, as groups of (boxes, ranks), and each rank's group. Under DDP every
+    rank is in one group, so the plan reads one rank's boxes, not R copies of them. A rank is compared (in C,
+    stopping at the first difference) with the latest group that has its count and its first, middle and last
+    box; grouping is only a saving: equal ranks left in two groups plan the same."""
+    groups: list[tuple[list[Box], list[int]]] = []
+    group_of = []
+    latest: dict[tuple, int] = {}
+    for r, boxes in enumerate(everyone):
+        n = len(boxes)
+        sample = (n, tuple(boxes[0]), tuple(boxes[n // 2]), tuple(boxes[-1])) if n else (0,)
+        g = latest.get(sample)
+        if g is None or not (groups[g][0] is boxes or groups[g][0] == boxes):
+            g = latest[sample] = len(groups)
+            groups.append((boxes, []))
+        groups[g][1].append(r)
+        group_of.append(g)
+    return groups, group_of
+
+
+def _fill(items: list[tuple[tuple, dict[int, int]]], ranks: list[int], group_of: list[int], load: list[int],
+          pieces: list[list[Piece]], nbytes: Any) -> None:
+    """Cuts replicated boxes held by the same `ranks` along dim 0 so that those ranks end as level as rows allow:
+    the boxes, end to end, are one stream, and each holder below the water level takes the next stretch of it up
+    to the level. At most len(items) + len(ranks) - 1 pieces, each holder's one stretch, so the pieces of one box
+    go to distinct holders."""
+    sizes_ = [nbytes(path, sizes) for (path, _, sizes), _ in items]
+    stream = sum(sizes_)
+    below = sorted(load[r] for r in ranks)
+    level, filled = float(below[-1]), 0
+    for i, low in enumerate(below):
+        filled += low
+        if i + 1 == len(below) or (stream + filled) / (i + 1) <= below[i + 1]:
+            level = (stream + filled) / (i + 1)
+            break
+    bounds, end = [], 0.0
+    for r in ranks:
+        if level > load[r]:
+            end += level - load[r]
+            bounds.append((r, end))
+    bounds[-1] = (bounds[-1][0], float(stream))
+    b, start = 0, 0
+    for ((path, offsets, sizes), who), size in zip(items, sizes_):
+        rows, row = sizes[0], 0
+        row_bytes = size // rows
+        while row < rows:
+            r, end = bounds[b]
+            cut = rows if end >= start + size else max(row, min(rows, round((end - start) / row_bytes)))
+            if cut > row:
+                if row == 0 and cut == rows:
+                    piece = Piece(path, offsets, sizes, who[group_of[r]], None)
+                else:
+                    piece = Piece(path, (offsets[0] + row,) + offsets[1:], (cut - row,) + sizes[1:],
+                                  who[group_of[r]], (row, cut - row))
+                pieces[r].append(piece)
+                load[r] += (cut - row) * row_bytes
+                row = cut
+            if cut < rows:
+                b += 1
+        start += size
 
 
 def _dtype(name: str) -> torch.dtype:
