@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -199,8 +200,10 @@ class Planner:
         descriptors = []
         for path, t in zip(paths, tensors):
             global_shape, offsets, sizes = local_box(t)
-            descriptors.append(Box(path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
-        return descriptors, _fingerprints(paths, tensors) if self.coordinator.distributed else {}
+            descriptors.append((path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
+        # gathered packed: ranks with equal states (DDP) send equal bytes, which build_plan compares and unpacks
+        # once, where every rank would otherwise unpickle and compare R lists of boxes
+        return pickle.dumps(descriptors, protocol=pickle.HIGHEST_PROTOCOL), _fingerprints(paths, tensors) if self.coordinator.distributed else {}
 
     async def join_failed(self, error: BaseException) -> None:
         """This rank could not even describe its state (state_dict() raised, a value was refused). On a first
@@ -255,9 +258,9 @@ def _raise_first_failure(everyone: list[Any], rank: int, error: BaseException | 
             raise failed
 
 
-def build_plan(key: tuple, everyone: list[list[Box]], rank: int, part_size: int) -> Plan:
+def build_plan(key: tuple, everyone: list[list[Box] | bytes], rank: int, part_size: int) -> Plan:
     """Deterministic: every rank computes the same plan from the same gathered boxes (each rank's, in its
-    tensors' order). Linear in the gathered boxes, O(pieces log R) beyond: ranks whose boxes are equal are read
+    tensors' order; a list, or pickled as Planner gathers them). Linear in the gathered boxes, O(pieces log R) beyond: ranks whose boxes are equal are read
     as one group, and no step scans every holder of every piece."""
     world = len(everyone)
     groups, group_of = _equal_ranks(everyone)
@@ -346,24 +349,27 @@ def build_plan(key: tuple, everyone: list[list[Box]], rank: int, part_size: int)
     return Plan(key, rank, world, part_size, tensors, local, tuple(rank_nbytes))
 
 
-def _equal_ranks(everyone: list[list[Box]]) -> tuple[list[tuple[list[Box], list[int]]], list[int]]:
+def _equal_ranks(everyone: list[list[Box] | bytes]) -> tuple[list[tuple[list[Box], list[int]]], list[int]]:
     """Ranks whose gathered boxes are equal, as groups of (boxes, ranks), and each rank's group. Under DDP every
-    rank is in one group, so the plan reads one rank's boxes, not R copies of them. A rank is compared (in C,
-    stopping at the first difference) with the latest group that has its count and its first, middle and last
-    box; grouping is only a saving: equal ranks left in two groups plan the same."""
-    groups: list[tuple[list[Box], list[int]]] = []
+    rank is in one group, so the plan unpacks and reads one rank's boxes, not R copies of them. A rank is
+    compared (in C, stopping at the first difference) with the latest group that has its length and its first,
+    middle and last box (or 64 bytes); grouping is only a saving: equal ranks left in two groups plan the same."""
+    groups: list[tuple[Any, list[int]]] = []
     group_of = []
     latest: dict[tuple, int] = {}
     for r, boxes in enumerate(everyone):
         n = len(boxes)
-        sample = (n, tuple(boxes[0]), tuple(boxes[n // 2]), tuple(boxes[-1])) if n else (0,)
+        if isinstance(boxes, bytes):
+            sample: tuple = (n, boxes[:64], boxes[n // 2:n // 2 + 64], boxes[-64:])
+        else:
+            sample = (n, tuple(boxes[0]), tuple(boxes[n // 2]), tuple(boxes[-1])) if n else (0,)
         g = latest.get(sample)
         if g is None or not (groups[g][0] is boxes or groups[g][0] == boxes):
             g = latest[sample] = len(groups)
             groups.append((boxes, []))
         groups[g][1].append(r)
         group_of.append(g)
-    return groups, group_of
+    return [(pickle.loads(b) if isinstance(b, bytes) else b, ranks) for b, ranks in groups], group_of
 
 
 def _fill(items: list[tuple[tuple, dict[int, int]]], ranks: list[int], group_of: list[int], load: list[int],
