@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -52,13 +53,16 @@ class Box(NamedTuple):
 
 class Piece(NamedTuple):
     """A box that the plan gives one rank to write: of tensor `path`, at `offsets` with `sizes`, from the
-    rank's local tensor `index`, rows `dim0` (start, length) of it when a replicated box is split (else None)."""
+    rank's local tensor `index`, rows `dim0` (start, length) of it when a replicated box is split (else None),
+    `nbytes` long. build_plan makes them as plain tuples in this order (under FSDP it makes R x tensors of them,
+    and a NamedTuple's constructor costs more than the tuple)."""
 
     path: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     index: int
     dim0: tuple[int, int] | None
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -269,6 +273,7 @@ def build_plan(key: tuple, everyone: list[list[Box] | bytes], rank: int, part_si
     shared: dict[tuple[str, tuple[int, ...], tuple[int, ...]], dict[int, int]] = {}  # held by several groups
     for g, (boxes, ranks) in enumerate(groups):
         for index, (path, dtype, itemsize, global_shape, offsets, sizes) in enumerate(boxes):
+            # (the loop runs once per box of every distinct rank: R x tensors under FSDP, so it is kept lean)
             known = meta.setdefault(path, (dtype, itemsize, global_shape))
             if known[2] != global_shape or known[0] != dtype or known[1] != itemsize:
                 raise StateError(f"tensor {path!r} is {known[0]} {list(known[2])} on one rank but "
@@ -279,12 +284,9 @@ def build_plan(key: tuple, everyone: list[list[Box] | bytes], rank: int, part_si
                 shared.setdefault(box, {owner[0]: owner[1]})[g] = index
 
     def nbytes(path: str, sizes: tuple[int, ...]) -> int:
-        n = meta[path][1]
-        for s in sizes:
-            n *= s
-        return n
+        return meta[path][1] * math.prod(sizes)
 
-    total = sum(nbytes(p, s) for p, _, s in first)
+    total = sum([nbytes(p, s) for p, _, s in first])
     # Replicated chunks above 1/16 of a rank's fair share are cut along dim 0 so that their holders end level
     # (_fill); smaller ones go whole, largest first, to their least-loaded holder.
     threshold = total / world / 16
@@ -298,7 +300,7 @@ def build_plan(key: tuple, everyone: list[list[Box] | bytes], rank: int, part_si
         size = nbytes(path, sizes)
         if who is None and len(groups[g][1]) == 1:
             r = groups[g][1][0]
-            pieces[r].append(Piece(path, offsets, sizes, index, None))
+            pieces[r].append((path, offsets, sizes, index, None, size))
             load[r] += size
             continue
         who = who or {g: index}
@@ -325,7 +327,7 @@ def build_plan(key: tuple, everyone: list[list[Box] | bytes], rank: int, part_si
         while heap[0][0] != load[heap[0][1]]:  # loads only grow: a stale entry is refreshed when it comes up
             heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
         r = heap[0][1]
-        pieces[r].append(Piece(path, offsets, sizes, who[group_of[r]], None))
+        pieces[r].append((path, offsets, sizes, who[group_of[r]], None, size))
         load[r] += size
         heapq.heapreplace(heap, (load[r], r))
 
@@ -337,12 +339,14 @@ def build_plan(key: tuple, everyone: list[list[Box] | bytes], rank: int, part_si
     rank_nbytes = []
     for r in range(world):
         offset = 0
-        for piece in sorted(pieces[r]):
-            size = nbytes(piece.path, piece.sizes)
+        mine = pieces[r]
+        if len(mine) > 1:
+            mine.sort()
+        for path, offsets, sizes, index, dim0, size in mine:
             offset = -(-offset // ALIGN) * ALIGN
-            chunks[piece.path].append((piece.offsets, piece.sizes, r, offset, size))
+            chunks[path].append((offsets, sizes, r, offset, size))
             if r == rank:
-                local.append(piece.index, piece.dim0, offset, size, piece.sizes, _dtype(meta[piece.path][0]))
+                local.append(index, dim0, offset, size, sizes, _dtype(meta[path][0]))
             offset += size
         rank_nbytes.append(offset)
     tensors = TensorTable.from_rows((path, dtype, shape, chunks[path]) for path, (dtype, _, shape) in meta.items())
@@ -402,10 +406,10 @@ def _fill(items: list[tuple[tuple, dict[int, int]]], ranks: list[int], group_of:
             cut = rows if end >= start + size else max(row, min(rows, round((end - start) / row_bytes)))
             if cut > row:
                 if row == 0 and cut == rows:
-                    piece = Piece(path, offsets, sizes, who[group_of[r]], None)
+                    piece = (path, offsets, sizes, who[group_of[r]], None, size)
                 else:
-                    piece = Piece(path, (offsets[0] + row,) + offsets[1:], (cut - row,) + sizes[1:],
-                                  who[group_of[r]], (row, cut - row))
+                    piece = (path, (offsets[0] + row,) + offsets[1:], (cut - row,) + sizes[1:], who[group_of[r]],
+                             (row, cut - row), (cut - row) * row_bytes)
                 pieces[r].append(piece)
                 load[r] += (cut - row) * row_bytes
                 row = cut
