@@ -207,7 +207,8 @@ class Planner:
             descriptors.append((path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
         # gathered packed: ranks with equal states (DDP) send equal bytes, which build_plan compares and unpacks
         # once, where every rank would otherwise unpickle and compare R lists of boxes
-        return pickle.dumps(descriptors, protocol=pickle.HIGHEST_PROTOCOL), _fingerprints(paths, tensors) if self.coordinator.distributed else {}
+        fingerprints = _fingerprints(paths, tensors) if self.coordinator.distributed else {}
+        return pickle.dumps(descriptors, protocol=pickle.HIGHEST_PROTOCOL), fingerprints
 
     async def join_failed(self, error: BaseException) -> None:
         """This rank could not even describe its state (state_dict() raised, a value was refused). On a first
@@ -264,8 +265,8 @@ def _raise_first_failure(everyone: list[Any], rank: int, error: BaseException | 
 
 def build_plan(key: tuple, everyone: list[list[Box] | bytes], rank: int, part_size: int) -> Plan:
     """Deterministic: every rank computes the same plan from the same gathered boxes (each rank's, in its
-    tensors' order; a list, or pickled as Planner gathers them). Linear in the gathered boxes, O(pieces log R) beyond: ranks whose boxes are equal are read
-    as one group, and no step scans every holder of every piece."""
+    tensors' order; a list, or pickled as Planner gathers them). Linear in the boxes of distinct ranks (ranks
+    whose boxes are equal are read as one), O(pieces log R) beyond: no step scans every holder of every piece."""
     world = len(everyone)
     groups, group_of = _equal_ranks(everyone)
     meta: dict[str, tuple[str, int, tuple[int, ...]]] = {}
