@@ -358,7 +358,9 @@ def _equal_ranks(everyone: list[list[Box] | bytes]) -> tuple[list[tuple[list[Box
     """Ranks whose gathered boxes are equal, as groups of (boxes, ranks), and each rank's group. Under DDP every
     rank is in one group, so the plan unpacks and reads one rank's boxes, not R copies of them. A rank is
     compared (in C, stopping at the first difference) with the latest group that has its length and its first,
-    middle and last box (or 64 bytes); grouping is only a saving: equal ranks left in two groups plan the same."""
+    middle and last box (or 64 bytes). The groups depend on the gathered content alone, so every rank makes the
+    same ones; equal ranks left in two groups (another rank with the same sample came between) still plan
+    correctly, only with more work."""
     groups: list[tuple[Any, list[int]]] = []
     group_of = []
     latest: dict[tuple, int] = {}
