@@ -9,14 +9,18 @@ The cache decision is local: like the training step itself, saves are SPMD, so e
 state structure at the same save (a rank that does not would stall in the gather until its timeout).
 
 Replicated data (plain tensors present on several ranks, DTensor Replicate placements) is written once:
-unique chunks are assigned largest first to the least-loaded rank that holds them, and a chunk bigger than
-1/16 of a rank's fair share is split along dim 0 across its holders, so max/mean bytes per rank stays near 1.
+a chunk up to 1/16 of a rank's fair share goes whole, largest first, to the least-loaded rank that holds it;
+the larger ones held by the same ranks are laid end to end and cut along dim 0 so that those ranks end level,
+so max/mean bytes per rank stays near 1 with at most one piece a holder more than there are chunks (cutting
+every chunk into a piece per holder made tensors x ranks pieces, and the plan grew as ranks squared).
 """
 from __future__ import annotations
 
 import asyncio
-
+import heapq
 import logging
+import math
+import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -49,13 +53,16 @@ class Box(NamedTuple):
 
 class Piece(NamedTuple):
     """A box that the plan gives one rank to write: of tensor `path`, at `offsets` with `sizes`, from the
-    rank's local tensor `index`, rows `dim0` (start, length) of it when a replicated box is split (else None)."""
+    rank's local tensor `index`, rows `dim0` (start, length) of it when a replicated box is split (else None),
+    `nbytes` long. build_plan makes them as plain tuples in this order (under FSDP it makes R x tensors of them,
+    and a NamedTuple's constructor costs more than the tuple)."""
 
     path: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     index: int
     dim0: tuple[int, int] | None
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -197,8 +204,11 @@ class Planner:
         descriptors = []
         for path, t in zip(paths, tensors):
             global_shape, offsets, sizes = local_box(t)
-            descriptors.append(Box(path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
-        return descriptors, _fingerprints(paths, tensors) if self.coordinator.distributed else {}
+            descriptors.append((path, str(t.dtype), t.element_size(), global_shape, offsets, sizes))
+        # gathered packed: ranks with equal states (DDP) send equal bytes, which build_plan compares and unpacks
+        # once, where every rank would otherwise unpickle and compare R lists of boxes
+        fingerprints = _fingerprints(paths, tensors) if self.coordinator.distributed else {}
+        return pickle.dumps(descriptors, protocol=pickle.HIGHEST_PROTOCOL), fingerprints
 
     async def join_failed(self, error: BaseException) -> None:
         """This rank could not even describe its state (state_dict() raised, a value was refused). On a first
@@ -253,64 +263,162 @@ def _raise_first_failure(everyone: list[Any], rank: int, error: BaseException | 
             raise failed
 
 
-def build_plan(key: tuple, everyone: list[list[Box]], rank: int, part_size: int) -> Plan:
+def build_plan(key: tuple, everyone: list[list[Box] | bytes], rank: int, part_size: int) -> Plan:
     """Deterministic: every rank computes the same plan from the same gathered boxes (each rank's, in its
-    tensors' order)."""
+    tensors' order; a list, or pickled as Planner gathers them). Linear in the boxes of distinct ranks (ranks
+    whose boxes are equal are read as one), O(pieces log R) beyond: no step scans every holder of every piece."""
     world = len(everyone)
+    groups, group_of = _equal_ranks(everyone)
     meta: dict[str, tuple[str, int, tuple[int, ...]]] = {}
-    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
-    for r, boxes in enumerate(everyone):
-        for index, box in enumerate(map(Box._make, boxes)):
-            known = meta.setdefault(box.path, (box.dtype, box.itemsize, box.global_shape))
-            if known != (box.dtype, box.itemsize, box.global_shape):
-                raise StateError(f"tensor {box.path!r} is {known[0]} {list(known[2])} on one rank but "
-                                 f"{box.dtype} {list(box.global_shape)} on rank {r}")
-            holders.setdefault((box.path, box.offsets, box.sizes), []).append((r, index))
+    first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[int, int]] = {}  # box -> (group, index)
+    shared: dict[tuple[str, tuple[int, ...], tuple[int, ...]], dict[int, int]] = {}  # held by several groups
+    for g, (boxes, ranks) in enumerate(groups):
+        for index, (path, dtype, itemsize, global_shape, offsets, sizes) in enumerate(boxes):
+            # (the loop runs once per box of every distinct rank: R x tensors under FSDP, so it is kept lean)
+            known = meta.setdefault(path, (dtype, itemsize, global_shape))
+            if known[2] != global_shape or known[0] != dtype or known[1] != itemsize:
+                raise StateError(f"tensor {path!r} is {known[0]} {list(known[2])} on one rank but "
+                                 f"{dtype} {list(global_shape)} on rank {ranks[0]}")
+            box = (path, offsets, sizes)
+            owner = first.setdefault(box, (g, index))
+            if owner[0] != g:
+                shared.setdefault(box, {owner[0]: owner[1]})[g] = index
 
     def nbytes(path: str, sizes: tuple[int, ...]) -> int:
-        n = meta[path][1]
-        for s in sizes:
-            n *= s
-        return n
+        return meta[path][1] * math.prod(sizes)
 
-    total = sum(nbytes(p, s) for p, _, s in holders)
-    # Replicated chunks above 1/16 of a rank's fair share are split across their holders; greedy
-    # largest-first placement of what remains keeps max/mean below about 1 + 1/16.
+    total = sum([nbytes(p, s) for p, _, s in first])
+    # Replicated chunks above 1/16 of a rank's fair share are cut along dim 0 so that their holders end level
+    # (_fill); smaller ones go whole, largest first, to their least-loaded holder.
     threshold = total / world / 16
     load = [0] * world
-    pieces: dict[int, list[Piece]] = {r: [] for r in range(world)}
-    for (path, offsets, sizes), who in sorted(holders.items(), key=lambda kv: (-nbytes(kv[0][0], kv[0][2]), kv[0])):
+    pieces: list[list[Piece]] = [[] for _ in range(world)]
+    small: list[tuple[int, tuple, dict[int, int]]] = []
+    large: dict[tuple[int, ...], list[tuple[tuple, dict[int, int]]]] = {}
+    for box, (g, index) in first.items():
+        who = shared.get(box)
+        path, offsets, sizes = box
         size = nbytes(path, sizes)
-        count = min(len(who), sizes[0]) if len(who) > 1 and size > threshold and sizes else 1
-        rows = [sizes[0] * i // count for i in range(count + 1)] if count > 1 else None
-        free = sorted(who)
-        for i in range(count):
-            r, index = min(free, key=lambda h: (load[h[0]], h[0]))
-            free.remove((r, index))
-            if rows is None:
-                piece_offsets, piece_sizes, dim0 = offsets, sizes, None
-            else:
-                piece_offsets = (offsets[0] + rows[i],) + offsets[1:]
-                piece_sizes = (rows[i + 1] - rows[i],) + sizes[1:]
-                dim0 = (rows[i], rows[i + 1] - rows[i])
-            pieces[r].append(Piece(path, piece_offsets, piece_sizes, index, dim0))
-            load[r] += nbytes(path, piece_sizes)
+        if who is None and len(groups[g][1]) == 1:
+            r = groups[g][1][0]
+            pieces[r].append((path, offsets, sizes, index, None, size))
+            load[r] += size
+            continue
+        who = who or {g: index}
+        if size > threshold and sizes and sizes[0] > 1:
+            large.setdefault(tuple(sorted(who)), []).append((box, who))
+        else:
+            small.append((size, box, who))
+
+    holder_ranks: dict[tuple[int, ...], list[int]] = {}
+
+    def ranks_of(gs: tuple[int, ...]) -> list[int]:
+        ranks = holder_ranks.get(gs)
+        if ranks is None:
+            ranks = holder_ranks[gs] = sorted(r for g in gs for r in groups[g][1])
+        return ranks
+
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for size, (path, offsets, sizes), who in sorted(small, key=lambda s: (-s[0], s[1])):
+        gs = tuple(sorted(who))
+        heap = heaps.get(gs)
+        if heap is None:
+            heap = heaps[gs] = [(load[r], r) for r in ranks_of(gs)]
+            heapq.heapify(heap)
+        while heap[0][0] != load[heap[0][1]]:  # loads only grow: a stale entry is refreshed when it comes up
+            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        r = heap[0][1]
+        pieces[r].append((path, offsets, sizes, who[group_of[r]], None, size))
+        load[r] += size
+        heapq.heapreplace(heap, (load[r], r))
+
+    for gs in sorted(large, key=lambda gs: (len(ranks_of(gs)), gs)):
+        _fill(sorted(large[gs]), ranks_of(gs), group_of, load, pieces, nbytes)
 
     chunks: dict[str, list[tuple]] = {path: [] for path in meta}
     local = LocalCopies()
     rank_nbytes = []
     for r in range(world):
         offset = 0
-        for piece in sorted(pieces[r]):
-            size = nbytes(piece.path, piece.sizes)
+        mine = pieces[r]
+        if len(mine) > 1:
+            mine.sort()
+        for path, offsets, sizes, index, dim0, size in mine:
             offset = -(-offset // ALIGN) * ALIGN
-            chunks[piece.path].append((piece.offsets, piece.sizes, r, offset, size))
+            chunks[path].append((offsets, sizes, r, offset, size))
             if r == rank:
-                local.append(piece.index, piece.dim0, offset, size, piece.sizes, _dtype(meta[piece.path][0]))
+                local.append(index, dim0, offset, size, sizes, _dtype(meta[path][0]))
             offset += size
         rank_nbytes.append(offset)
     tensors = TensorTable.from_rows((path, dtype, shape, chunks[path]) for path, (dtype, _, shape) in meta.items())
     return Plan(key, rank, world, part_size, tensors, local, tuple(rank_nbytes))
+
+
+def _equal_ranks(everyone: list[list[Box] | bytes]) -> tuple[list[tuple[list[Box], list[int]]], list[int]]:
+    """Ranks whose gathered boxes are equal, as groups of (boxes, ranks), and each rank's group. Under DDP every
+    rank is in one group, so the plan unpacks and reads one rank's boxes, not R copies of them. A rank is
+    compared (in C, stopping at the first difference) with the latest group that has its length and its first,
+    middle and last box (or 64 bytes). The groups depend on the gathered content alone, so every rank makes the
+    same ones; equal ranks left in two groups (another rank with the same sample came between) still plan
+    correctly, only with more work."""
+    groups: list[tuple[Any, list[int]]] = []
+    group_of = []
+    latest: dict[tuple, int] = {}
+    for r, boxes in enumerate(everyone):
+        n = len(boxes)
+        if isinstance(boxes, bytes):
+            sample: tuple = (n, boxes[:64], boxes[n // 2:n // 2 + 64], boxes[-64:])
+        else:
+            sample = (n, tuple(boxes[0]), tuple(boxes[n // 2]), tuple(boxes[-1])) if n else (0,)
+        g = latest.get(sample)
+        if g is None or not (groups[g][0] is boxes or groups[g][0] == boxes):
+            g = latest[sample] = len(groups)
+            groups.append((boxes, []))
+        groups[g][1].append(r)
+        group_of.append(g)
+    return [(pickle.loads(b) if isinstance(b, bytes) else b, ranks) for b, ranks in groups], group_of
+
+
+def _fill(items: list[tuple[tuple, dict[int, int]]], ranks: list[int], group_of: list[int], load: list[int],
+          pieces: list[list[Piece]], nbytes: Any) -> None:
+    """Cuts replicated boxes held by the same `ranks` along dim 0 so that those ranks end as level as rows allow:
+    the boxes, end to end, are one stream, and each holder below the water level takes the next stretch of it up
+    to the level. At most len(items) + len(ranks) - 1 pieces, each holder's one stretch, so the pieces of one box
+    go to distinct holders."""
+    sizes_ = [nbytes(path, sizes) for (path, _, sizes), _ in items]
+    stream = sum(sizes_)
+    below = sorted(load[r] for r in ranks)
+    level, filled = float(below[-1]), 0
+    for i, low in enumerate(below):
+        filled += low
+        if i + 1 == len(below) or (stream + filled) / (i + 1) <= below[i + 1]:
+            level = (stream + filled) / (i + 1)
+            break
+    bounds, end = [], 0.0
+    for r in ranks:
+        if level > load[r]:
+            end += level - load[r]
+            bounds.append((r, end))
+    bounds[-1] = (bounds[-1][0], float(stream))
+    b, start = 0, 0
+    for ((path, offsets, sizes), who), size in zip(items, sizes_):
+        rows, row = sizes[0], 0
+        row_bytes = size // rows
+        while row < rows:
+            r, end = bounds[b]
+            cut = rows if end >= start + size else max(row, min(rows, round((end - start) / row_bytes)))
+            if cut > row:
+                if row == 0 and cut == rows:
+                    piece = (path, offsets, sizes, who[group_of[r]], None, size)
+                else:
+                    piece = (path, (offsets[0] + row,) + offsets[1:], (cut - row,) + sizes[1:], who[group_of[r]],
+                             (row, cut - row), (cut - row) * row_bytes)
+                pieces[r].append(piece)
+                load[r] += (cut - row) * row_bytes
+                row = cut
+            if cut < rows:
+                b += 1
+        start += size
 
 
 def _dtype(name: str) -> torch.dtype:
