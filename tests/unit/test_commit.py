@@ -87,6 +87,29 @@ async def test_a_skip_is_recorded_as_data_that_every_rank_reads(tmp_path):
     await index.close()
 
 
+async def test_an_index_whose_tier_state_takes_no_rank_is_polled_as_before(tmp_path):
+    """An index of a third party (or an earlier release) whose tier_state has no `rank` keyword: two ranks still
+    commit through it, each marker counted once."""
+    from tiered_ckpt.save.commit import Committer
+    from tiered_ckpt.storage.index.file import FileIndex
+
+    class Plain(FileIndex):
+        async def tier_state(self, job, step, tier, session):
+            return await super().tier_state(job, step, tier, session)
+
+    index = Plain(tmp_path / "index")
+    await index.open()
+    one, two = (Committer(index, "job", rank=r, world_size=2, session="s1", timeout=30) for r in (0, 1))
+    await one.begin(4, ["disk"], nbytes=10, metadata={})
+    for committer in (one, two):
+        await committer.mark_durable(4, "disk")
+    await one.wait_complete(4, "disk")
+    await two.wait_complete(4, "disk")
+    [status] = await index.list("job")
+    assert status.complete == {"disk"}
+    await index.close()
+
+
 async def test_writer_errors_are_typed(make_config):
     """A second writer of a job meets WriterConflict (a BlockingIOError too); it is not saved over."""
     async with tc.Engine(make_config()) as first:

@@ -11,6 +11,7 @@ same step never count towards a new one.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from typing import Any, Mapping, Sequence
@@ -36,6 +37,9 @@ class Committer:
                  index_timeout: float = 10.0):
         self.index = index
         self.index_timeout = index_timeout  # how long the index may be unreachable before a commit wait fails
+        # a poll names this rank where the index takes it (the file index then reads O(1) files); an index of an
+        # earlier release or a third party's without the keyword is polled as before
+        self._poll_as = {"rank": rank} if "rank" in inspect.signature(index.tier_state).parameters else {}
         self._recording: set[asyncio.Future[None]] = set()  # failures being recorded once the index answers
         self.job = job
         self.rank = rank
@@ -77,7 +81,7 @@ class Committer:
         while True:
             asked = time.monotonic()
             try:
-                state = await self.index.tier_state(self.job, step, tier, self.session, rank=self.rank)
+                state = await self.index.tier_state(self.job, step, tier, self.session, **self._poll_as)
             except IndexUnavailable:
                 unreachable_since = unreachable_since or asked
                 if time.monotonic() - unreachable_since >= self.index_timeout or time.monotonic() > deadline:
@@ -161,7 +165,7 @@ class Committer:
         """The newer step for which another rank skipped `tier` for `step`; None if none did."""
         if self.world_size == 1:
             return None
-        state = await self.index.tier_state(self.job, step, tier, self.session, rank=self.rank)
+        state = await self.index.tier_state(self.job, step, tier, self.session, **self._poll_as)
         return state.newer if state.state == CommitState.SKIPPED else None
 
     async def fail_tier(self, step: int, tier: str, error: BaseException) -> BaseException:
