@@ -2,26 +2,18 @@
 private mount namespace (full_tmpfs_heal.py): the load itself succeeds from the disk, the heal says which tier
 it could not heal, and it takes back every part it wrote of that copy, so the memory tier holds no half copy
 and the RAM it took is free again (before: the parts written until the tmpfs filled up stayed)."""
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .test_readonly_disk import mount_namespaces_work
+from .test_readonly_disk import run_in_mount_namespace
 
 HELPER = str(Path(__file__).with_name("full_tmpfs_heal.py"))
 
 
 @pytest.mark.timeout(300)
 def test_a_heal_that_fills_the_tmpfs_leaves_no_part_of_its_copy(tmp_path):
-    if (reason := mount_namespaces_work()) is not None:
-        pytest.skip(f"needs a private mount namespace (root): {reason}")
-    run = subprocess.run(["unshare", "--mount", sys.executable, HELPER, str(tmp_path)], capture_output=True,
-                         text=True, timeout=280)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_in_mount_namespace(HELPER, tmp_path)
     assert result["loaded"] == 1 and result["tier"] == "disk" and result["exact"], result
     assert result["errors"] and all(e.startswith("host: TierFull") for e in result["errors"]), result
     assert not [f for f in result["left"] if "step-000000000001" in f], result  # no part, no record of the copy

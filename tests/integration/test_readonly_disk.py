@@ -17,6 +17,17 @@ def mount_namespaces_work() -> str | None:
     return None if probe.returncode == 0 else (probe.stderr.strip() or f"unshare exited {probe.returncode}")
 
 
+def run_in_mount_namespace(helper: str, tmp_path) -> dict:
+    """Run a helper script in a private mount namespace (skipped where the kernel refuses one); its last line of
+    output, as JSON."""
+    if (reason := mount_namespaces_work()) is not None:
+        pytest.skip(f"needs a private mount namespace (root): {reason}")
+    run = subprocess.run(["unshare", "--mount", sys.executable, helper, str(tmp_path)], capture_output=True,
+                         text=True, timeout=280)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.timeout(300)
 def test_a_disk_turning_read_only_mid_save_fails_the_tier_and_a_delete_it_refuses_is_not_reported_done(tmp_path):
     if (reason := mount_namespaces_work()) is not None:
