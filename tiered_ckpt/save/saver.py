@@ -1,8 +1,9 @@
 """`Engine.save`: check the step, flatten and plan the state, wait for room, then start a SaveJob. Tracks the
-saves in flight, and raises a background failure that nobody observed (no `wait()` on its handle) once, at
-the next `save()`, as well as at `close()`: an error is never lost. Saves (and `reserve()`) called at once on
-one engine start one at a time, in call order: each start may become the writer and runs collectives, which
-every rank must run in the same order."""
+saves in flight, and raises once, at the next `save()` or at `close()`, what the failure policy says stops
+training (save/failures.py), and at `close()` a newest save that committed on no tier and that nobody waited on;
+a tier's failure alone is recorded and warned about, never raised into the loop. Saves (and `reserve()`)
+called at once on one engine start one at a time, in call order: each start may become the writer and runs
+collectives, which every rank must run in the same order."""
 from __future__ import annotations
 
 import asyncio
@@ -52,13 +53,12 @@ class Saver:
         self.jobs: list[SaveJob] = []
         # saves in flight: those holding staging buffers, and per tier one writing and one waiting its turn
         self._max_jobs = config.engine.max_inflight + 2 * len(config.tiers)
-        self._unobserved: list[SaveHandle] = []  # saves that failed outright (no tier), nobody having waited on them
         required = frozenset(t.name for t in config.tiers if t.required)
         self.failures = FailurePolicy(self.job, required, config.engine.stop_after_failed_saves)
         self.host_fit: HostFit | None = None  # how the stack fits [engine] host_memory for the current state size
         self.early = EarlyCopies() if torch.cuda.is_available() else None  # where the next save's copies go
         self._dropping: set[asyncio.Future[None]] = set()  # launches being dropped (held: a task is weakly kept)
-        self._newest = -1  # the newest step a save started for
+        self._newest: SaveHandle | None = None  # the save of the newest step started (close() looks at it)
         self.starting = asyncio.Lock()  # one save, reserve or first delete starts at a time (FIFO)
 
     async def start(self, step: int, state: Any, *, metadata: dict[str, Any] | None,
@@ -150,7 +150,8 @@ class Saver:
             buffer = await pool.acquire(plan.nbytes)
         job = SaveJob(self.services, step, flat, plan, buffer, handle, targets, metadata, events, launch, self.early)
         self.failures.watch(handle)
-        self._newest = max(self._newest, step)
+        if self._newest is None or step > self._newest.step:
+            self._newest = handle
         job.start()
         self.jobs.append(job)
         self.busy.saving(step, handle)
@@ -302,11 +303,10 @@ class Saver:
         tier and nobody waited on it: the run would end believing its last state saved."""
         stop = self.failures.take_stop()
         if stop is not None:
-            self._unobserved.clear()
             raise stop
-        unobserved, self._unobserved = self._unobserved, []
-        last = unobserved[-1] if unobserved else None
-        if closing and last is not None and not last.observed and not self.jobs and last.step == self._newest:
+        last = self._newest
+        if closing and last is not None and not self.jobs and not last.observed and last.errors \
+                and not last.committed_on:
             last.observed = True
             raise SaveError(last.step, last.errors, reason="the last save of the run committed on no tier")
 
@@ -338,8 +338,6 @@ class Saver:
             warnings.warn(message, ResourceWarning, stacklevel=2)
         self.busy.saved(job.step)
         self.failures.finished(job.handle)
-        if not job.handle.observed and job.handle.errors and not job.handle.committed_on:
-            self._unobserved.append(job.handle)
 
 
 def _close_and_wait(launch: Launch) -> None:
