@@ -260,8 +260,8 @@ class TieredCheckpointMixin:
         return step
 
     def _begin_resume(self, step: int | None) -> _Resume:
-        """Load the plain values of checkpoint `step` (None: the newest a load takes; every rank), and write its TrainerState where the
-        Trainer's resume path reads it."""
+        """Load the plain values of checkpoint `step` (None: the newest a load takes; every rank), and write its
+        TrainerState where the Trainer's resume path reads it."""
         ckpt = self.checkpointer
         values: dict[str, Any] = {"trainer": {"state": None, "data": None, "world_size": None}}
         try:

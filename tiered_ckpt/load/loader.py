@@ -240,7 +240,8 @@ class Loader:
         asked = (step, tuple(self.io.order(allowed)), None if best is None else (best.metric, best.mode))
         listings = await self._node_listings(allowed, asked) if self.coordinator.distributed else None
 
-        async def pick() -> tuple[CheckpointStatus | None, dict[str, frozenset[int]], list[int], str]:
+        async def pick() -> tuple[CheckpointStatus | None, dict[str, frozenset[int]], list[int], str,
+                                  SharedManifest | None]:
             try:
                 status = await self.catalog.pick(step, allowed, best, listings)
             except FreshStart as e:  # an answer, not a failure: every rank learns which steps were lost

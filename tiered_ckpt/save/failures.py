@@ -57,8 +57,9 @@ class FailurePolicy:
         if done.committed:
             if outage is not None:
                 del self.outages[done.tier]
-                (log.warning if outage.warned else log.info)("job %r: tier %s works again: step %d is complete on it, after %d failed save(s) there "
-                            "(since step %d)", self.job, done.tier, done.step, outage.saves, outage.first_step)
+                say = log.warning if outage.warned else log.info
+                say("job %r: tier %s works again: step %d is complete on it, after %d failed save(s) there (since "
+                    "step %d)", self.job, done.tier, done.step, outage.saves, outage.first_step)
             return
         if done.error is None or isinstance(done.error, asyncio.CancelledError):
             return  # skipped for a newer save, or cancelled: no outage of the tier
