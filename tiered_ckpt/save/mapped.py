@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import mmap
 import os
 import sys
@@ -31,7 +32,10 @@ def supported(part_size: int) -> bool:
     return sys.platform == "linux" and part_size % PAGE == 0
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
+    """libc, loaded once: each CDLL makes its own function-pointer classes, reference cycles that a buffer made
+    per save would leave for the collector (about 120 objects each)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
