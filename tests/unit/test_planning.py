@@ -68,8 +68,8 @@ def test_plans_of_mixed_layouts_agree_on_every_rank_whether_or_not_ranks_share_o
     copies = [pickle.loads(pickle.dumps(s)) for s in shared]
     ps = plans(copies)
     assert all(p.tensors == ps[0].tensors and p.rank_nbytes == ps[0].rank_nbytes for p in ps)
-    for other in (shared, [pickle.dumps(s) for s in shared]):  # objects shared, or packed as Planner gathers
-        assert plans(other)[3].tensors == ps[3].tensors and plans(other)[3].local == ps[3].local
+    other = plans(shared)  # objects shared between ranks
+    assert other[3].tensors == ps[3].tensors and other[3].local == ps[3].local
     tiles_once(ps[0])
     for t in ps[0].tensors:  # a stage's tensors are written by its own ranks, the shards by their owners
         stage = {r for r in range(8) if r % 2 == int(t.path[5])} if t.path.startswith("stage") else set(range(8))

@@ -1,12 +1,16 @@
 """`python -m tiered_ckpt.bench.plan_scale`: the save planner at thousands of synthetic ranks, in one process.
 
-A plan miss gathers every rank's descriptors (`Box`es, pickled by Planner._describe, through
-all_gather_object) and every rank runs `build_plan` on all of them. This builds those gathered descriptors for
-R ranks without a process group (each rank's own bytes: nothing shared between ranks) and times the project's
-own `build_plan`, unpacking included, for one rank (every rank runs the same): CPU seconds, max/mean bytes per rank,
-chunks in the plan, and the log-log slope of CPU against R. Layouts: `ddp` (every tensor replicated on every
-rank) and `fsdp` (each tensor sharded along dim 0 over all ranks, FSDP2's torch.chunk split, empty shards at
-the end). A series stops once a point takes more than --cap CPU seconds (its larger worlds would take longer).
+A plan miss sends every rank's descriptors to rank 0 (describe.py, through gather_object), which plans the world
+once (world_plan.py) and sends each rank its share (scatter_object_list). This builds every rank's descriptors
+for R ranks without a process group and times, in CPU seconds, each side of that protocol with the project's own
+code: a rank other than the coordinator (encoding its descriptors, pickling them as gather_object does, unpickling
+its share and making its LocalCopies), and the coordinator (the same for itself, unpickling every rank's
+payload, planning the world, pickling every rank's share as scatter_object_list does). Also: the bytes gathered
+to the coordinator (pickled payloads; gloo pads each to the largest) and sent to one rank, max/mean bytes per
+rank, chunks in the manifest's table, and the log-log slopes of CPU against R. Layouts: `ddp` (every tensor
+replicated on every rank), `fsdp` (each tensor sharded along dim 0 over all ranks, FSDP2's torch.chunk split,
+empty shards at the end) and `hsdp` (two replicas of an FSDP over half the ranks). A series stops once a point
+takes more than --cap CPU seconds (its larger worlds would take longer).
 """
 from __future__ import annotations
 
@@ -16,9 +20,11 @@ import math
 import pickle
 import resource
 import time
-from typing import Any
+from typing import Any, Callable
 
-from ..save.plan import Box, build_plan
+from ..save.describe import describe
+from ..save.plan import Box, _warn_if_replicas_differ
+from ..save.world_plan import plan_world
 
 COLS = 1024
 DTYPE = "torch.float32"
@@ -28,54 +34,85 @@ def _rows(i: int) -> int:
     return 4096 + (i * 7919 % 8) * 1024  # 4,096 to 11,264 rows of 1,024 floats: 16 to 44 MiB a tensor
 
 
-def _rank_boxes(layout: str, tensors: int, rank: int, world: int) -> list[Box]:
+def rank_boxes(layout: str, tensors: int, rank: int, world: int) -> list[Box]:
+    """One rank's descriptors, as Planner._describe makes them from its tensors."""
     boxes = []
+    shards, shard = (world // 2, rank % (world // 2)) if layout == "hsdp" else (world, rank)
     for i in range(tensors):
         rows = _rows(i)
         shape = (rows, COLS)
         if layout == "ddp":
             offsets, sizes = (0, 0), shape
         else:
-            step = -(-rows // world)
-            start = min(rank * step, rows)
+            step = -(-rows // shards)
+            start = min(shard * step, rows)
             offsets, sizes = (start, 0), (min(step, rows - start), COLS)
-        boxes.append(Box(f"model.layers.{i}.weight", DTYPE, 4, shape, offsets, sizes))
+        boxes.append(Box(f"model.layers.{i}.weight", DTYPE, 4, shape, offsets, sizes, layout == "fsdp"))
     return boxes
 
 
-def gathered(layout: str, tensors: int, world: int, packed: bool = True) -> list[Any]:
-    """What the plan's all_gather_object hands every rank: each rank's boxes pickled (Planner._describe packs
-    them; build_plan unpacks those of each distinct rank), or with packed=False a list each, unpickled on its
-    own (what the gather handed the planner before)."""
-    if packed:
-        return [pickle.dumps([tuple(b) for b in _rank_boxes(layout, tensors, r, world)],
-                             protocol=pickle.HIGHEST_PROTOCOL) for r in range(world)]
-    return [pickle.loads(pickle.dumps(_rank_boxes(layout, tensors, r, world))) for r in range(world)]
-
-
-def measure(layout: str, tensors: int, world: int, packed: bool = True) -> dict[str, Any]:
-    everyone = gathered(layout, tensors, world, packed)
+def _cpu(fn: Callable[[], Any]) -> tuple[Any, float]:
     gc.collect()
     gc_was = gc.isenabled()
     gc.disable()  # as the engine plans (state/gc_pause.py)
     try:
         t = time.process_time()
-        plan = build_plan(("bench",), everyone, 0, 64 << 20)
-        cpu = time.process_time() - t
+        out = fn()
+        return out, time.process_time() - t
     finally:
         if gc_was:
             gc.enable()
+
+
+def measure(layout: str, tensors: int, world: int) -> dict[str, Any]:
+    """One point: CPU seconds of rank 1 ("rank_cpu") and of rank 0 ("coordinator_cpu"), bytes gathered to rank 0
+    and received by rank 1, max/mean bytes per rank, chunks in the world's table."""
+    described0, _ = _cpu(lambda: describe(rank_boxes(layout, tensors, 0, world), 0))
+    first = described0.digest
+    gathered = [pickle.dumps(described0.payload_for(None), protocol=pickle.HIGHEST_PROTOCOL)]
+    for r in range(1, world):  # what gather_object hands rank 0: each rank's payload pickled
+        if r == 1:
+            boxes = rank_boxes(layout, tensors, 1, world)
+            (described1, sent), encode_cpu = _cpu(lambda: _encode(boxes, 1, first))
+            gathered.append(sent)
+        else:
+            gathered.append(pickle.dumps(describe(rank_boxes(layout, tensors, r, world), r).payload_for(first),
+                                         protocol=pickle.HIGHEST_PROTOCOL))
+
+    def coordinate() -> tuple[Any, list[bytes]]:
+        mine = describe(rank_boxes(layout, tensors, 0, world), 0)  # (its own boxes made here: cheap next to these)
+        payloads = [pickle.loads(b) for b in gathered]
+        payloads[0] = mine.payload_for(None)
+        _warn_if_replicas_differ([p[4] for p in payloads])
+        plan = plan_world(payloads)
+        total = sum(plan.rank_nbytes)
+        sent = [pickle.dumps(("plan", n, total, s), protocol=pickle.HIGHEST_PROTOCOL)
+                for n, s in zip(plan.rank_nbytes, plan.shares)]
+        mine.local(plan.shares[0])
+        return plan, sent
+
+    (plan, sent), coordinator_cpu = _cpu(coordinate)
+    reply = sent[1] if world > 1 else sent[0]
+    local, receive_cpu = _cpu(lambda: described1.local(pickle.loads(reply)[3]) if world > 1 else None)
     loads = plan.rank_nbytes
-    out = {"layout": layout, "tensors": tensors, "ranks": world, "cpu_s": cpu,
-           "max_mean": max(loads) / (sum(loads) / world), "chunks": sum(len(t.chunks) for t in plan.tensors),
-           "maxrss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    del plan, everyone
+    out = {"layout": layout, "tensors": tensors, "ranks": world,
+           "rank_cpu": (encode_cpu + receive_cpu) if world > 1 else coordinator_cpu,
+           "coordinator_cpu": coordinator_cpu,
+           "gathered_bytes": sum(len(b) for b in gathered), "gathered_padded_bytes": world * max(map(len, gathered)),
+           "rank_received_bytes": len(reply), "max_mean": max(loads) / (sum(loads) / world),
+           "chunks": len(plan.tensors.rank), "maxrss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    del plan, sent, gathered, local
     gc.collect()
     return out
 
 
+def _encode(boxes: list[Box], rank: int, first: bytes) -> tuple[Any, bytes]:
+    described = describe(boxes, rank)
+    return described, pickle.dumps(described.payload_for(first), protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def slope(points: list[tuple[int, float]]) -> float:
-    """Least-squares slope of log(cpu) against log(ranks)."""
+    """Least-squares slope of log(y) against log(ranks)."""
     xs, ys = [math.log(r) for r, _ in points], [math.log(max(c, 1e-6)) for _, c in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     den = sum((x - mx) ** 2 for x in xs)
@@ -88,22 +125,26 @@ def main() -> None:
     ap.add_argument("--tensors", default="40,1000")
     ap.add_argument("--layouts", default="ddp,fsdp")
     ap.add_argument("--cap", type=float, default=60.0, help="stop a series after a point over this many CPU s")
-    ap.add_argument("--unpacked", action="store_true", help="feed lists of boxes (as the gather did before)")
     args = ap.parse_args()
-    print("| layout | tensors | ranks | CPU s (one rank) | max/mean bytes | chunks | peak RSS GiB |")
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("| layout | tensors | ranks | rank CPU s | coordinator CPU s | gathered MB | to a rank KB | max/mean "
+          "| chunks | peak RSS GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for layout in args.layouts.split(","):
         for tensors in map(int, args.tensors.split(",")):
             points = []
             for world in map(int, args.ranks.split(",")):
-                m = measure(layout, tensors, world, not args.unpacked)
-                points.append((world, m["cpu_s"]))
-                print(f"| {layout} | {tensors} | {world} | {m['cpu_s']:.3f} | {m['max_mean']:.4f} | {m['chunks']} "
-                      f"| {m['maxrss_gib']:.1f} |", flush=True)
-                if m["cpu_s"] > args.cap:
+                m = measure(layout, tensors, world)
+                points.append(m)
+                print(f"| {layout} | {tensors} | {world} | {m['rank_cpu']:.4f} | {m['coordinator_cpu']:.3f} "
+                      f"| {m['gathered_bytes'] / 1e6:.2f} | {m['rank_received_bytes'] / 1e3:.1f} "
+                      f"| {m['max_mean']:.4f} | {m['chunks']} | {m['maxrss_gib']:.1f} |", flush=True)
+                if m["coordinator_cpu"] > args.cap:
                     break
             if len(points) > 1:
-                print(f"| {layout} | {tensors} | slope | R^{slope(points):.2f} | | | |", flush=True)
+                fit = {k: slope([(p["ranks"], p[k]) for p in points]) for k in ("rank_cpu", "coordinator_cpu",
+                                                                                 "gathered_bytes")}
+                print(f"| {layout} | {tensors} | slope | R^{fit['rank_cpu']:.2f} | R^{fit['coordinator_cpu']:.2f} "
+                      f"| R^{fit['gathered_bytes']:.2f} | | | | |", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Lifecycle: every rank constructs its Engine and opens it at the same point of the program (SPMD); `open`
 creates the side group and agrees on a session id. After that the engine issues collectives only from
-`save()` (the first one: the fencing epoch; a plan-cache miss: one all_gather), from `load()` (step
+`save()` (the first one: the fencing epoch; a plan-cache miss: a broadcast, a gather to rank 0 and a
+scatter from it), from `load()` (step
 agreement, need-set gather, broadcasts, final agreement) and from `should_save()` (one all_reduce, when a
 time or signal rule is on), always in program order and never from background tasks, so they cannot
 interleave with, or deadlock against, the training loop's own collectives on its own groups
@@ -64,6 +65,32 @@ class Coordinator:
         self.collectives += 1
         await asyncio.to_thread(dist.all_gather_object, out, obj, group=self.group)
         return out
+
+    async def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Collective: every rank's `obj` on rank `dst` (in rank order); None on the others. What one rank needs of
+        all (the plan's descriptors) goes to it alone, not to every rank."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        self.collectives += 1
+        await asyncio.to_thread(dist.gather_object, obj, out, dst=dst, group=self.group)
+        return out
+
+    async def scatter_object(self, objs: list[Any] | None, src: int = 0) -> Any:
+        """Collective: rank `src` passes one object per rank (`objs`, in rank order; the others pass None) and
+        each rank gets its own: the answer to a gather_object, each rank sent only its part."""
+        if not self.distributed:
+            assert objs is not None
+            return objs[0]
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        self.collectives += 1
+        await asyncio.to_thread(dist.scatter_object_list, box, objs if self.rank == src else None, src=src,
+                                group=self.group)
+        return box[0]
 
     async def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not self.distributed:

@@ -113,7 +113,7 @@ class SaveJob:
             self.records.start_checksums(self.source.buffer.view)
             try:
                 await self.services.removal.clear_crashed_attempt(self.step)
-                await commit.begin(self.step, self.tiers, nbytes=sum(self.plan.rank_nbytes),
+                await commit.begin(self.step, self.tiers, nbytes=self.plan.total_nbytes,
                                    metadata=self.records.metadata)
             except Exception as e:  # the index is down, or refused: every tier fails, naming it
                 # recorded (once the index answers, in the background) where the other ranks' commit waits see it:

@@ -153,6 +153,7 @@ class Records:
 
     async def _build_manifest(self) -> bytes:
         plan = self.plan
+        assert plan.tensors is not None and plan.rank_nbytes is not None  # rank 0's plan holds the world's chunks
         manifest = Manifest(
             job=self.commit.job, step=self.step, world_size=plan.world_size, part_size=plan.part_size,
             checksum=self.algorithm, tensors=plan.tensors,
