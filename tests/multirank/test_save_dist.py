@@ -41,7 +41,13 @@ async def _balanced(rank: int, world: int, root: str) -> dict:
             read[step], received[step] = sum(info.bytes_by_tier.values()), info.bytes_received
             assert info.step == step
         manifest = await engine.read_manifest(1)  # what each rank wrote of step 1, as the plan laid it out
+        plan = engine.planner.last  # step 3's: the world's chunks on rank 0 alone, each rank its own boxes
+        held = {"world": None if plan.tensors is None else len(plan.tensors.rank), "lengths": plan.rank_nbytes,
+                "own": len(plan.local), "nbytes": plan.nbytes, "total": plan.total_nbytes,
+                "mine": None if plan.tensors is None else [int((plan.tensors.rank == r).sum()) for r in range(world)],
+                "streams": None if plan.tensors is None else list(plan.rank_nbytes)}
         return {"rank_nbytes": [r.nbytes for r in manifest.ranks], "hit": hit_collectives, "miss": miss_collectives,
+                "held": held,
                 "loaded": loaded, "misses": engine.planner.misses, "read": read, "received": received,
                 "size": manifest.nbytes}
 
@@ -56,8 +62,16 @@ def test_replicated_state_is_written_once_and_balanced_at_dp4(tmp_path):
     assert max(per_rank) / (total / 4) <= 1.1, per_rank
     for r in results:
         assert r["hit"] == 0, "a cached plan must not run a collective"
-        assert r["miss"] == 1 and r["misses"] == 2
+        assert r["miss"] == 3 and r["misses"] == 2  # rank 0's digest, the gather to it, the scatter from it
         assert r["loaded"] == {1: True, 2: True}  # the cached plan never repeats older data
+    coordinator = results[0]["held"]
+    assert coordinator["world"] == sum(coordinator["mine"]) and coordinator["world"] >= 11
+    for rank, r in enumerate(results):  # no rank but 0 holds the world's chunks or stream lengths
+        if rank:
+            assert r["held"]["world"] is None and r["held"]["lengths"] is None and r["held"]["streams"] is None
+        assert r["held"]["own"] == coordinator["mine"][rank]  # its own boxes, all of them
+        assert r["held"]["nbytes"] == coordinator["streams"][rank]
+        assert r["held"]["total"] == sum(coordinator["streams"])
     for step in (1, 2):  # broadcast loading: the checkpoint is read from storage once, not once per replica
         assert sum(r["read"][step] for r in results) == results[0]["size"]
         assert all(r["received"][step] > 0 for r in results)

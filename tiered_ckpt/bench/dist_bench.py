@@ -144,7 +144,7 @@ async def _tiered(state: dict[str, torch.Tensor], disk: Path, shm: Path, part_si
     med = statistics.median
     return {"tc_blocking": med(blocking), "tc_durable": med(durable), "tc_load": med(loads), "tc_read": med(reads),
             "tc_read_storage": med(read_storage), "tc_received": med(received),
-            "tc_written": dict(enumerate(plan.rank_nbytes))}
+            "tc_written": dict(enumerate(plan.rank_nbytes or ()))}  # rank 0's
 
 
 def report(results: list[dict[str, Any]], nproc: int) -> str:

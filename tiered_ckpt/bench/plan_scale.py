@@ -85,15 +85,15 @@ def measure(layout: str, tensors: int, world: int) -> dict[str, Any]:
         payloads[0] = mine.payload_for(None)
         _warn_if_replicas_differ([p[4] for p in payloads])
         plan = plan_world(payloads)
-        total = sum(plan.rank_nbytes)
-        sent = [pickle.dumps(("plan", n, total, s), protocol=pickle.HIGHEST_PROTOCOL)
+        total, largest = sum(plan.rank_nbytes), max(plan.rank_nbytes)
+        sent = [pickle.dumps(("plan", n, total, largest, s), protocol=pickle.HIGHEST_PROTOCOL)
                 for n, s in zip(plan.rank_nbytes, plan.shares)]
         mine.local(plan.shares[0])
         return plan, sent
 
     (plan, sent), coordinator_cpu = _cpu(coordinate)
     reply = sent[1] if world > 1 else sent[0]
-    local, receive_cpu = _cpu(lambda: described1.local(pickle.loads(reply)[3]) if world > 1 else None)
+    local, receive_cpu = _cpu(lambda: described1.local(pickle.loads(reply)[4]) if world > 1 else None)
     loads = plan.rank_nbytes
     out = {"layout": layout, "tensors": tensors, "ranks": world,
            "rank_cpu": (encode_cpu + receive_cpu) if world > 1 else coordinator_cpu,

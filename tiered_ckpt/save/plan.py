@@ -64,6 +64,7 @@ class Plan:
     local: LocalCopies
     nbytes: int  # this rank's stream
     total_nbytes: int  # every rank's streams together
+    max_nbytes: int  # the largest rank's stream (every rank fits its host memory to it alike)
     tensors: TensorTable | None = None
     rank_nbytes: tuple[int, ...] | None = None
 
@@ -158,12 +159,12 @@ class Planner:
                 raise StateError(reply[2])
             raise RankFailed(f"rank 0 failed while planning the save: {reply[1]}: {reply[2]}")
         assert described is not None
-        _, nbytes, total, share = reply
+        _, nbytes, total, largest, share = reply
         local = await asyncio.to_thread(described.local, share)
         if world is not None:
-            return Plan(key, self.rank, coordinator.world_size, self.part_size, local, nbytes, total, world.tensors,
-                        tuple(world.rank_nbytes))
-        return Plan(key, self.rank, coordinator.world_size, self.part_size, local, nbytes, total)
+            return Plan(key, self.rank, coordinator.world_size, self.part_size, local, nbytes, total, largest,
+                        world.tensors, tuple(world.rank_nbytes))
+        return Plan(key, self.rank, coordinator.world_size, self.part_size, local, nbytes, total, largest)
 
     def _describe(self, paths: list[str], tensors: list[torch.Tensor]) -> Described:
         descriptors = []
@@ -197,8 +198,8 @@ def _plan_world(gathered: list[Any] | None) -> tuple[list[tuple], WorldPlan | No
         world = plan_world(gathered)
     except Exception as e:  # every rank must leave the scatter with an answer
         return [("error", type(e).__name__, str(e))] * world_size, None, e
-    total = sum(world.rank_nbytes)
-    return [("plan", n, total, share) for n, share in zip(world.rank_nbytes, world.shares)], world, None
+    total, largest = sum(world.rank_nbytes), max(world.rank_nbytes, default=0)
+    return [("plan", n, total, largest, share) for n, share in zip(world.rank_nbytes, world.shares)], world, None
 
 
 def _alone(t: torch.Tensor) -> bool:
@@ -260,4 +261,4 @@ def build_plan(key: tuple, everyone: Sequence[Sequence[tuple]], rank: int, part_
     world = plan_world([d.payload_for(first if r else None) for r, d in enumerate(described)])
     local = described[rank].local(world.shares[rank])
     return Plan(key, rank, len(everyone), part_size, local, world.rank_nbytes[rank], sum(world.rank_nbytes),
-                world.tensors, tuple(world.rank_nbytes))
+                max(world.rank_nbytes, default=0), world.tensors, tuple(world.rank_nbytes))

@@ -247,7 +247,7 @@ class Saver:
         """Fit the tier stack into [engine] host_memory for this state (save/host_budget.py): the memory tiers'
         retention, and the memory tier's staging buffers, keep the keep_last that fits. Decided from the largest
         rank's bytes and the most crowded machine, so every rank decides alike. ConfigError when nothing fits."""
-        state = max(plan.rank_nbytes, default=0)
+        state = plan.max_nbytes
         if self.config.engine.host_memory is None or (self.host_fit is not None and self.host_fit.state_bytes == state):
             return
         fit = fit_host_memory(self.config, state, ranks_per_machine(self.coordinator.hosts))
