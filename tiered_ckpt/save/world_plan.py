@@ -179,20 +179,22 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
     chunk_bytes = np.concatenate([fixed_bytes, nbytes[held], np.asarray([p[7] for p in py], dtype=np.int64)])
 
     # each rank's stream: its pieces in its tensors' order
-    order = np.argsort(rank * (int(descriptor.max(initial=0)) + 1) + descriptor, kind="stable")
-    rank, descriptor, chunk_tid, chunk_off, chunk_size = (rank[order], descriptor[order], chunk_tid[order],
-                                                         chunk_off[order], chunk_size[order])
-    start, length, chunk_bytes = start[order], length[order], chunk_bytes[order]
+    key = rank * (int(descriptor.max(initial=0)) + 1) + descriptor
+    if len(key) and not bool(np.all(key[1:] >= key[:-1])):  # (already so under FSDP: each rank's own boxes)
+        order = np.argsort(key, kind="stable")
+        rank, descriptor, chunk_tid, chunk_off, chunk_size = (rank[order], descriptor[order], chunk_tid[order],
+                                                             chunk_off[order], chunk_size[order])
+        start, length, chunk_bytes = start[order], length[order], chunk_bytes[order]
     aligned = -(-chunk_bytes // ALIGN) * ALIGN
     before = np.cumsum(aligned) - aligned
     first = np.searchsorted(rank, np.arange(world_size + 1))
-    held = first[1:] > first[:-1]
+    writes = first[1:] > first[:-1]
     base = np.zeros(world_size, np.int64)
-    base[held] = before[first[:-1][held]]
+    base[writes] = before[first[:-1][writes]]
     byte_offset = before - base[rank]
     rank_nbytes = np.zeros(world_size, np.int64)
-    last = first[1:][held] - 1
-    rank_nbytes[held] = byte_offset[last] + chunk_bytes[last]
+    last = first[1:][writes] - 1
+    rank_nbytes[writes] = byte_offset[last] + chunk_bytes[last]
     rows = np.stack([descriptor, start, length, byte_offset], axis=1).astype("<i8")
     shares = [rows[a:b].tobytes() for a, b in zip(first[:-1].tolist(), first[1:].tolist())]
 
