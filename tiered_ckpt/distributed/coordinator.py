@@ -3,9 +3,8 @@
 Lifecycle: every rank constructs its Engine and opens it at the same point of the program (SPMD); `open`
 creates the side group and agrees on a session id. After that the engine issues collectives only from
 `save()` (the first one: the fencing epoch; a plan-cache miss: a broadcast, a gather to rank 0 and a
-scatter from it), from `load()` (step
-agreement, need-set gather, broadcasts, final agreement) and from `should_save()` (one all_reduce, when a
-time or signal rule is on), always in program order and never from background tasks, so they cannot
+scatter from it), from `load()` (step agreement, need-set gather, broadcasts, final agreement) and from
+`should_save()` (one all_reduce, when a time or signal rule is on), always in program order and never from background tasks, so they cannot
 interleave with, or deadlock against, the training loop's own collectives on its own groups
 (KempnerForge#104). Commit and failure reporting go
 through the index, not through collectives. Every collective runs in a thread, so the event loop keeps
