@@ -161,12 +161,15 @@ def test_hsdp_replicas_are_written_once_and_level():
     assert max(loads) / (sum(loads) / 64) < 1.05
 
 
-def test_ranks_with_the_structure_of_rank_0_send_its_digest_alone():
-    everyone = fsdp(4)
+@pytest.mark.parametrize("layout", ["fsdp", "ddp"])
+def test_ranks_send_rank_0_neither_its_structure_nor_its_boxes_again(layout):
+    everyone = LAYOUTS[layout](4)
     described = [describe(b, r) for r, b in enumerate(everyone)]
     first = described[0].digest
     payloads = [d.payload_for(first if r else None) for r, d in enumerate(described)]
-    assert payloads[0][1] is not None and all(p[1] is None for p in payloads[1:])
+    assert payloads[0][1] is not None and payloads[0][2] is not None
+    assert all(p[1] is None for p in payloads[1:])  # the structure: every layout's ranks share rank 0's
+    assert all((p[2] is None) == (layout == "ddp") for p in payloads[1:])  # the boxes: DDP's are rank 0's too
     assert len(pickle.dumps(payloads[1])) < len(pickle.dumps(payloads[0])) / 2
     world = plan_world(payloads)
     assert world.tensors == build_plan(("k",), everyone, 0, 1 << 20).tensors

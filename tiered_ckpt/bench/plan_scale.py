@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import math
 import pickle
 import resource
@@ -24,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..save.describe import describe, pack_ints
+from ..save.describe import DIGEST, describe, pack_ints
 from ..save.plan import Box, _warn_if_replicas_differ
 from ..save.world_plan import plan_world
 
@@ -53,7 +54,7 @@ def rank_boxes(layout: str, tensors: int, rank: int, world: int) -> list[Box]:
     return boxes
 
 
-def _payload(layout: str, tensors: int, rank: int, world: int, first: bytes) -> tuple[Any, ...]:
+def _payload(layout: str, tensors: int, rank: int, world: int, first: tuple[bytes, bytes]) -> tuple[Any, ...]:
     """What describe() makes of rank_boxes(...) for a rank whose structure is rank 0's, made with array work (the
     bench's set-up for R ranks; describe() itself is timed on ranks 0 and 1, and checked to agree with this)."""
     rows = np.asarray([_rows(i) for i in range(tensors)], dtype=np.int64)
@@ -68,7 +69,8 @@ def _payload(layout: str, tensors: int, rank: int, world: int, first: bytes) -> 
         sizes = np.stack([np.minimum(step, rows - start), cols], axis=1)
     alone = np.full(tensors, int(layout == "fsdp"), np.int64)
     boxes = pack_ints(np.concatenate([[2], offsets.ravel(), sizes.ravel(), alone]))
-    return (first, None, boxes, b"", b"")
+    same = hashlib.blake2b(boxes, digest_size=DIGEST).digest() == first[1]
+    return (first[0], None, None if same else boxes, b"", b"")
 
 
 def _cpu(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -126,7 +128,7 @@ def measure(layout: str, tensors: int, world: int) -> dict[str, Any]:
     return out
 
 
-def _encode(boxes: list[Box], rank: int, first: bytes) -> tuple[Any, bytes]:
+def _encode(boxes: list[Box], rank: int, first: tuple[bytes, bytes]) -> tuple[Any, bytes]:
     described = describe(boxes, rank)
     return described, pickle.dumps(described.payload_for(first), protocol=pickle.HIGHEST_PROTOCOL)
 

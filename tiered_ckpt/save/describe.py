@@ -4,8 +4,8 @@ A rank's tensors are sent in three parts, so that the coordinator reads what ran
 - the structure (paths, dtypes, element sizes, global shapes), pickled and named by a digest; ranks whose
   structure is rank 0's (every rank under DDP and FSDP) send the digest alone;
 - the boxes (offsets and sizes, padded to the structure's largest rank with offset 0 and size 1, and whether
-  the box is this rank's alone) as one integer array in its narrowest width: equal under DDP, so the
-  coordinator unpacks one, and 2-4 bytes a value under FSDP;
+  the box is this rank's alone) as one integer array in its narrowest width (2-4 bytes a value under FSDP);
+  ranks whose boxes are rank 0's (every rank under DDP) send none, and the coordinator unpacks them once;
 - tensors of this rank's own (`tc.PerRank`, whose paths end in `@rank<r>`), apart, so that they do not make
   every rank's structure differ.
 
@@ -55,12 +55,14 @@ class Described:
     sizes: list[tuple[int, ...]]
     dtypes: list[str]
     itemsizes: list[int]
-    digest: bytes
+    digest: tuple[bytes, bytes]  # of the structure and of the boxes
 
-    def payload_for(self, first_digest: bytes | None) -> tuple[Any, ...]:
-        """What this rank sends: without its structure where that is rank 0's (`first_digest`)."""
-        digest, structure, *rest = self.payload
-        return (digest, None if digest == first_digest else structure, *rest)
+    def payload_for(self, first: tuple[bytes, bytes] | None) -> tuple[Any, ...]:
+        """What this rank sends: without its structure, or its boxes, where they are rank 0's (`first`: rank 0's
+        digests; None on rank 0 itself)."""
+        name, structure, boxes, *rest = self.payload
+        same = (False, False) if first is None else (self.digest[0] == first[0], self.digest[1] == first[1])
+        return (name, None if same[0] else structure, None if same[1] else boxes, *rest)
 
     def local(self, reply: bytes) -> LocalCopies:
         """This rank's LocalCopies from its share of the coordinator's answer (rows of descriptor, cut start or
@@ -116,4 +118,5 @@ def describe(descriptors: Sequence[Descriptor], rank: int, fingerprints: bytes =
     boxes = pack_ints(np.asarray([ndim, *offsets, *sizes, *alone], dtype=np.int64))
     mine = pickle.dumps([tuple(descriptors[i][:6]) for i in own], protocol=pickle.HIGHEST_PROTOCOL) if own else b""
     return Described((digest, structure, boxes, mine, fingerprints), order, [tuple(descriptors[i][5]) for i in order],
-                     [descriptors[i][1] for i in order], [descriptors[i][2] for i in order], digest)
+                     [descriptors[i][1] for i in order], [descriptors[i][2] for i in order],
+                     (digest, hashlib.blake2b(boxes, digest_size=DIGEST).digest()))

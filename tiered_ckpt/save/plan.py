@@ -5,11 +5,12 @@ stream lengths, so that the manifest is written without another collective.
 Plans hold layout only, never data, so a cached plan cannot make a later checkpoint repeat an earlier
 one's values (NeMo-RL#3312). They are cached by a key of names, dtypes, shapes, placements and the world
 layout; any change misses the cache. A hit runs no collective. A miss runs three, DCP's pattern: rank 0
-broadcasts the digest of its structure (ranks whose structure has it send the digest alone), every rank's
-descriptors go to rank 0 alone (describe.py), which plans the world once (world_plan.py) and sends each rank
-its share: its boxes and their offsets, its stream length and the world's. No other rank holds the world's
-descriptors or chunks. The cache decision is local: like the training step itself, saves are SPMD, so every
-rank changes its state structure at the same save (a rank that does not would stall in the gather until its
+broadcasts the digests of its structure and boxes (ranks whose structure or boxes are rank 0's do not send
+them), every rank's descriptors go to rank 0 alone (describe.py), which plans the world once (world_plan.py)
+and sends each rank its share: its boxes and their offsets, its stream length and the world's. No other rank
+holds the world's descriptors or chunks. The cache decision is local: like the training step itself, saves are
+SPMD, so every rank changes its state structure at the same save (a rank that does not would stall in the
+gather until its
 timeout).
 """
 from __future__ import annotations
@@ -128,8 +129,8 @@ class Planner:
 
     async def _exchange(self, key: tuple, described: Described | None, failed: _Failed | None,
                         error: BaseException | None) -> Plan:
-        """The miss's collectives: rank 0's structure digest to all (rank 0 sends its structure whole, the others
-        only where theirs differs), every rank's descriptors to rank 0, each
+        """The miss's collectives: rank 0's digests to all (rank 0 sends its structure and boxes whole, the others
+        only where theirs differ), every rank's descriptors to rank 0, each
         rank's share back. Every rank raises if any rank failed before planning (RankFailed naming it) or
         rank 0 could not plan (its error: StateError on every rank, else RankFailed naming rank 0)."""
         coordinator = self.coordinator

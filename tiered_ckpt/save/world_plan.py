@@ -71,7 +71,7 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
     keys: list[tuple[bytes, bytes]] = []
     group_of: list[int] = []
     for r, p in enumerate(payloads):
-        key = (p[0], p[2])
+        key = (p[0], p[2] if p[2] is not None else payloads[0][2])  # (none sent: rank 0's)
         g = group_at.setdefault(key, len(groups))
         if g == len(groups):
             groups.append([])
