@@ -10,8 +10,7 @@ them), every rank's descriptors go to rank 0 alone (describe.py), which plans th
 and sends each rank its share: its boxes and their offsets, its stream length and the world's. No other rank
 holds the world's descriptors or chunks. The cache decision is local: like the training step itself, saves are
 SPMD, so every rank changes its state structure at the same save (a rank that does not would stall in the
-gather until its
-timeout).
+gather until its timeout).
 """
 from __future__ import annotations
 
