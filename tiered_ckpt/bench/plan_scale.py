@@ -120,7 +120,8 @@ def measure(layout: str, tensors: int, world: int) -> dict[str, Any]:
     out = {"layout": layout, "tensors": tensors, "ranks": world,
            "rank_cpu": (encode_cpu + receive_cpu) if world > 1 else coordinator_cpu,
            "coordinator_cpu": coordinator_cpu,
-           "gathered_bytes": sum(len(b) for b in gathered), "gathered_padded_bytes": world * max(map(len, gathered)),
+           "gathered_bytes": sum(len(b) for b in gathered[1:]),  # (rank 0 keeps its own: see Planner._exchange)
+           "gathered_padded_bytes": world * max(map(len, gathered[1:]), default=0),
            "rank_received_bytes": len(reply), "max_mean": max(loads) / (sum(loads) / world),
            "chunks": len(plan.tensors.rank), "maxrss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     del plan, sent, gathered, local

@@ -139,7 +139,11 @@ class Planner:
         else:
             first = None
         payload: Any = failed if described is None else described.payload_for(first if self.rank else None)
-        gathered = await coordinator.gather_object(payload, dst=0)
+        # rank 0 keeps its own payload (its structure and boxes, whole): gloo's gather pads every rank's bytes to
+        # the largest, so sending it would make every rank send as much
+        gathered = await coordinator.gather_object(payload if self.rank else None, dst=0)
+        if gathered is not None:
+            gathered[0] = payload
         world: WorldPlan | None = None
         world_error: Exception | None = None
         shares = None
