@@ -8,6 +8,8 @@ import math
 import pickle
 from typing import Any
 
+from tiered_ckpt.errors import StateError
+
 ALIGN = 64
 
 

@@ -103,8 +103,7 @@ def measure(layout: str, tensors: int, world: int) -> dict[str, Any]:
 
     def coordinate() -> tuple[Any, list[bytes]]:
         mine = describe(rank_boxes(layout, tensors, 0, world), 0)  # (its own boxes made here: cheap next to these)
-        payloads = [pickle.loads(b) for b in gathered]
-        payloads[0] = mine.payload_for(None)
+        payloads = [mine.payload_for(None)] + [pickle.loads(b) for b in gathered[1:]]  # (rank 0 keeps its own)
         _warn_if_replicas_differ([p[4] for p in payloads])
         plan = plan_world(payloads)
         total, largest = sum(plan.rank_nbytes), max(plan.rank_nbytes)
@@ -124,7 +123,7 @@ def measure(layout: str, tensors: int, world: int) -> dict[str, Any]:
            "gathered_padded_bytes": world * max(map(len, gathered[1:]), default=0),
            "rank_received_bytes": len(reply), "max_mean": max(loads) / (sum(loads) / world),
            "chunks": len(plan.tensors.rank), "maxrss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    del plan, sent, gathered, local
+    del plan, sent, local
     gc.collect()
     return out
 
