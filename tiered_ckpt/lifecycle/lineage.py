@@ -57,10 +57,17 @@ class Copy:
 
 async def scan(io: TierIO, tier: str, job: str, identity: str, keys: Iterable[str] | None = None) -> dict[int, list[Copy]]:
     """step → the copies this index's incarnations wrote on `tier`, newest session first (one listing; or
-    `keys`, a listing made elsewhere: every node's listing of a node-local tier, put together)."""
+    `keys`, a listing made elsewhere: every node's listing of a node-local tier, put together). The keys are
+    parsed in a thread: a tier that keeps a long history holds tens of thousands."""
+    listed = await io.list(tier, job_prefix(job)) if keys is None else keys
+    return await io.run_blocking(lambda: copies_of(listed, job, identity))
+
+
+def copies_of(keys: Iterable[str], job: str, identity: str) -> dict[int, list[Copy]]:
+    """`scan`'s work on a listing: the copies of this index's incarnations, by step, newest session first."""
     mine = index_dir(identity) + "/"
     found: dict[tuple[int, str], Copy] = {}
-    for key in (await io.list(tier, job_prefix(job)) if keys is None else keys):
+    for key in keys:
         parsed = parse_key(key)
         if parsed is None or parsed.job != job or not parsed.incarnation.startswith(mine):
             continue

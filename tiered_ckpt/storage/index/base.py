@@ -116,6 +116,14 @@ class Index(Protocol):
                          rank: int | None = None) -> TierState: ...
     async def unmark(self, job: str, step: int, tier: str) -> None: ...
     async def list(self, job: str) -> list[CheckpointStatus]: ...
+    async def list_range(self, job: str, first: int = 0, *, newest: int | None = None,
+                         also: Sequence[int] = ()) -> list[CheckpointStatus]:
+        """The checkpoints of step >= `first` (with `newest`, only that many of the newest of them), plus those
+        of `also` that exist, oldest first, as `list` reports them. A save's retention and a load's pick ask
+        this for the few steps they judge, so their cost does not grow with the history a job keeps: an index
+        answers from an ordered structure (a sorted set, sorted folder names). This default filters `list`
+        (`listing_range` serves indexes that lack it)."""
+        return _filtered(await self.list(job), first, newest, also)
     async def jobs(self) -> list[str]: ...  # the jobs that have checkpoints here (for "no such job" messages)
     async def delete(self, job: str, step: int) -> None: ...
     async def bury(self, job: str, step: int) -> None: ...
@@ -149,3 +157,22 @@ async def _rank_metas_one_by_one(index: Index, job: str, step: int, ranks: Seque
         except IncompleteCheckpoint:
             continue  # no record: absent (an unreachable index raises, as for one record)
     return found
+
+
+async def listing_range(index: Index, job: str, first: int = 0, *, newest: int | None = None,
+                        also: Sequence[int] = ()) -> list[CheckpointStatus]:
+    """`index.list_range`, or for an index written before it existed (a third party's, not subclassing Index)
+    `list` filtered the same way."""
+    ranged = getattr(index, "list_range", None)
+    if ranged is None:
+        return _filtered(await index.list(job), first, newest, also)
+    return await ranged(job, first, newest=newest, also=also)
+
+
+def _filtered(statuses: list[CheckpointStatus], first: int, newest: int | None,
+              also: Sequence[int]) -> list[CheckpointStatus]:
+    window = [s for s in statuses if s.step >= first]
+    if newest is not None:
+        window = window[len(window) - newest:] if 0 < newest < len(window) else ([] if newest <= 0 else window)
+    steps = {s.step for s in window} | set(also)
+    return [s for s in statuses if s.step in steps]

@@ -31,6 +31,7 @@ its own marker, and lists the folders of failures and skips (absent unless a ran
 from __future__ import annotations
 
 import asyncio
+import bisect
 import errno
 import fcntl
 import logging
@@ -45,7 +46,7 @@ import msgpack
 
 from ...checksum import seal, unseal
 from ...errors import IncompleteCheckpoint, IntegrityError, TieredCkptError, WriterConflict
-from ...layout import parse_step_dir, step_dir
+from ...layout import STEP_DIR, parse_step_dir, step_dir
 from ..files import check_creatable, fsync_dir, locked_elsewhere, make_folders
 from .base import CheckpointStatus, CommitState, TierState
 
@@ -227,46 +228,63 @@ class FileIndex:
     async def list(self, job: str) -> list[CheckpointStatus]:
         return await self._io(self._list_sync, job)
 
+    async def list_range(self, job: str, first: int = 0, *, newest: int | None = None,
+                         also: Sequence[int] = ()) -> list[CheckpointStatus]:
+        """The checkpoints of step >= `first` (with `newest`, only that many of the newest of them), and those of
+        `also` that exist, oldest first. The job folder's names are read and sorted (one listing, in C: step
+        folders' names are fixed-width, so their order is the steps'); only the folders asked for are read."""
+        def read() -> list[CheckpointStatus]:
+            names = _step_names(self.root / job)
+            lo = bisect.bisect_left(names, step_dir(max(first, 0)))
+            window = names[lo:] if newest is None else names[max(lo, len(names) - max(newest, 0)):]
+            chosen = set(window)
+            for step in also:
+                name = step_dir(step)
+                at = bisect.bisect_left(names, name)
+                if at < len(names) and names[at] == name:
+                    chosen.add(name)
+            base = self.root / job
+            return [status for n in sorted(chosen) if (status := self._status_sync(base / n)) is not None]
+        return await self._io(read)
+
     def _list_sync(self, job: str) -> list[CheckpointStatus]:
-        out = []
         base = self.root / job
-        if not base.is_dir():
-            return out
-        for d in sorted(base.iterdir()):
-            step = parse_step_dir(d.name)
-            if step is None:
-                continue
-            failures = [p.name.rsplit(".", 2) for p in _entries(d / "failed")]
-            unreadable = ""
-            try:
-                record = _read_begun(d / "begun")
-            except FileNotFoundError:
-                if not failures:
-                    continue  # killed before `begin` landed: nothing was promised
-                record = {"tiers": sorted({name for name, _, _ in failures})}  # a rank failed before begin
-            except (IntegrityError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
-                log.warning("index %s: the record of step %d cannot be read (%s); listed as incomplete", self.root,
-                            step, e)
-                record, unreadable = {"tiers": []}, f"the index record cannot be read: {e}"
-            complete = frozenset(p.name for p in _entries(d / "complete") if p.name in record["tiers"])
-            failed = {}
-            for p in _entries(d / "failed"):
-                name, rank, _ = p.name.rsplit(".", 2)
-                if name not in complete:
-                    failed.setdefault(name, f"rank {rank}: {p.read_text(errors='replace')}")
-            if unreadable:
-                failed["index"] = unreadable
-            skipped: dict[str, int] = {}
-            for p in _entries(d / "skipped"):
-                name = p.name.rsplit(".", 2)[0]
-                newer = _read_step(p)
-                if name in record["tiers"] and name not in complete and newer is not None:
-                    skipped.setdefault(name, newer)
-            info = _read_info(d / "info")
-            out.append(CheckpointStatus(step, tuple(record["tiers"]), complete, failed,
-                                        record.get("created", 0.0), nbytes=info.get("nbytes"),
-                                        metadata=info.get("metadata") or {}, skipped=skipped))
-        return out
+        return [status for n in _step_names(base) if (status := self._status_sync(base / n)) is not None]
+
+    def _status_sync(self, d: Path) -> CheckpointStatus | None:
+        """One step folder's status; None when it promises nothing (killed before `begin` landed)."""
+        step = parse_step_dir(d.name)
+        if step is None:
+            return None
+        failures = [p.name.rsplit(".", 2) for p in _entries(d / "failed")]
+        unreadable = ""
+        try:
+            record = _read_begun(d / "begun")
+        except FileNotFoundError:
+            if not failures:
+                return None  # killed before `begin` landed: nothing was promised
+            record = {"tiers": sorted({name for name, _, _ in failures})}  # a rank failed before begin
+        except (IntegrityError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            log.warning("index %s: the record of step %d cannot be read (%s); listed as incomplete", self.root,
+                        step, e)
+            record, unreadable = {"tiers": []}, f"the index record cannot be read: {e}"
+        complete = frozenset(p.name for p in _entries(d / "complete") if p.name in record["tiers"])
+        failed = {}
+        for p in _entries(d / "failed"):
+            name, rank, _ = p.name.rsplit(".", 2)
+            if name not in complete:
+                failed.setdefault(name, f"rank {rank}: {p.read_text(errors='replace')}")
+        if unreadable:
+            failed["index"] = unreadable
+        skipped: dict[str, int] = {}
+        for p in _entries(d / "skipped"):
+            name = p.name.rsplit(".", 2)[0]
+            newer = _read_step(p)
+            if name in record["tiers"] and name not in complete and newer is not None:
+                skipped.setdefault(name, newer)
+        info = _read_info(d / "info")
+        return CheckpointStatus(step, tuple(record["tiers"]), complete, failed, record.get("created", 0.0),
+                                nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped)
 
     async def jobs(self) -> list[str]:
         """The jobs with a checkpoint folder here, sorted."""
@@ -491,6 +509,16 @@ def _create_tally(tally: Path) -> None:
     finally:
         os.close(fd)
     fsync_dir(tally.parent)
+
+
+def _step_names(base: Path) -> list[str]:
+    """The step folders' names in a job's folder, sorted (so by step: the names are fixed-width)."""
+    try:
+        names = sorted(os.listdir(base))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    lo, hi = bisect.bisect_left(names, STEP_DIR), bisect.bisect_left(names, STEP_DIR[:-1] + chr(ord(STEP_DIR[-1]) + 1))
+    return [n for n in names[lo:hi] if n[len(STEP_DIR):].isdigit()] if hi - lo else []
 
 
 def _entries(d: Path) -> list[Path]:

@@ -368,6 +368,42 @@ class RedisIndex:
             return await pipe.execute()
 
         names, summaries = await self._call("listing", read)
+        return await self._statuses_of(job, names, summaries)
+
+    async def list_range(self, job: str, first: int = 0, *, newest: int | None = None,
+                         also: Sequence[int] = ()) -> list[CheckpointStatus]:
+        """The checkpoints of step >= `first` (with `newest`, only that many of the newest of them), and those of
+        `also` that exist, oldest first: two round trips (the steps from the sorted set by score, then their
+        summaries), whatever the number of checkpoints the job keeps."""
+        assert self._client is not None
+        steps_key, list_key = self._k(job, "steps"), self._k(job, "list")
+
+        wanted = sorted({int(s) for s in also})
+
+        async def steps() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            if newest is None:
+                pipe.zrangebyscore(steps_key, first, "+inf")
+            else:
+                pipe.zrevrangebyscore(steps_key, "+inf", first, start=0, num=max(newest, 0))
+            for step in wanted:
+                pipe.zscore(steps_key, step)
+            return await pipe.execute()
+
+        found, *scores = await self._call("listing", steps)
+        names = sorted({*(found if newest is None or newest > 0 else []),
+                        *(str(st).encode() for st, score in zip(wanted, scores, strict=True) if score is not None)},
+                       key=int)
+        if not names:
+            return []
+        values = await self._call("listing", lambda: self._client.hmget(list_key, names))
+        summaries = {n: v for n, v in zip(names, values, strict=True) if v is not None}
+        return await self._statuses_of(job, names, summaries)
+
+    async def _statuses_of(self, job: str, names: Sequence[bytes], summaries: Mapping[bytes, bytes],
+                           ) -> list[CheckpointStatus]:
+        """Statuses of the steps `names`, in their order, from their summaries (from the step hashes where a
+        summary is missing, an earlier release's, or damaged)."""
         decoded = {int(n): _from_summary(int(n), raw) for n, raw in summaries.items()}
         damaged = [st for st, status in decoded.items() if status is _DAMAGED]
         if damaged:
