@@ -169,6 +169,15 @@ async def listing_range(index: Index, job: str, first: int = 0, *, newest: int |
     return await ranged(job, first, newest=newest, also=also)
 
 
+async def status_of(index: Index, job: str, step: int) -> CheckpointStatus | None:
+    """Checkpoint `step` as `list` reports it, or None: one step asked for by name, whatever the history."""
+    found = await listing_range(index, job, NO_STEP, also=[step])
+    return next((s for s in found if s.step == step), None)
+
+
+NO_STEP = 1 << 62  # a `first` above every step: list_range then lists only the steps asked for by name
+
+
 def _filtered(statuses: list[CheckpointStatus], first: int, newest: int | None,
               also: Sequence[int]) -> list[CheckpointStatus]:
     window = [s for s in statuses if s.step >= first]
