@@ -117,7 +117,8 @@ async def relist(io: TierIO, index: Index, job: str, session: str) -> list[int]:
                     break
     for step, (copy, manifest, tiers) in sorted(found.items()):
         records = [await io.read(tiers[0], rank_meta_key(job, step, r.rank, copy.incarnation)) for r in manifest.ranks]
-        await index.begin(job, step, tiers, {"nbytes": manifest.nbytes, "metadata": dict(manifest.metadata)})
+        await index.begin(job, step, tiers, {"nbytes": manifest.nbytes, "metadata": dict(manifest.metadata),
+                                             "folder": copy.incarnation})
         await index.put_manifest(job, step, await io.read(tiers[0], copy.manifest))
         for rank, record in enumerate(records):
             await index.put_rank_meta(job, step, rank, record)

@@ -14,8 +14,10 @@ mid-delete never leaves a "complete" entry with missing parts. Removing a checkp
 manifests can never bring a retired checkpoint back, and the next writer finishes a deletion a crash cut
 short (`buried`).
 
-Rank 0's `begin` also records the checkpoint's size and the `metadata` given to save() (`info`), so that
-`list()` reports both without reading a manifest (plain msgpack values: {"nbytes": int, "metadata": dict}).
+Rank 0's `begin` also records the checkpoint's size, the `metadata` given to save() and its session's folder on
+the tiers (`info`), so that `list()` reports them without reading a manifest (plain msgpack values: {"nbytes":
+int, "metadata": dict, "folder": str}; an index passes the mapping through as given, and `folder` is absent
+from saves of earlier releases).
 
 `fence` starts a new incarnation of the job (the writer's first save); with `lease` (an engine opened with
 `role = "writer"`) it also takes the job's writer lease, and a live writer holding it is a `WriterConflict`
@@ -49,6 +51,7 @@ class CheckpointStatus:
     nbytes: int | None = None  # the checkpoint's size (one copy, every rank's parts); None: not recorded
     metadata: dict[str, Any] = field(default_factory=dict)  # what save(metadata=...) was given
     skipped: dict[str, int] = field(default_factory=dict)  # tiers that could not keep up → the step that superseded it
+    folder: str | None = None  # the tiers' folder of the save that began it last (rank 0's begin); None: not recorded
 
     @property
     def is_complete(self) -> bool:

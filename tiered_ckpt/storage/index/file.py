@@ -284,7 +284,8 @@ class FileIndex:
                 skipped.setdefault(name, newer)
         info = _read_info(d / "info")
         return CheckpointStatus(step, tuple(record["tiers"]), complete, failed, record.get("created", 0.0),
-                                nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped)
+                                nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped,
+                                folder=folder if isinstance(folder := info.get("folder"), str) and folder else None)
 
     async def jobs(self) -> list[str]:
         """The jobs with a checkpoint folder here, sorted."""

@@ -456,7 +456,7 @@ class RedisIndex:
         created = float(fields.get("created", b"0").decode() or 0)
         info = _info(fields.get("info"))
         return CheckpointStatus(step, tiers or tuple(failed), complete, failed, created, nbytes=info.get("nbytes"),
-                                metadata=info.get("metadata") or {}, skipped=skipped)
+                                metadata=info.get("metadata") or {}, skipped=skipped, folder=_folder(info))
 
     async def jobs(self) -> list[str]:
         """The jobs with a checkpoint here (a job's sorted set of steps exists while it has one), sorted."""
@@ -516,6 +516,12 @@ def _info(data: bytes | None) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
+def _folder(info: dict[str, Any]) -> str | None:
+    """The folder rank 0's begin recorded (saves of earlier releases recorded none)."""
+    folder = info.get("folder")
+    return folder if isinstance(folder, str) and folder else None
+
+
 _DAMAGED: Any = CheckpointStatus(-1, ())  # a summary whose seal or content is wrong: list the step from its hash
 
 
@@ -545,7 +551,8 @@ def _decode_summary(step: int, summary: dict[bytes, Any]) -> CheckpointStatus | 
     info = _info(summary.get(b"i"))
     skipped = {t.decode(): int(n) for t, n in skips.items() if t.decode() not in done} if skips else {}
     return CheckpointStatus(step, tiers or tuple(failed), done, failed, float(summary.get(b"c") or 0),
-                            nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped)
+                            nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped,
+                            folder=_folder(info))
 
 
 _BITS = [tuple(j for j in range(8) if byte & (0x80 >> j)) for byte in range(256)]
