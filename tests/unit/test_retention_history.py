@@ -81,3 +81,31 @@ async def test_checkpoints_another_process_removed_from_the_window_make_the_pass
         for step in (4, 5):
             await (await engine.save(step, state_of(float(step)))).wait()
         assert [s.step for s in await engine.statuses()] == [4, 5]
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+async def test_a_loads_pick_reads_the_newest_records_and_the_newest_folders_only(make_config, shm_dir, kind,
+                                                                                records_read, redis_server,
+                                                                                monkeypatch):
+    """Failed on the old code: the pick listed every record of the index (and every key of every tier)."""
+    from tiered_ckpt.layout import PartKey
+    from tiered_ckpt.lifecycle import lineage
+
+    url = f"file://{shm_dir}/index" if kind == "file" else redis_server().url
+    config = make_config(index=url, tiers=[{"keep_last": 2}, {"keep_last": 2, "keep_every": 10}])
+    async with tc.Engine(config) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        await fill(engine, range(10, 10 * (HISTORY + 1), 10))
+        disk = engine.store.io.driver("disk")
+        for step in range(10, 3000, 10):  # keys of older steps on the tier (a history it keeps)
+            await disk.write(PartKey("test", step, 0, 0, "ix-old/s").path, memoryview(b"x"))
+        step = 10 * (HISTORY + 1) + 1
+        await (await engine.save(step, state_of(7.0))).wait()
+        parsed = []
+        real = getattr(lineage, "copies_of", None)
+        monkeypatch.setattr(lineage, "copies_of", lambda keys, *a: real(parsed.extend(keys) or keys, *a), raising=False)
+        records_read[0] = 0
+        info = await engine.load(out := state_of(0.0))
+        assert info.step == step and float(out["w"][0]) == 7.0
+        assert records_read[0] < 20, records_read[0]
+        assert all(k.split("/")[1] >= "step-000000009930" for k in parsed), sorted(parsed)[:3]
