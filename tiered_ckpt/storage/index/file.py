@@ -256,7 +256,11 @@ class FileIndex:
         step = parse_step_dir(d.name)
         if step is None:
             return None
-        failures = [p.name.rsplit(".", 2) for p in _entries(d / "failed")]
+        try:
+            held = set(os.listdir(d))  # one listing says which records exist: none is looked for in vain
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        failures = [p.name.rsplit(".", 2) for p in _entries(d / "failed")] if "failed" in held else []
         unreadable = ""
         try:
             record = _read_begun(d / "begun")
@@ -268,21 +272,22 @@ class FileIndex:
             log.warning("index %s: the record of step %d cannot be read (%s); listed as incomplete", self.root,
                         step, e)
             record, unreadable = {"tiers": []}, f"the index record cannot be read: {e}"
-        complete = frozenset(p.name for p in _entries(d / "complete") if p.name in record["tiers"])
+        complete = frozenset(name for name in _names(d / "complete") if name in record["tiers"]) \
+            if "complete" in held else frozenset()
         failed = {}
-        for p in _entries(d / "failed"):
+        for p in _entries(d / "failed") if failures else []:
             name, rank, _ = p.name.rsplit(".", 2)
             if name not in complete:
                 failed.setdefault(name, f"rank {rank}: {p.read_text(errors='replace')}")
         if unreadable:
             failed["index"] = unreadable
         skipped: dict[str, int] = {}
-        for p in _entries(d / "skipped"):
+        for p in _entries(d / "skipped") if "skipped" in held else []:
             name = p.name.rsplit(".", 2)[0]
             newer = _read_step(p)
             if name in record["tiers"] and name not in complete and newer is not None:
                 skipped.setdefault(name, newer)
-        info = _read_info(d / "info")
+        info = _read_info(d / "info") if "info" in held else {}
         return CheckpointStatus(step, tuple(record["tiers"]), complete, failed, record.get("created", 0.0),
                                 nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped,
                                 folder=folder if isinstance(folder := info.get("folder"), str) and folder else None)
@@ -520,6 +525,14 @@ def _step_names(base: Path) -> list[str]:
         return []
     lo, hi = bisect.bisect_left(names, STEP_DIR), bisect.bisect_left(names, STEP_DIR[:-1] + chr(ord(STEP_DIR[-1]) + 1))
     return [n for n in names[lo:hi] if n[len(STEP_DIR):].isdigit()] if hi - lo else []
+
+
+def _names(d: Path) -> list[str]:
+    """The names in folder `d` but temp files'; [] when it does not exist."""
+    try:
+        return [n for n in os.listdir(d) if not n.startswith(".tmp-")]
+    except FileNotFoundError:
+        return []
 
 
 def _entries(d: Path) -> list[Path]:
