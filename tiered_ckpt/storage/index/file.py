@@ -37,10 +37,12 @@ import fcntl
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import msgpack
 
@@ -61,6 +63,7 @@ class FileIndex:
         self.epoch = 0
         self.identity = f"file://{os.path.realpath(self.root)}"  # written into each manifest
         self._leases: dict[str, int] = {}  # job → the open, locked writer.lock
+        self._names = StepNames()  # each job folder's step folders, sorted: read again only once it changed
         self._cleaning: set[str] = set()  # jobs whose lease attach() took (a cleaner's, not a writer's)
         self.waiting_for_cleaner = False  # a fence is waiting for a cleaner (gc, delete) to release the lease
 
@@ -139,7 +142,12 @@ class FileIndex:
 
     async def begin(self, job: str, step: int, tiers: Sequence[str], info: Mapping[str, Any] | None = None) -> None:
         record = seal(msgpack.packb({"tiers": list(tiers), "created": time.time()}))
-        await self._io(_atomic_write, self._dir(job, step) / "begun", record)
+        d = self._dir(job, step)
+
+        def write() -> None:
+            with self._names.changing(d.parent, d.name, added=True):  # the step's folder is made here
+                _atomic_write(d / "begun", record)
+        await self._io(write)
         if info is not None:  # rank 0 only: every rank rewrites `begun`, so the info has a file of its own
             await self._io(_atomic_write, self._dir(job, step) / "info", seal(msgpack.packb(dict(info))))
 
@@ -234,7 +242,7 @@ class FileIndex:
         `also` that exist, oldest first. The job folder's names are read and sorted (one listing, in C: step
         folders' names are fixed-width, so their order is the steps'); only the folders asked for are read."""
         def read() -> list[CheckpointStatus]:
-            names = _step_names(self.root / job)
+            names = self._names.get(self.root / job)
             lo = bisect.bisect_left(names, step_dir(max(first, 0)))
             window = names[lo:] if newest is None else names[max(lo, len(names) - max(newest, 0)):]
             chosen = set(window)
@@ -249,7 +257,7 @@ class FileIndex:
 
     def _list_sync(self, job: str) -> list[CheckpointStatus]:
         base = self.root / job
-        return [status for n in _step_names(base) if (status := self._status_sync(base / n)) is not None]
+        return [status for n in self._names.get(base) if (status := self._status_sync(base / n)) is not None]
 
     def _status_sync(self, d: Path) -> CheckpointStatus | None:
         """One step folder's status; None when it promises nothing (killed before `begin` landed)."""
@@ -353,11 +361,13 @@ class FileIndex:
                 return
             # Drop the commit records first: a crash part-way leaves an incomplete entry, never a false one.
             trash = d.with_name(f".deleting-{d.name}-{uuid.uuid4().hex[:6]}")
-            os.replace(d, trash)
+            with self._names.changing(d.parent, d.name, added=False):
+                os.replace(d, trash)
             fsync_dir(d.parent, missing_ok=True)
             for path in sorted(trash.rglob("*"), key=lambda p: -len(p.parts)):
                 path.rmdir() if path.is_dir() else path.unlink()
-            trash.rmdir()
+            with self._names.changing(d.parent, trash.name, added=False):  # (not a step's name: stays as it is)
+                trash.rmdir()
         await self._io(delete)
 
     async def get_rank_metas(self, job: str, step: int, ranks: Sequence[int]) -> dict[int, bytes]:
@@ -515,6 +525,62 @@ def _create_tally(tally: Path) -> None:
     finally:
         os.close(fd)
     fsync_dir(tally.parent)
+
+
+class StepNames:
+    """The sorted step folder names of each job folder, read again only when the folder changed: its modification
+    time (nanoseconds) and inode, one stat, say so. This index's own creations and removals of step folders
+    (begin, delete) update the names in place when nothing else changed the folder since they were read, so a
+    writer's saves never list the folder again: a save's bookkeeping costs the same at ten thousand checkpoints
+    as at a hundred. A change by another process (another rank making the same step's folder, gc or delete from
+    the CLI) changes the time, and the folder is listed again at the next look. (A file system that keeps
+    modification times to the second may hide another process's change made within the second of a listing
+    until the folder changes again; this index's own changes are always seen.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[Path, tuple[tuple[int, int], list[str]]] = {}
+
+    def get(self, base: Path) -> list[str]:
+        stamp = _stamp(base)
+        with self._lock:
+            hit = self._cache.get(base)
+        if stamp is None:
+            return []
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        names = _step_names(base)  # (a change between the stat and the listing: listed again at the next look)
+        with self._lock:
+            self._cache[base] = (stamp, names)
+        return names
+
+    @contextmanager
+    def changing(self, base: Path, name: str, *, added: bool) -> Iterator[None]:
+        """Around this process's own creation (`added`) or removal of folder `name` in `base`."""
+        before = _stamp(base)
+        try:
+            yield
+        finally:
+            after = _stamp(base)
+            with self._lock:
+                hit = self._cache.pop(base, None)
+                if hit is not None and before is not None and after is not None and hit[0] == before:
+                    names = hit[1]
+                    at = bisect.bisect_left(names, name)
+                    present = at < len(names) and names[at] == name
+                    if added and not present and parse_step_dir(name) is not None:
+                        names = [*names[:at], name, *names[at:]]
+                    elif not added and present:
+                        names = [*names[:at], *names[at + 1:]]
+                    self._cache[base] = (after, names)
+
+
+def _stamp(base: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(base)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_mtime_ns, st.st_ino
 
 
 def _step_names(base: Path) -> list[str]:
