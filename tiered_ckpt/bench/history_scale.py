@@ -135,8 +135,7 @@ async def _child(kind: str, size: int, url: str, work: Path, gc: bool) -> dict[s
     finally:
         ticker.cancel()
     env = dict(os.environ)
-    for argv in (["--job", "nobody", "ls", "--json"], ["ls", "--json"], ["gc", "--dry-run", "--json"],
-                 ["gc", "--json"]):
+    for argv in (["--job", "nobody", "ls"], ["ls"], ["gc", "--dry-run", "--json"], ["gc", "--json"]):
         if argv[0] == "gc" and not gc:
             continue
         t, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -259,19 +259,21 @@ class FileIndex:
         base = self.root / job
         return [status for n in self._names.get(base) if (status := self._status_sync(base / n)) is not None]
 
-    def _status_sync(self, d: Path) -> CheckpointStatus | None:
-        """One step folder's status; None when it promises nothing (killed before `begin` landed)."""
-        step = parse_step_dir(d.name)
+    def _status_sync(self, folder: Path) -> CheckpointStatus | None:
+        """One step folder's status; None when it promises nothing (killed before `begin` landed). Paths as
+        strings: a listing reads ten thousand of these, and pathlib's objects cost more than the reads."""
+        step = parse_step_dir(folder.name)
         if step is None:
             return None
+        d = str(folder)
         try:
             held = set(os.listdir(d))  # one listing says which records exist: none is looked for in vain
         except (FileNotFoundError, NotADirectoryError):
             return None
-        failures = [p.name.rsplit(".", 2) for p in _entries(d / "failed")] if "failed" in held else []
+        failures = [p.name.rsplit(".", 2) for p in _entries(folder / "failed")] if "failed" in held else []
         unreadable = ""
         try:
-            record = _read_begun(d / "begun")
+            record = _read_begun(f"{d}/begun")
         except FileNotFoundError:
             if not failures:
                 return None  # killed before `begin` landed: nothing was promised
@@ -280,22 +282,22 @@ class FileIndex:
             log.warning("index %s: the record of step %d cannot be read (%s); listed as incomplete", self.root,
                         step, e)
             record, unreadable = {"tiers": []}, f"the index record cannot be read: {e}"
-        complete = frozenset(name for name in _names(d / "complete") if name in record["tiers"]) \
+        complete = frozenset(name for name in _names(f"{d}/complete") if name in record["tiers"]) \
             if "complete" in held else frozenset()
         failed = {}
-        for p in _entries(d / "failed") if failures else []:
+        for p in _entries(folder / "failed") if failures else []:
             name, rank, _ = p.name.rsplit(".", 2)
             if name not in complete:
                 failed.setdefault(name, f"rank {rank}: {p.read_text(errors='replace')}")
         if unreadable:
             failed["index"] = unreadable
         skipped: dict[str, int] = {}
-        for p in _entries(d / "skipped") if "skipped" in held else []:
+        for p in _entries(folder / "skipped") if "skipped" in held else []:
             name = p.name.rsplit(".", 2)[0]
             newer = _read_step(p)
             if name in record["tiers"] and name not in complete and newer is not None:
                 skipped.setdefault(name, newer)
-        info = _read_info(d / "info") if "info" in held else {}
+        info = _read_info(f"{d}/info") if "info" in held else {}
         return CheckpointStatus(step, tuple(record["tiers"]), complete, failed, record.get("created", 0.0),
                                 nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped,
                                 folder=folder if isinstance(folder := info.get("folder"), str) and folder else None)
@@ -434,23 +436,28 @@ def lease_holder(root: Path, job: str) -> str | None:
         os.close(fd)
 
 
-def _read_info(path: Path) -> dict[str, Any]:
+def _read_info(path: str) -> dict[str, Any]:
     """Rank 0's {nbytes, metadata} of a step; {} when absent (an older release, a save cut short before it)
     or unreadable (a size is not worth failing a listing for)."""
     try:
-        data = path.read_bytes()
+        data = _read(path)
         body = unseal(data, f"index record {path}")
         info = msgpack.unpackb(data if body is None else body, strict_map_key=False)
     except FileNotFoundError:
         return {}
     except (IntegrityError, ValueError, TypeError, msgpack.UnpackException) as e:
-        log.warning("index %s: %s cannot be read (%s)", path.parent.parent.parent, path, e)
+        log.warning("index %s: %s cannot be read (%s)", Path(path).parent.parent.parent, path, e)
         return {}
     return info if isinstance(info, dict) else {}
 
 
-def _read_begun(path: Path) -> dict[str, Any]:
-    data = path.read_bytes()
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_begun(path: str | Path) -> dict[str, Any]:
+    data = _read(str(path))
     body = unseal(data, f"index record {path}")
     record = msgpack.unpackb(data if body is None else body)
     if not isinstance(record, dict) or not isinstance(record.get("tiers"), list):
@@ -593,7 +600,7 @@ def _step_names(base: Path) -> list[str]:
     return [n for n in names[lo:hi] if n[len(STEP_DIR):].isdigit()] if hi - lo else []
 
 
-def _names(d: Path) -> list[str]:
+def _names(d: str) -> list[str]:
     """The names in folder `d` but temp files'; [] when it does not exist."""
     try:
         return [n for n in os.listdir(d) if not n.startswith(".tmp-")]
