@@ -109,3 +109,16 @@ async def test_a_loads_pick_reads_the_newest_records_and_the_newest_folders_only
         assert info.step == step and float(out["w"][0]) == 7.0
         assert records_read[0] < 20, records_read[0]
         assert all(k.split("/")[1] >= "step-000000009930" for k in parsed), sorted(parsed)[:3]
+
+
+async def test_a_load_from_a_tier_that_takes_every_tenth_save_widens_its_window(make_config, shm_dir):
+    """The newest checkpoint complete on the tier asked for is older than the 8 newest the index lists: the pick
+    looks further back (64, then 512 records) and still finds it."""
+    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 20}, {"keep_last": 5, "every": 10}])
+    async with tc.Engine(config) as engine:
+        for step in range(1, 20):
+            await (await engine.save(step, state_of(float(step)))).wait()
+        info = await engine.load(out := state_of(0.0), tiers=["disk"])
+        assert info.step == 10 and float(out["w"][0]) == 10.0
+        info = await engine.load(out := state_of(0.0))
+        assert info.step == 19 and float(out["w"][0]) == 19.0

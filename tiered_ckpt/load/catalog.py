@@ -23,7 +23,7 @@ from ..storage.tier_io import TierIO
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-RECENT = 8  # a load's pick looks at the index's newest records this many at first (Catalog._pick_recent)
+RECENT = (8, 64, 512)  # a load's pick looks at the index's newest records this many at first (_pick_recent)
 
 
 class PartsGone(IncompleteCheckpoint):
@@ -148,18 +148,21 @@ class Catalog:
 
     async def _pick_recent(self, allowed: Sequence[str],
                            listings: dict[str, Sequence[str] | None] | None) -> CheckpointStatus | None:
-        """The newest loadable checkpoint judged from the index's RECENT newest records and the tiers' folders
-        from the oldest of them on (a listing that starts there), so a load's pick costs the same whatever the
-        history the job keeps. What it returns is what `_pick_newest` over everything would: every listed step
+        """The newest loadable checkpoint judged from the index's newest records (8; 64 or 512 when none of them is
+        complete on `allowed`) and the tiers' folders from the oldest of them on (a listing that starts there), so
+        a load's pick costs the same whatever the history the job keeps. What it returns is what `_pick_newest` over everything would: every listed step
         newer than it is in the window, and so is every copy the index does not list. None (then everything is
         looked at) when the index cannot be read, or no checkpoint of the window can be loaded."""
-        try:
-            recent = await listing_range(self.index, self.job, newest=RECENT)
-        except IndexUnavailable:
-            return None
-        if not any(s.complete & set(allowed) and (s.foreign is None or self.adopt) for s in recent):
-            return None
-        return await self._pick_newest(recent, allowed, listings, first=recent[0].step)
+        for count in RECENT:  # a tier that takes every 10th save only: a wider window finds its newest
+            try:
+                recent = await listing_range(self.index, self.job, newest=count)
+            except IndexUnavailable:
+                return None
+            if any(s.complete & set(allowed) and (s.foreign is None or self.adopt) for s in recent):
+                return await self._pick_newest(recent, allowed, listings, first=recent[0].step)
+            if len(recent) < count:
+                return None  # the whole history had none
+        return None
 
     async def _pick_newest(self, statuses: list[CheckpointStatus], allowed: Sequence[str],
                            listings: dict[str, Sequence[str] | None] | None,
