@@ -161,8 +161,9 @@ def _slope(xs: list[int], ys: list[float]) -> float:
 
 
 COLUMNS = [("save_cpu_s", "save CPU"), ("load_cpu_s", "load CPU"), ("startup_cpu_s", "CLI start CPU"),
-           ("ls_cpu_s", "ls CPU"), ("ls_s", "ls wall"), ("gc_dry_run_cpu_s", "gc -n CPU"), ("gc_dry_run_s", "gc -n wall"),
-           ("gc_cpu_s", "gc CPU"), ("gc_s", "gc wall"), ("engine_gc_dry_s", "Engine.gc -n"), ("stall_s", "longest stall")]
+           ("ls_cpu_s", "ls CPU"), ("ls_s", "ls wall"), ("gc_dry_run_cpu_s", "gc -n CPU"),
+           ("gc_dry_run_s", "gc -n wall"), ("gc_cpu_s", "gc CPU"), ("gc_s", "gc wall"),
+           ("engine_gc_dry_s", "Engine.gc -n"), ("stall_s", "longest stall")]
 
 
 def _report(label: str, rows: list[dict[str, Any]]) -> None:

@@ -150,9 +150,10 @@ class Catalog:
                            listings: dict[str, Sequence[str] | None] | None) -> CheckpointStatus | None:
         """The newest loadable checkpoint judged from the index's newest records (8; 64 or 512 when none of them is
         complete on `allowed`) and the tiers' folders from the oldest of them on (a listing that starts there), so
-        a load's pick costs the same whatever the history the job keeps. What it returns is what `_pick_newest` over everything would: every listed step
-        newer than it is in the window, and so is every copy the index does not list. None (then everything is
-        looked at) when the index cannot be read, or no checkpoint of the window can be loaded."""
+        a load's pick costs the same whatever the history the job keeps. What it returns is what `_pick_newest`
+        over everything would: every listed step newer than it is in the window, and so is every copy the index
+        does not list. None (then everything is looked at) when the index cannot be read, or no checkpoint of the
+        window can be loaded."""
         for count in RECENT:  # a tier that takes every 10th save only: a wider window finds its newest
             try:
                 recent = await listing_range(self.index, self.job, newest=count)
