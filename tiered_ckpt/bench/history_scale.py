@@ -1,10 +1,10 @@
 """What a job's history costs: one save's bookkeeping, one load's pick, `tiered-ckpt ls`, `gc --dry-run` and `gc`
 at 100, 1,000 and 10,000 checkpoints, on a real redis-server (started on a free port) and a file index.
 
-Each history is made through the index's own calls (begin with rank 0's info, the manifest, the rank record, the
-commit) and, on a local tier, the keys a save leaves (manifest, rank record, committed marker, one part), so
-making 10,000 takes seconds, not 10,000 saves; a few of them get a zombie's folder beside the committed one (what
-gc removes). Then, in a fresh process per history: real saves of a tiny state (keep_last = 2 and keep_every = 1 on
+Each history is made through the index's own calls (begin with rank 0's info, the manifest of a real save of
+1,000 tensors, the rank record, the commit) and, on a local tier, the keys a save leaves (manifest, rank record,
+committed marker, one part), so making 10,000 takes seconds, not 10,000 saves; a few of them get a zombie's folder
+beside the committed one (what gc removes). Then, in a fresh process per history: real saves of a tiny state (keep_last = 2 and keep_every = 1 on
 the tier: the job keeps its whole history, as a run keeping every checkpoint on S3 does) and real loads, each
 measured in CPU seconds (median of 3, after 2 saves that warm up: a writer's first pass looks at everything), with
 the longest event-loop stall seen meanwhile (a 5 ms ticker); then `tiered-ckpt ls`, `gc --dry-run` and `gc` as
@@ -38,6 +38,7 @@ from typing import Any
 JOB = "hist"
 ZOMBIES = 5  # checkpoints given a zombie's folder beside the committed one (what gc removes)
 STEP = 10  # the history's steps: 10, 20, ...
+TENSORS = 1000  # tensors in the manifest each checkpoint of the history holds (a model's: ~36 B each)
 
 
 def _ticker() -> tuple[asyncio.Task[None], list[float]]:
@@ -52,18 +53,16 @@ def _ticker() -> tuple[asyncio.Task[None], list[float]]:
     return asyncio.ensure_future(tick()), worst
 
 
-async def _fill(index: Any, tier_root: Path, size: int) -> None:
-    """`size` complete checkpoints of one rank on tier "disk": index records and the tier's keys."""
+async def _fill(index: Any, tier_root: Path, size: int, manifest: bytes) -> None:
+    """`size` complete checkpoints of one rank on tier "disk": index records and the tier's keys. `manifest`: a
+    real save's manifest (of TENSORS tensors), stored as each one's: gc of the landed code decodes each."""
     from tiered_ckpt.layout import PartKey, committed_key, incarnation_dir, manifest_key, new_session, rank_meta_key
-    from tiered_ckpt.manifest import Manifest, RankMeta
+    from tiered_ckpt.manifest import RankMeta
 
     folder = incarnation_dir(index.identity, new_session())
     record = RankMeta(0, 64, (0,), b"", b"\0" * 8, "node0").to_bytes()
     for n in range(1, size + 1):
         step = n * STEP
-        manifest = Manifest(job=JOB, step=step, world_size=1, part_size=64, checksum="crc32c", tensors=[],
-                            ranks=(RankMeta(0, 64),), skeleton=b"", created=time.time(), index=index.identity,
-                            incarnation=folder, chunk_size=64).to_bytes()
         await index.begin(JOB, step, ["disk"], {"nbytes": 64, "metadata": {"loss": 1.0 / n}, "folder": folder})
         await index.put_manifest(JOB, step, manifest)
         await index.put_rank_meta(JOB, step, 0, record)
@@ -94,14 +93,17 @@ async def _child(kind: str, size: int, url: str, work: Path, gc: bool) -> dict[s
     from tiered_ckpt.storage.index import open_index
 
     index_url = f"file://{work / 'index'}" if kind == "file" else url
+    config = _config(work, index_url)
+    async with tc.Engine(load_config(config)) as engine:  # a real manifest of TENSORS tensors, as a model's
+        await (await engine.save(1, {f"layer{i}.w": torch.zeros(4) for i in range(TENSORS)})).wait()
+        manifest = await engine.store.index.get_manifest(JOB, 1)
     index = open_index(index_url)
     await index.open()
     index.epoch = await index.fence(JOB)
     t = time.perf_counter()
-    await _fill(index, work / "disk", size)
+    await _fill(index, work / "disk", size, manifest)
     fill = time.perf_counter() - t
     await index.close()
-    config = _config(work, index_url)
     out: dict[str, Any] = {"kind": kind, "size": size, "fill_s": fill}
     state = {"w": torch.zeros(16)}
     ticker, worst = _ticker()

@@ -67,6 +67,7 @@ _SCRIPTS = {"hset": _CHECK + _SUMMARY + _lua("hset"), "commit": _CHECK + _SUMMAR
             "bury": _CHECK + _lua("bury"), "fence": _lua("fence"), "lease": _lua("lease") + _lua("fence"),
             "renew": _lua("renew"), "release": _lua("release")}
 RECORDS_PER_HMGET = 1024  # checksum records per HMGET when a load reads every rank's (get_rank_metas)
+IN_THREAD = 64  # a listing decodes more summaries than this in a thread (off the event loop)
 LEASE_SECONDS = 10.0  # a `role = "writer"` engine's lease lives this long unless renewed (every third of it)
 
 
@@ -403,8 +404,12 @@ class RedisIndex:
     async def _statuses_of(self, job: str, names: Sequence[bytes], summaries: Mapping[bytes, bytes],
                            ) -> list[CheckpointStatus]:
         """Statuses of the steps `names`, in their order, from their summaries (from the step hashes where a
-        summary is missing, an earlier release's, or damaged)."""
-        decoded = {int(n): _from_summary(int(n), raw) for n, raw in summaries.items()}
+        summary is missing, an earlier release's, or damaged). Many are decoded in a thread: ten thousand take a
+        tenth of a second, too long for the event loop."""
+        if len(names) > IN_THREAD:
+            decoded = await asyncio.to_thread(_from_summaries, summaries)
+        else:
+            decoded = _from_summaries(summaries)
         damaged = [st for st, status in decoded.items() if status is _DAMAGED]
         if damaged:
             log.warning("index %s: the list summary of step(s) %s of job %r is damaged; listed from their records",
@@ -412,15 +417,18 @@ class RedisIndex:
         older = [int(n) for n in names if n not in summaries or decoded[int(n)] is _DAMAGED]
         statuses = dict(zip(older, self._statuses(older, await self._small_fields(job, older)), strict=True)) \
             if older else {}
-        out = []
-        with automatic_gc_paused():  # ten thousand statuses allocate enough to set off full collections (2-3x)
-            for name in names:
-                status = decoded.get(int(name))
-                if status is None or status is _DAMAGED:
-                    status = statuses.get(int(name))
-                if status is not None:
-                    out.append(status)
-        return out
+
+        def assemble() -> list[CheckpointStatus]:
+            out = []
+            with automatic_gc_paused():  # ten thousand statuses allocate enough to set off full collections (2-3x)
+                for name in names:
+                    status = decoded.get(int(name))
+                    if status is None or status is _DAMAGED:
+                        status = statuses.get(int(name))
+                    if status is not None:
+                        out.append(status)
+            return out
+        return await asyncio.to_thread(assemble) if len(names) > IN_THREAD else assemble()
 
     @staticmethod
     def _statuses(steps: list[int], step_fields: list[dict[str, bytes]]) -> list[CheckpointStatus | None]:
@@ -523,6 +531,10 @@ def _folder(info: dict[str, Any]) -> str | None:
 
 
 _DAMAGED: Any = CheckpointStatus(-1, ())  # a summary whose seal or content is wrong: list the step from its hash
+
+
+def _from_summaries(summaries: Mapping[bytes, bytes]) -> dict[int, CheckpointStatus | None]:
+    return {int(n): _from_summary(int(n), raw) for n, raw in summaries.items()}
 
 
 def _from_summary(step: int, raw: bytes) -> CheckpointStatus | None:
