@@ -57,9 +57,9 @@ async def _fill(index: Any, tier_root: Path, size: int, manifest: bytes) -> None
     """`size` complete checkpoints of one rank on tier "disk": index records and the tier's keys. `manifest`: a
     real save's manifest (of TENSORS tensors), stored as each one's: gc of the landed code decodes each."""
     from tiered_ckpt.layout import PartKey, committed_key, incarnation_dir, manifest_key, new_session, rank_meta_key
-    from tiered_ckpt.manifest import RankMeta
+    from tiered_ckpt.manifest import Manifest, RankMeta
 
-    folder = incarnation_dir(index.identity, new_session())
+    folder = Manifest.from_bytes(manifest, source="bench").incarnation  # the folder the manifest names, as a save's
     record = RankMeta(0, 64, (0,), b"", b"\0" * 8, "node0").to_bytes()
     for n in range(1, size + 1):
         step = n * STEP
