@@ -4,8 +4,9 @@ at 100, 1,000 and 10,000 checkpoints, on a real redis-server (started on a free 
 Each history is made through the index's own calls (begin with rank 0's info, the manifest of a real save of
 1,000 tensors, the rank record, the commit) and, on a local tier, the keys a save leaves (manifest, rank record,
 committed marker, one part), so making 10,000 takes seconds, not 10,000 saves; a few of them get a zombie's folder
-beside the committed one (what gc removes). Then, in a fresh process per history: real saves of a tiny state (keep_last = 2 and keep_every = 1 on
-the tier: the job keeps its whole history, as a run keeping every checkpoint on S3 does) and real loads, each
+beside the committed one (what gc removes). Then, in a fresh process per history: real saves of a tiny state
+(keep_last = 2 and keep_every = 1 on the tier: the job keeps its whole history, as a run keeping every checkpoint
+on S3 does) and real loads, each
 measured in CPU seconds (median of 3, after 2 saves that warm up: a writer's first pass looks at everything), with
 the longest event-loop stall seen meanwhile (a 5 ms ticker); then `tiered-ckpt ls`, `gc --dry-run` and `gc` as
 the CLI runs them (the child's CPU seconds and wall seconds, start-up included: "CLI start" is an `ls` of a job
