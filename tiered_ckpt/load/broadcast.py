@@ -27,6 +27,7 @@ from ..buffers import tensor_bytes
 from ..storage.tier_io import TierIO
 from ..storage.verified_read import PartRead, ReadLog, fill
 from ..distributed.coordinator import Coordinator
+from .relay import relay_small, small_entries
 
 PartId = tuple[int, int]  # (saved rank, part index)
 
@@ -209,14 +210,16 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
     plan, lengths = plan_broadcasts([e[1] for e in everyone], [e[2] for e in everyone], order,
                                     [{k: sum(n for _, n in v) for k, v in e[3].items()} for e in everyone])
     first_tag = max(e[4] for e in everyone)  # this load's tags follow every earlier load's, on every rank
-    if first_tag + 2 * len(plan) >= 2**30:
+    if first_tag + 2 * len(plan) + 2 >= 2**30:
         first_tag = 0
-    coordinator.next_tag = first_tag + 2 * len(plan)
+    coordinator.next_tag = first_tag + 2 * len(plan) + 2  # (the last two: the relay's, up and down)
     shared = {key for key, _, _ in plan}
+    small = small_entries(plan, lengths, [e[3] for e in everyone])  # relayed in one buffer along a tree of ranks
+    relayed = {plan[i][0] for i in small}
     partial = {key for key, members, reader in plan  # some rank wants less than the whole part: sent its spans
-               if any(key in everyone[m][3] for m in members if m != reader)}
+               if key not in relayed and any(key in everyone[m][3] for m in members if m != reader)}
     groups = {}
-    for members in sorted({m for key, m, _ in plan if key not in partial}):
+    for members in sorted({m for key, m, _ in plan if key not in partial and key not in relayed}):
         groups[members] = await coordinator.subgroup(members)  # every rank creates every group, in order
 
     def read(key: PartId, part: PartRead) -> asyncio.Task[str]:
@@ -247,8 +250,11 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
         exchange = asyncio.create_task(_exchange_spans(coordinator, transfers, prefetch, buffers, parts, everyone,
                                                        lengths, io, log, first_tag))
         tasks.append(exchange)
+        relay = asyncio.create_task(relay_small(coordinator, plan, small, prefetch, buffers, parts, lengths, io, log,
+                                                first_tag + 2 * len(plan)))
+        tasks.append(relay)
         for key, members, reader in plan:  # whole parts, to every member of a replica group: broadcast, in order
-            if me not in members or key in partial:
+            if me not in members or key in partial or key in relayed:
                 continue
             status = torch.zeros(1, dtype=torch.int64)
             if reader == me:
@@ -274,6 +280,7 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
             else:
                 buffers.pop(key)
         errors.extend(await exchange)
+        errors.extend(await relay)
         for outcome in await asyncio.gather(*solo, return_exceptions=True):
             if isinstance(outcome, BaseException):
                 errors.append(outcome)
