@@ -8,11 +8,14 @@ such a rank (the one with the fewest bytes assigned so far, so readers spread), 
 holds it. It reaches the others whole, broadcast on a subgroup of the ranks that need it and its reader, when
 every one of them wants the whole part (replicas); otherwise the reader sends each rank only the byte spans
 it wants (a rank whose part holds a replicated 0-d optimizer step beside another rank's shard receives its 4
-bytes, not the part), all such transfers at once, each matched by a tag. Every rank walks the same global
-list of broadcasts in the same order, so the collectives cannot cross. Parts only one rank needs and can read
-at their best tier are read by it directly.
+bytes, not the part), all such transfers at once, each matched by a tag. Small payloads (a few bytes of
+optimizer steps, a tiny part) go neither way: they travel together in one buffer along a binary tree of ranks
+(load/relay.py), so a rank sends and receives at most three messages for them, whatever the world. Every rank
+walks the same global list of broadcasts in the same order, so the collectives cannot cross. Parts only one rank
+needs and can read at their best tier are read by it directly.
 Bytes read from storage per load: 1x the parts needed, instead of 1x per replica (NeMo#6131), none from a
-slower tier while a node's memory holds them; bytes a rank receives: what it wants.
+slower tier while a node's memory holds them; bytes a rank receives: what it wants (and, on the relay's path,
+the small payloads of others: at most 1 MiB in all).
 """
 from __future__ import annotations
 
