@@ -42,6 +42,5 @@ def test_messages_per_rank_do_not_grow_with_the_world(tmp_path):
         for kind in ("ddp", "fsdp"):
             assert all(r[kind]["step"] == 1 and not r[kind]["wrong"] for r in results), (world, kind, results)
             counts[kind, world] = (max(r[kind]["sends"] for r in results), max(r[kind]["receives"] for r in results))
-    for kind in ("ddp", "fsdp"):
-        assert counts[kind, 8] <= counts[kind, 4], counts  # before: FSDP2 6 -> 14 sends a rank
-        assert max(counts[kind, 8]) <= 3, counts
+    for kind in ("ddp", "fsdp"):  # before: 6 sends a rank at 4 ranks, 14 at 8 (each reader to each other rank)
+        assert max(counts[kind, 4]) <= 3 and max(counts[kind, 8]) <= 3, counts  # a tree: 2 at 4 ranks, 3 from 7 on

@@ -8,7 +8,9 @@ bytes in all, travels in one buffer that all ranks assemble together along the t
 each rank writes the entries it read (a status byte, then the bytes), receives its children's subtrees into
 place, sends its own subtree to its parent; then the whole buffer comes down the tree. A rank sends at most three
 messages and receives at most three, whatever the world; one whose subtree holds nothing and wants nothing sends
-and receives none. Each part is still read once, by its reader.
+and receives none. Each part is still read once, by its reader. The price: a rank on the tree's paths takes in
+the others' small payloads too (at most SMALL_TOTAL); a load's `bytes_received` counts what it wanted of them,
+the coordinator's `bytes_received` every byte that came in.
 """
 from __future__ import annotations
 
@@ -152,9 +154,8 @@ async def relay_small(coordinator: Coordinator, plan: Sequence[Entry], chosen: d
                 await io.run_blocking(fill, parts[key].views, [tensor_bytes(buffer)])
                 log.overwritten.update(parts[key].targets)
 
-    def relay() -> int:
-        """Up, then down; every posted work waited for. The bytes received."""
-        received = sum(tree.size[c] for c in children if tree.size[c])
+    def relay() -> None:
+        """Up, then down; every posted work waited for."""
         pending = list(ups)
 
         def settle() -> None:
@@ -171,15 +172,13 @@ async def relay_small(coordinator: Coordinator, plan: Sequence[Entry], chosen: d
             settle()
         if parent is not None and tree.wants[me]:
             pending.append(coordinator.post_recv(blob, parent, tag + 1))
-            received += tree.total
             settle()
         pending.extend(coordinator.post_send(blob, c, tag + 1) for c in children if tree.wants[c])
         settle()
-        return received
 
     coordinator.collectives += (len(ups) + (parent is not None and tree.size[me] > 0)
                                 + (parent is not None and tree.wants[me]) + sum(tree.wants[c] for c in children))
-    log.bytes_received += await asyncio.to_thread(relay)
+    await asyncio.to_thread(relay)
     for i in sorted(chosen):
         key, members, reader = plan[i]
         if reader == me or me not in members:
@@ -194,6 +193,7 @@ async def relay_small(coordinator: Coordinator, plan: Sequence[Entry], chosen: d
         except Exception as e:
             errors.append(e)
             continue
+        log.bytes_received += payload.numel()  # what it wanted (the relayed bytes: the coordinator's counters)
         log.overwritten.update(part.targets)
     return errors
 
