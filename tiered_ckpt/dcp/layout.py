@@ -58,9 +58,10 @@ def rank_state(values: Iterable[tuple[str, Any]], rank: int, mappings: Mapping[s
     for fqn, value in values:
         if fqn.startswith(PREFIX):
             raise StateError(f"state key {fqn!r}: keys starting with {PREFIX!r} are tiered_ckpt's own (DCP layout)")
+        if type(value).__name__ == "ShardedTensor":
+            raise StateError(f"{fqn!r} is a ShardedTensor (FSDP1's sharded state dict): save DTensors (FSDP2) or "
+                             f"full tensors")
         if isinstance(value, torch.Tensor):
-            if type(value).__name__ == "ShardedTensor":
-                raise StateError(f"{fqn!r} is a ShardedTensor: save DTensors (FSDP2) or full tensors")
             state[fqn] = value if is_dtensor(value) else value.detach()
             continue
         data = value.getvalue() if isinstance(value, io.BytesIO) else serialized(value)

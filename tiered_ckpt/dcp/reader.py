@@ -135,9 +135,12 @@ class StorageReader(_StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(bytes(source.numpy())))
                 continue
-            target = planner.resolve_tensor(item).detach()
-            _box(target, item.dest_offsets, item.lengths).copy_(
-                _box(source, [o + s for o, s in zip(stored.offsets, item.storage_offsets)], item.lengths))
+            target = planner.resolve_tensor(item).detach()  # the planner narrowed it to the item's box already
+            box = _box(source, [o + s for o, s in zip(stored.offsets, item.storage_offsets)], item.lengths)
+            if target.shape != box.shape:
+                raise IntegrityError(f"job {self.job!r} step {self.step}: {item.dest_index.fqn!r} wants a box of "
+                                     f"shape {tuple(target.shape)}, the checkpoint's is {tuple(box.shape)}")
+            target.copy_(box)
             planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)

@@ -22,7 +22,6 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..errors import SaveError
 from ..sync import SyncSaveHandle
 from .engines import ConfigLike, checkpointer, resolve
 from .layout import Stored, bytes_path, check_whole, rank_state
@@ -141,11 +140,9 @@ class StorageWriter(_StorageWriter):
             fqn = item.index.fqn
             if item.type == WriteItemType.BYTE_IO:
                 yield fqn, planner.resolve_data(item)
-            elif item.type == WriteItemType.SHARD:
-                raise SaveError(f"{fqn!r} is a ShardedTensor shard: save DTensors (FSDP2) or full tensors")
-            else:
+            else:  # TENSOR, or SHARD: a DTensor's local shard (a ShardedTensor's is refused by rank_state)
                 value = originals.get(fqn)
-                if not isinstance(value, torch.Tensor):
+                if not isinstance(value, torch.Tensor) and type(value).__name__ != "ShardedTensor":
                     value = planner.resolve_data(item)
                 td = item.tensor_data
                 assert td is not None
@@ -165,7 +162,7 @@ class StorageWriter(_StorageWriter):
         The other ranks' saves commit with this one: the engine's commit waits for every rank."""
         handle = self._handle
         if handle is None:
-            raise SaveError(f"job {self.job!r}: finish() without a save on this rank")
+            raise RuntimeError(f"job {self.job!r}: finish() without a save on this rank")
         if self.durable == "first" and handle.tiers:
             handle.wait(handle.tiers[0])
         elif self.durable == "all":
