@@ -8,9 +8,10 @@ one saved by tc.Checkpointer) loads too. Reads are held from retention while the
 """
 from __future__ import annotations
 
+import asyncio
 import io
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch.futures import Future
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..errors import IncompleteCheckpoint, IntegrityError
 from ..load.export.reader import TensorReader
+from ..load.reads import Boxed, Reads, parts_to_read, plan_reads, rank_spans
 from ..manifest import Manifest
 from ..storage.index import CheckpointStatus
 from ..storage.verified_read import ReadLog
@@ -30,14 +32,23 @@ from .steps import checkpoint_id, step_of
 
 class StorageReader(_StorageReader):
     """Loads checkpoint `step` (None: the newest complete one) of the job `config` describes (a TOML file or
-    a Config; `job` replaces its `[engine] job`). Every rank makes it at the same point (with step=None the
+    a Config; `job` replaces its `[engine] job`), from `tiers` alone when given (names, e.g. ["disk"]). Every rank makes it at the same point (with step=None the
     ranks agree on the step then: one small collective). `reads` says which tiers served how many bytes."""
 
-    def __init__(self, config: ConfigLike, *, job: str | None = None, step: int | None = None):
+    def __init__(self, config: ConfigLike, *, job: str | None = None, step: int | None = None,
+                 tiers: Sequence[str] | None = None):
         super().__init__()
+        if isinstance(tiers, str):
+            raise TypeError(f"tiers takes a list of tier names, not the string {tiers!r}: tiers=[{tiers!r}]")
         self.config = resolve(config, job)
         self.job = self.config.engine.job
         self._ckpt = checkpointer(self.config)
+        names = self._ckpt.engine.store.io.names
+        unknown = [t for t in tiers or () if t not in names]
+        if unknown:
+            raise ValueError(f"job {self.job!r}: no tier {unknown[0]!r} in {self.config.source or 'the config'} "
+                             f"(tiers: {', '.join(names)})")
+        self.tiers = list(tiers) if tiers is not None else list(names)  # which may serve, fastest first
         self.step = self._agreed(step)
         self.reads = ReadLog()
         self._manifest: Manifest | None = None
@@ -56,7 +67,7 @@ class StorageReader(_StorageReader):
     async def _pick(self, step: int | None) -> CheckpointStatus:
         store = self._ckpt.engine.store
         try:
-            return await store.catalog.pick(step, store.io.names)
+            return await store.catalog.pick(step, self.tiers)
         except IncompleteCheckpoint as e:
             complete = [s.step for s in await store.catalog.statuses() if s.complete]
             source = self.config.source or "the config"
@@ -82,7 +93,7 @@ class StorageReader(_StorageReader):
     async def _read_metadata(self) -> Metadata:
         store = self._ckpt.engine.store
         status = await self._pick(self.step)
-        order = store.io.order(status.complete)
+        order = store.io.order(status.complete & set(self.tiers))
         manifest = await store.catalog.read_manifest(status.step, order, status.incarnation)
         self._status, self._manifest = status, manifest
         paths = planner_paths(manifest)
@@ -97,10 +108,10 @@ class StorageReader(_StorageReader):
         missing = [p for p in paths if p not in index]
         if missing:
             raise IntegrityError(f"job {self.job!r} step {status.step}: the manifest has no tensor {missing[0]!r}")
-        held, removing = await store.busy.pick_and_hold(lambda: store.catalog.pick(status.step, store.io.names),
+        held, removing = await store.busy.pick_and_hold(lambda: store.catalog.pick(status.step, self.tiers),
                                                         lambda s: s.step)
         try:
-            order = [t for t in store.io.order(held.complete) if t not in removing]
+            order = [t for t in store.io.order(held.complete & set(self.tiers)) if t not in removing]
             if not order:
                 raise IncompleteCheckpoint(f"job {self.job!r}: step {status.step} is being removed from every tier "
                                            f"that holds it (retention)")
@@ -122,15 +133,23 @@ class StorageReader(_StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Each saved tensor this rank's items need is read whole once, then each item's box is copied from it
-        into the planner's tensor (DCP reshards by choosing the boxes)."""
-        if self._manifest is None:
-            self.read_metadata()
+        """The items' bytes, read through the verified reads. With DCP's DefaultLoadPlanner (which only narrows
+        its tensors to each item's box) every destination tensor is filled in place by the engine's own read
+        plan, straight from the parts where the boxes match; with another planner each saved tensor this rank
+        needs is read whole, then each item's box is copied out of it through the planner's calls."""
         storage = self.read_metadata().storage_data
+        if self._manifest is None:
+            self._run(self._read_metadata())
         wanted = [(item, storage[item.storage_index]) for item in plan.items]
-        paths = list(dict.fromkeys(stored.path for _, stored in wanted))
+        byte_items = [(i, s) for i, s in wanted if i.type == LoadItemType.BYTE_IO]
+        tensor_items = [(i, s) for i, s in wanted if i.type != LoadItemType.BYTE_IO]
+        if tensor_items and _narrows_only(planner):
+            self._run(self._read_into(_destinations(tensor_items, planner)))
+            tensor_items = []
+        copied = byte_items + tensor_items
+        paths = list(dict.fromkeys(stored.path for _, stored in copied))
         tensors = dict(zip(paths, self._run(self._tensors(paths)))) if paths else {}
-        for item, stored in wanted:
+        for item, stored in copied:
             source = tensors[stored.path]
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(bytes(source.numpy())))
@@ -145,6 +164,60 @@ class StorageReader(_StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    async def _read_into(self, targets: dict[str, Boxed]) -> None:
+        """Fill `targets` (saved path -> its destination box) in place: the load path's read plan and verified
+        part reads, the step held from retention meanwhile."""
+        store, manifest, status = self._ckpt.engine.store, self._manifest, self._status
+        assert manifest is not None and status is not None
+        index = {t.path: i for i, t in enumerate(manifest.tensors)}
+        held, removing = await store.busy.pick_and_hold(lambda: store.catalog.pick(status.step, self.tiers),
+                                                        lambda s: s.step)
+        try:
+            order = [t for t in store.io.order(held.complete & set(self.tiers)) if t not in removing]
+            if not order:
+                raise IncompleteCheckpoint(f"job {self.job!r}: step {status.step} is being removed from every tier "
+                                           f"that holds it (retention)")
+
+            def plan() -> tuple[Reads, dict[Any, Any]]:
+                reads = plan_reads(manifest, {index[path]: (path, box) for path, box in targets.items()})
+                spans = {r.rank: rank_spans(manifest, r.rank) for r in manifest.ranks}
+                return reads, parts_to_read(manifest, reads, spans=spans)
+
+            reads, parts = await asyncio.to_thread(plan)
+            outcomes = await asyncio.gather(*(store.io.read_verified(parts[k], order, self.reads) for k in sorted(parts)),
+                                            return_exceptions=True)
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            if failed:
+                raise failed[0]
+            await store.io.run_blocking(reads.finish)
+            await store.io.run_blocking(reads.release)
+        finally:
+            store.busy.end_load(status.step)
+
+
+def _narrows_only(planner: LoadPlanner) -> bool:
+    """The planner's tensor calls are DCP's DefaultLoadPlanner's: a destination is its state's tensor, each item
+    a box of it, and committing does nothing."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    return isinstance(planner, DefaultLoadPlanner) and all(
+        getattr(type(planner), name) is getattr(DefaultLoadPlanner, name)
+        for name in ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor"))
+
+
+def _destinations(items: list[tuple[Any, Stored]], planner: Any) -> dict[str, Boxed]:
+    """Each saved tensor the items read from -> the destination they fill: the state's (local) tensor, placed
+    at its offsets in the global tensor."""
+    out: dict[str, Boxed] = {}
+    for item, stored in items:
+        dest = item.dest_index
+        if stored.path in out:
+            continue
+        tensor = planner.lookup_tensor(dest).detach()
+        offsets = tuple(dest.offset) if dest.offset is not None else (0,) * tensor.dim()
+        out[stored.path] = Boxed(tensor, offsets)
+    return out
 
 
 def _box(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
