@@ -1,6 +1,6 @@
 """tiered_ckpt's DCP writer and reader against DCP's own FileSystemWriter/Reader, in one run (issue 45).
 
-`python -m tiered_ckpt.bench.dcp_bench [--size 1GiB] [--json]`: one process, no process group. Each writer
+`python -m tiered_ckpt.bench.dcp_bench [--size 1GiB] [--repeats N] [--json]`: one process, no process group. Each writer
 saves the same state twice through `dcp.async_save` (thread mode; DCP's writer with its default stager, ours
 staging through the engine) and the second save is timed: "blocked" is how long async_save held the training
 thread, "durable" how long until its future completed (ours: committed on the memory tier; DCP: its files
@@ -106,17 +106,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--shm", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    parser.add_argument("--repeats", type=int, default=1, help="whole runs (fresh folders each); medians")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    root = Path(tempfile.mkdtemp(prefix="tiered_ckpt-dcp-bench-"))
-    shm = Path(tempfile.mkdtemp(prefix="tiered_ckpt-dcp-bench-", dir=args.shm))
-    try:
-        out = run(parse_size(args.size), shm, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+    runs = []
+    for _ in range(args.repeats):
+        root = Path(tempfile.mkdtemp(prefix="tiered_ckpt-dcp-bench-"))
+        shm = Path(tempfile.mkdtemp(prefix="tiered_ckpt-dcp-bench-", dir=args.shm))
+        try:
+            runs.append(run(parse_size(args.size), shm, root))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(shm, ignore_errors=True)
+    out = {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]}
+    out["runs"] = runs
     if args.json:
         print(json.dumps(out))
         return
