@@ -59,10 +59,23 @@ class StorageReader(_StorageReader):
         return self._ckpt._run(coro)
 
     def _agreed(self, step: int | None) -> int:
-        """The step to read, the same on every rank: `step`, checked to be complete, or rank 0's newest."""
+        """The step to read, the same on every rank: `step`, checked to be complete, or rank 0's newest (rank 0's
+        error, when it has none, is raised on every rank: none waits for a step that will not come)."""
         engine = self._ckpt.engine
-        picked = self._run(self._pick(step)).step if step is not None or engine.rank == 0 else None
-        return self._run(engine.coordinator.broadcast_object(picked)) if step is None else picked
+        if step is not None:
+            return self._run(self._pick(step)).step
+        picked: tuple[int | None, str | None] = (None, None)
+        if engine.rank == 0:
+            try:
+                picked = (self._run(self._pick(None)).step, None)
+            except IncompleteCheckpoint as e:
+                picked = (None, str(e))
+        if engine.world_size > 1:
+            picked = self._run(engine.coordinator.broadcast_object(picked))
+        if picked[1] is not None:
+            raise IncompleteCheckpoint(picked[1])
+        assert picked[0] is not None
+        return picked[0]
 
     async def _pick(self, step: int | None) -> CheckpointStatus:
         store = self._ckpt.engine.store
