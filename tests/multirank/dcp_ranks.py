@@ -100,3 +100,4 @@ def load(rank: int, world: int, config: Any, fs_dir: str) -> dict[str, Any]:
     dist.barrier()
     close()
     return got
+

@@ -3,6 +3,11 @@ reshards as DCP's own FileSystemWriter/Reader does, bit-exact: FSDP2 2 -> 1, 3, 
 FSDP2 4, Adam state included; dcp.async_save (thread mode) too."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -39,3 +44,15 @@ def test_fsdp2_x_tp_2x2_reshards_to_fsdp2_at_4(tmp_path):
     for got in run_ranks(dcp_ranks.load, 4, cfg, fs):
         same(got["fs"], expected)
         same(got["tiered"], expected)
+
+
+
+def test_async_save_process_mode_is_refused_naming_the_thread_mode(tmp_path):
+    """DCP's checkpoint process would need the training process's engine: the writer says so when pickled. A
+    process of its own (the spawned ranks are daemons, which DCP's checkpoint process cannot be started from)."""
+    script = Path(__file__).with_name("dcp_process_mode.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cannot be sent to another process" in proc.stdout and "thread mode" in proc.stdout, proc.stdout

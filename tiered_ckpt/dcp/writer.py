@@ -168,6 +168,15 @@ class StorageWriter(_StorageWriter):
         elif self.durable == "all":
             handle.wait()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """async_save's process mode (AsyncCheckpointerType.PROCESS) sends the writer, pickled, to DCP's checkpoint
+        process; this writer's save runs on the training process's engine (its staging buffers, its gloo group,
+        the job's writer role), which no other process can carry on: refused with what to use instead."""
+        raise TypeError(f"job {self.job!r}: tiered_ckpt's StorageWriter cannot be sent to another process (async_save "
+                        f"with AsyncCheckpointerType.PROCESS): use the thread mode (the default); the writer's "
+                        f"stage() already limits the training thread's wait to the copy into the engine's buffers, "
+                        f"and the tiers are written by the engine's own threads")
+
     @property
     def handle(self) -> SyncSaveHandle | None:
         """This rank's save of the step (waits, tiers, errors), once write_data or stage() started it."""
