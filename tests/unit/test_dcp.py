@@ -179,3 +179,20 @@ def test_a_step_no_tier_takes_is_refused(tmp_path, shm_dir):
         tier["every"] = 5
     with pytest.raises(ValueError, match="no tier takes step 3"):
         StorageWriter(tc.config.parse_config(raw), step=3)
+
+
+def test_a_save_no_tier_committed_is_never_visible_to_the_reader(tmp_path):
+    """DCP's metadata is the manifest's: with every tier failing its writes, dcp.save raises and no step is
+    listed as loadable (nothing half-written can be read as a checkpoint)."""
+    from tiered_ckpt.testing.configs import faults, stack
+
+    config = stack(tmp_path, "faulty")
+    dcp.save(trained(1), storage_writer=StorageWriter(config, step=1))
+    faults(config).inject("fail")
+    with pytest.raises(CheckpointException, match="disk"):
+        dcp.save(trained(2), storage_writer=StorageWriter(config, step=2))
+    reader = StorageReader(config)
+    assert reader.step == 1
+    loaded = trained(9)
+    dcp.load(loaded, storage_reader=reader)
+    same(loaded, trained(1))

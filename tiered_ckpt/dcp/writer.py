@@ -163,10 +163,14 @@ class StorageWriter(_StorageWriter):
         handle = self._handle
         if handle is None:
             raise RuntimeError(f"job {self.job!r}: finish() without a save on this rank")
-        if self.durable == "first" and handle.tiers:
-            handle.wait(handle.tiers[0])
-        elif self.durable == "all":
-            handle.wait()
+        try:
+            if self.durable == "first" and handle.tiers:
+                handle.wait(handle.tiers[0])
+            elif self.durable == "all":
+                handle.wait()
+        except BaseException:
+            handle._handle.observed = True  # raised to DCP's caller here: not again at close()
+            raise
 
     def __getstate__(self) -> dict[str, Any]:
         """async_save's process mode (AsyncCheckpointerType.PROCESS) sends the writer, pickled, to DCP's checkpoint
