@@ -32,8 +32,9 @@ from .steps import checkpoint_id, step_of
 
 class StorageReader(_StorageReader):
     """Loads checkpoint `step` (None: the newest complete one) of the job `config` describes (a TOML file or
-    a Config; `job` replaces its `[engine] job`), from `tiers` alone when given (names, e.g. ["disk"]). Every rank makes it at the same point (with step=None the
-    ranks agree on the step then: one small collective). `reads` says which tiers served how many bytes."""
+    a Config; `job` replaces its `[engine] job`), from `tiers` alone when given (names, e.g. ["disk"]). Every
+    rank makes it at the same point (with step=None the ranks agree on the step then: one small collective).
+    `reads` says which tiers served how many bytes, and which reads fell back."""
 
     def __init__(self, config: ConfigLike, *, job: str | None = None, step: int | None = None,
                  tiers: Sequence[str] | None = None):
@@ -198,8 +199,8 @@ class StorageReader(_StorageReader):
                 return reads, parts_to_read(manifest, reads, spans=spans)
 
             reads, parts = await asyncio.to_thread(plan)
-            outcomes = await asyncio.gather(*(store.io.read_verified(parts[k], order, self.reads) for k in sorted(parts)),
-                                            return_exceptions=True)
+            reading = (store.io.read_verified(parts[k], order, self.reads) for k in sorted(parts))
+            outcomes = await asyncio.gather(*reading, return_exceptions=True)
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
                 raise failed[0]
