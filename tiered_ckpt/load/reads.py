@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -88,6 +88,14 @@ class Reads:
         self.keep.clear()
 
 
+class Boxed(NamedTuple):
+    """A plain tensor that is the box at `offsets` of a saved tensor: a target given with its place in the
+    global tensor (the DCP reader's destinations), where a DTensor carries its own."""
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+
+
 def target_devices(targets: Mapping[int, tuple[str, torch.Tensor]]) -> list[torch.device]:
     """The GPUs that hold some of the targets."""
     return sorted({local_tensor(t).device for _, t in targets.values() if local_tensor(t).is_cuda}, key=str)
@@ -102,7 +110,7 @@ def wait_for_devices(devices: Sequence[torch.device]) -> None:
         torch.cuda.synchronize(device)
 
 
-def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor]]) -> Reads:
+def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor | Boxed]]) -> Reads:
     """Where each saved chunk that overlaps a target goes. A chunk that lies wholly inside a contiguous CPU
     or GPU target of its dtype, on a contiguous stretch of it (the same box, a Shard(0) piece of a full tensor,
     any piece of a 1-d one), is read straight into that memory; so is the part of a chunk that such a target
@@ -117,8 +125,11 @@ def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor
     ranks, byte_offsets, chunk_nbytes, dtypes = (table.rank.tolist(), table.byte_offset.tolist(),
                                                  table.nbytes.tolist(), table.dtype.tolist())
     for index, (where, target) in targets.items():
-        local = local_tensor(target)
-        _, box_offsets, box_sizes = local_box(target)
+        if type(target) is Boxed:
+            local, box_offsets, box_sizes = target.tensor, target.offsets, tuple(target.tensor.shape)
+        else:
+            local = local_tensor(target)
+            _, box_offsets, box_sizes = local_box(target)
         dtype = dtype_from_str(table.dtype_names[dtypes[index]])
         # the target's own memory takes the bytes: a CPU tensor's directly, a GPU tensor's by a copy from the
         # read buffer, chunk by chunk (no host copy of it in between)
