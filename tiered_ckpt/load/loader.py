@@ -22,6 +22,7 @@ from ..layout import job_prefix, parse_key
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.rules import Best
 from ..manifest import Manifest, dtype_from_str
+from ..release import release_off_loop
 from ..state.gc_pause import automatic_gc_paused
 from ..state import LoadTarget, SavedTensor, decode_skeleton, match
 from ..storage.index import CheckpointStatus
@@ -119,6 +120,8 @@ class Loader:
             finally:
                 self.busy.end_load(status.step)
             await asyncio.to_thread(target.apply)  # load_state_dict() of modules and optimizers: seconds for large ones
+        # what the load made per tensor is freed in a thread, a batch at a time, not by the return (on the loop)
+        await release_off_loop([x for x in (reads, target) if x is not None])
         if self.heal and manifest is not None:
             running = next((t for t, s in self.heals.items() if s == manifest.step), None)  # one heal a step
             damaged = [(f.tier, f.part) for f in info.fallbacks  # this node's copy was to hold the part
