@@ -197,10 +197,12 @@ class Planner:
         return plan
 
     def _look_up(self, args: tuple) -> tuple[tuple, Plan | None]:
+        """(the key, its cached plan or None); on a hit the key is dropped here, not on the loop (1M paths)."""
         key = structure_key(*args)
         plan = self._cache.get(key)
         if plan is not None:
             self._cache.move_to_end(key)
+            return (), plan
         return key, plan
 
     def _keep(self, key: tuple, plan: Plan) -> None:
