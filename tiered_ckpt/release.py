@@ -4,8 +4,8 @@ Freeing is work the interpreter does while it holds the GIL, and a thread gives 
 bytecodes, never inside one C call. So the last reference to a dict of 1M entries dropped on the event loop stalls
 it for the whole teardown, and dropped in a worker thread as one `clear()` it stalls the loop just as long (a
 thread that holds the GIL holds up the loop too). Here each batch is one short C call: a thread that empties a
-structure of 1M entries lets the loop run between batches (docs/benchmarks.md, *Event-loop stalls at 1M
-tensors*).
+structure of 1M entries lets the loop run between batches (docs/benchmarks.md, *Event-loop stalls against the
+tensor count*).
 """
 from __future__ import annotations
 

@@ -129,8 +129,10 @@ def report(runs: list[dict[str, Any]]) -> str:
     head = "| tensors | GC | " + " | ".join(OPERATIONS) + " |"
     lines = [head, "|---:|---|" + "---:|" * len(OPERATIONS)]
     for r in runs:
-        cells = [f"{r['figures'][op][0]:.2f} s / **{r['figures'][op][1] * 1e3:.0f}** / {r['figures'][op][2] * 1e3:.0f} ms"
-                 for op in OPERATIONS]
+        cells = []
+        for op in OPERATIONS:
+            seconds, stall, cpu = r["figures"][op]
+            cells.append(f"{seconds:.2f} s / **{stall * 1e3:.0f}** / {cpu * 1e3:.0f} ms")
         lines.append(f"| {r['tensors']:,} | {'on' if r['automatic_gc'] else 'off'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -12,7 +12,8 @@ import asyncio
 import bisect
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AbstractSet, Any, Callable, ContextManager, Iterable, Iterator, Protocol, Sequence, TypeVar
+from typing import (TYPE_CHECKING, AbstractSet, Any, Callable, ContextManager, Iterable, Iterator, Protocol, Sequence,
+                    TypeVar)
 
 from ..checksum import ALGORITHM, chunk_digest, describe, of_chunk_digests, part_checksum
 from ..errors import IntegrityError, TierError
