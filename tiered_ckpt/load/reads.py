@@ -25,6 +25,7 @@ from ..errors import TierError
 from ..layout import checkpoint_prefix, parse_key
 from ..manifest import Manifest, dtype_from_str
 from ..buffers import DeviceBytes, Sink, Sinks, as_byte_tensor, tensor_bytes
+from ..release import empty, release_off_loop
 from ..storage.tier_io import TierIO
 from ..storage.verified_read import Fallback, PartRead, ReadLog
 
@@ -81,11 +82,10 @@ class Reads:
                 dst.copy_(src)
 
     def release(self) -> None:
-        """Drop the scratch buffers (call it in a thread: freeing large buffers takes milliseconds)."""
-        self.dests.clear()
-        self.subs.clear()
-        self.copies.clear()
-        self.keep.clear()
+        """Drop the scratch buffers and the per-chunk maps, a batch at a time (call it in a thread: freeing large
+        buffers takes milliseconds, and 1M entries freed in one go would hold the GIL for a tenth of a second)."""
+        for held in (self.dests, self.direct, self.subs, self.copies, self.keep):
+            empty(held)
 
 
 class Boxed(NamedTuple):
@@ -316,6 +316,16 @@ async def read_parts(io: TierIO, coordinator: Coordinator, manifest: Manifest | 
     several ranks, each part is read on a node whose fastest tier holds it."""
     ready = manifest is not None and reads is not None
     parts = await asyncio.to_thread(parts_to_read, manifest, reads) if ready else {}  # type: ignore[arg-type]
+    try:
+        await _read(io, coordinator, manifest, order, parts, log, ready, holdings)
+    finally:  # each part's buffers list every tensor in it: freed in a thread, not where the last reference goes
+        await release_off_loop([*parts.values(), parts])
+        del parts
+
+
+async def _read(io: TierIO, coordinator: Coordinator, manifest: Manifest | None, order: Sequence[str],
+                parts: dict[tuple[int, int], PartRead], log: ReadLog, ready: bool,
+                holdings: dict[str, frozenset[int]] | None) -> None:
     if coordinator.distributed:
         def describe(key: tuple[int, int], views: list[memoryview]) -> PartRead:
             assert manifest is not None
