@@ -9,6 +9,12 @@ cd "$(dirname "$0")/.."
 
 source scripts/python.sh  # sets PY (a venv where pip refuses to install outside one) and installs torch if missing
 "$PY" -m pip install -q -e ".[test]"
+# torchtitan 0.3 for tests/multirank/test_torchtitan.py (tiered_ckpt.integrations.torchtitan): without its training
+# stack (datasets, torchdata, wandb, ...), which the checkpoint manager does not use; tyro and spmd_types it imports
+if ! "$PY" -c "import torchtitan.components.checkpointer" 2>/dev/null; then
+    { "$PY" -m pip install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" && "$PY" -m pip install -q tyro; } \
+        || echo "warning: could not install torchtitan 0.3 (its test is skipped)" >&2
+fi
 
 if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || echo "warning: could not install redis-server" >&2

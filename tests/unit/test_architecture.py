@@ -10,7 +10,8 @@ PACKAGE = Path(__import__("tiered_ckpt").__file__).parent
 # job_store: the job's tiers, index, catalog and lifecycle, which the engine and the CLI both open; it builds
 # on lifecycle/ and load/ and only facades import it
 FACADES = {"tiered_ckpt", "tiered_ckpt.sync", "tiered_ckpt.metrics", "tiered_ckpt.job_store"}
-FACADE_PACKAGES = ("tiered_ckpt.cli", "tiered_ckpt.integrations", "tiered_ckpt.bench", "tiered_ckpt.testing")
+FACADE_PACKAGES = ("tiered_ckpt.cli", "tiered_ckpt.integrations", "tiered_ckpt.bench", "tiered_ckpt.testing",
+                   "tiered_ckpt.dcp")  # dcp: the engine behind torch.distributed.checkpoint's storage API
 # lowest first: a module may import its own layer and the ones below (observe/ reads the SaveHandle and the
 # LoadInfo, and only the facades import it)
 LAYERS = ["base", "storage", "distributed", "lifecycle", "load", "save", "observe", "facade"]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
+import time
 import json
 import math
 import sys
@@ -58,8 +58,8 @@ def local_time(ts: float) -> str:
     """Local time with its zone."""
     if not ts:
         return "?"
-    local = datetime.datetime.fromtimestamp(ts).astimezone()
-    return local.strftime("%Y-%m-%d %H:%M:%S ") + (local.strftime("%Z") or local.strftime("%z"))
+    local = time.localtime(ts)  # (a tenth of datetime's cost: `ls` prints ten thousand of these)
+    return time.strftime("%Y-%m-%d %H:%M:%S ", local) + (time.strftime("%Z", local) or time.strftime("%z", local))
 
 
 def print_json(document: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import datetime
 import logging
 import os
+import threading
 from typing import Any, Awaitable, Callable, TypeVar
 
 from ..errors import RankFailed
@@ -31,6 +32,9 @@ class Coordinator:
         self.world_size = world_size
         self.group = group
         self.collectives = 0  # how many collectives this coordinator issued (tests count them)
+        # point-to-point messages this rank posted (load/broadcast.py), and their bytes: tests and benches count them
+        self.sends = self.receives = self.bytes_sent = self.bytes_received = 0
+        self._counting = threading.Lock()  # (sends are posted from several threads at once)
         self.next_tag = 0  # the first tag the next load's point-to-point transfers may use (load/broadcast.py)
         self.timeout = 600.0  # seconds, for the subgroups too
         self.session = new_session()  # names this opening's key folder on the tiers
@@ -165,12 +169,18 @@ class Coordinator:
         from threads: the caller counts them in `collectives`.)"""
         import torch.distributed as dist
 
+        with self._counting:
+            self.sends += 1
+            self.bytes_sent += tensor.numel() * tensor.element_size()
         return dist.isend(tensor, dst, self.group, tag)
 
     def post_recv(self, tensor: Any, src: int, tag: int) -> Any:
         """Start receiving into `tensor` from `src` (a global rank) the message sent with `tag`; the work."""
         import torch.distributed as dist
 
+        with self._counting:
+            self.receives += 1
+            self.bytes_received += tensor.numel() * tensor.element_size()
         return dist.irecv(tensor, src, self.group, tag)
 
     async def on_first(self, fn: Callable[[], Awaitable[T]], doing: str,

@@ -34,12 +34,14 @@ file index's lease, never takes it).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable
 
 from ..errors import IncompleteCheckpoint, IntegrityError, TierError
-from ..layout import checkpoint_prefix, index_dir, job_prefix, manifest_key, parse_key, parse_step_dir, step_prefix
+from ..layout import (checkpoint_prefix, committed_key, index_dir, job_prefix, manifest_key, parse_key, parse_step_dir,
+                      step_prefix)
 from ..manifest import Manifest
 from ..storage.index import CheckpointStatus, Index
 from ..storage.tier_io import TierIO
@@ -51,6 +53,7 @@ from .removal import remove_checkpoint
 from .writer import Writer
 
 log = logging.getLogger(__name__)
+YIELD_EVERY = 256  # steps gc judges between two turns of the event loop
 GRACE = 3600.0  # seconds: a save that began longer ago is taken for dead when a writer may be running
 
 
@@ -190,7 +193,9 @@ async def collect(scope: GcScope, dry_run: bool = False, *, grace: float = GRACE
     steps = sorted(set(statuses) | buried | {s for t in tiers for s in t.steps})
     holders = await _foreign_holders(scope, tiers, mine) if other_indexes else None
     held: dict[tuple[str, str, str], list[int]] = {}  # (tier, index folder, why) → steps kept
-    for step in steps:
+    for n, step in enumerate(steps):
+        if n % YIELD_EVERY == YIELD_EVERY - 1:
+            await asyncio.sleep(0)  # ten thousand steps are judged here: other tasks (a trainer's) run between
         status = statuses.get(step)
         if step in busy:
             report.kept.append(f"step {step}: being saved or loaded by this process")
@@ -266,13 +271,20 @@ async def _snapshot(scope: GcScope, report: GcReport) -> list[_Tier]:
         except (TierError, OSError) as e:
             report.errors.append(f"tier {name} cannot be listed: {e}")
             continue
-        for key, nbytes in sizes.items():
-            parsed = parse_key(key)
-            if parsed is None or parsed.job != scope.job:
-                continue  # not a checkpoint's key (temp files are debris, below)
-            snap.steps.setdefault(parsed.step, {}).setdefault(parsed.incarnation, {})[key] = nbytes
+        snap.steps = await scope.io.run_blocking(_by_step, sizes, scope.job)  # (tens of thousands of keys)
         out.append(snap)
     return out
+
+
+def _by_step(sizes: dict[str, int | None], job: str) -> dict[int, dict[str, dict[str, int | None]]]:
+    """A tier's keys of `job` with their sizes, by step and folder; keys that are not a checkpoint's are left out
+    (temp files are debris, looked for apart)."""
+    steps: dict[int, dict[str, dict[str, int | None]]] = {}
+    for key, nbytes in sizes.items():
+        parsed = parse_key(key)
+        if parsed is not None and parsed.job == job:
+            steps.setdefault(parsed.step, {}).setdefault(parsed.incarnation, {})[key] = nbytes
+    return steps
 
 
 @dataclass(frozen=True)
@@ -306,13 +318,15 @@ async def _known(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine
             _remove_folders(plan, t, step, [f for f in _mine(t, step, mine) if f != newest],
                             "an earlier attempt's folder (a crashed run's or a zombie's)")
         return
-    try:
-        committed = (await _manifest(plan, await plan.scope.index.get_manifest(plan.job, step), f"index manifest of "
-                                                                                                 f"step {step}")).incarnation
-    except (IncompleteCheckpoint, IntegrityError) as e:
-        report.kept.append(f"step {step}: complete, but its manifest in the index cannot be read ({e}); "
-                           f"nothing of it removed")
-        return
+    committed = _recorded_folder(plan, tiers, status, mine)
+    if committed is None:  # not recorded (an earlier release's save), or the tiers do not bear it out: the manifest
+        try:
+            committed = (await _manifest(plan, await plan.scope.index.get_manifest(plan.job, step),
+                                         f"index manifest of step {step}")).incarnation
+        except (IncompleteCheckpoint, IntegrityError) as e:
+            report.kept.append(f"step {step}: complete, but its manifest in the index cannot be read ({e}); "
+                               f"nothing of it removed")
+            return
     unconfigured = sorted(set(status.tiers) - set(plan.scope.io))  # tiers the record names that this config lacks
     for t in tiers:
         folders = _mine(t, step, mine)
@@ -333,6 +347,22 @@ async def _known(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine
                                f"which this config does not have (renamed?); nothing of it removed")
         else:  # failed or skipped there, or no longer targeted (retention cut short): nothing will read it
             _remove_folders(plan, t, step, folders, "a tier this checkpoint failed on or left")
+
+
+def _recorded_folder(plan: _Plan, tiers: list[_Tier], status: CheckpointStatus, mine: str) -> str | None:
+    """The committed folder of a complete checkpoint without reading its manifest: the folder its last save
+    recorded at begin, when every tier where it is complete and that gc listed holds that folder with the marker
+    rank 0 leaves once the index committed it. None when the index recorded no folder (an earlier release), or
+    a tier lacks the folder or its marker (a later attempt that began and never committed, a marker not written):
+    then the index's manifest decides, as before."""
+    folder = status.folder
+    if folder is None or not folder.startswith(mine):
+        return None
+    marker = committed_key(plan.job, status.step, folder)
+    listed = [t for t in tiers if t.name in status.complete]
+    if not listed or any(marker not in t.steps.get(status.step, {}).get(folder, {}) for t in listed):
+        return None
+    return folder
 
 
 async def _orphan(plan: _Plan, tiers: list[_Tier], step: int, mine: str, other_indexes: bool) -> None:

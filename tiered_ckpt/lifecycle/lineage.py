@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from ..errors import TierError
-from ..layout import committed_key, index_dir, job_prefix, manifest_key, parse_key, rank_meta_key
+from ..layout import committed_key, index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
 from ..manifest import Manifest
 from ..storage.index import Index
 from ..storage.tier_io import TierIO
@@ -55,14 +55,31 @@ class Copy:
         return {r.rank for r in manifest.ranks if rank_meta_key(self.job, self.step, r.rank, self.incarnation) in self.keys}
 
 
-async def scan(io: TierIO, tier: str, job: str, identity: str, keys: Iterable[str] | None = None) -> dict[int, list[Copy]]:
+async def scan(io: TierIO, tier: str, job: str, identity: str, keys: Iterable[str] | None = None, *,
+               first: int | None = None) -> dict[int, list[Copy]]:
     """step → the copies this index's incarnations wrote on `tier`, newest session first (one listing; or
-    `keys`, a listing made elsewhere: every node's listing of a node-local tier, put together)."""
+    `keys`, a listing made elsewhere: every node's listing of a node-local tier, put together). With `first`, only
+    steps from `first` on (the listing starts there). The keys are parsed in a thread: a tier that keeps a long
+    history holds tens of thousands."""
+    if keys is not None:
+        listed = keys
+    elif first is None:
+        listed = await io.list(tier, job_prefix(job))
+    else:
+        listed = await io.list_from(tier, job_prefix(job), step_prefix(job, max(first, 0)))
+    return await io.run_blocking(lambda: copies_of(listed, job, identity, first))
+
+
+def copies_of(keys: Iterable[str], job: str, identity: str, first: int | None = None) -> dict[int, list[Copy]]:
+    """`scan`'s work on a listing: the copies of this index's incarnations (of steps from `first` on), by step,
+    newest session first."""
     mine = index_dir(identity) + "/"
     found: dict[tuple[int, str], Copy] = {}
-    for key in (await io.list(tier, job_prefix(job)) if keys is None else keys):
+    for key in keys:
         parsed = parse_key(key)
         if parsed is None or parsed.job != job or not parsed.incarnation.startswith(mine):
+            continue
+        if first is not None and parsed.step < first:
             continue
         copy = found.setdefault((parsed.step, parsed.incarnation), Copy(job, parsed.step, parsed.incarnation))
         copy.keys.add(key)
@@ -110,7 +127,8 @@ async def relist(io: TierIO, index: Index, job: str, session: str) -> list[int]:
                     break
     for step, (copy, manifest, tiers) in sorted(found.items()):
         records = [await io.read(tiers[0], rank_meta_key(job, step, r.rank, copy.incarnation)) for r in manifest.ranks]
-        await index.begin(job, step, tiers, {"nbytes": manifest.nbytes, "metadata": dict(manifest.metadata)})
+        await index.begin(job, step, tiers, {"nbytes": manifest.nbytes, "metadata": dict(manifest.metadata),
+                                             "folder": copy.incarnation})
         await index.put_manifest(job, step, await io.read(tiers[0], copy.manifest))
         for rank, record in enumerate(records):
             await index.put_rank_meta(job, step, rank, record)

@@ -13,7 +13,7 @@ from typing import Awaitable, Callable, Sequence
 from ..errors import CheckpointExists, IncompleteCheckpoint, IndexUnavailable, TierError, TierNotFound
 from ..layout import index_dir, manifest_key, parse_key, step_prefix
 from ..manifest import Manifest
-from ..storage.index import CheckpointStatus, Index
+from ..storage.index import CheckpointStatus, Index, status_of
 from ..storage.tier_io import TierIO
 from .busy import BusySteps
 
@@ -56,11 +56,10 @@ class Removal:
         """Delete checkpoint `step` everywhere; refused while it is busy."""
         if step in self.busy.steps():
             raise CheckpointExists(f"job {self.job!r} step {step} is being saved or loaded; try again later")
-        for status in await self.index.list(self.job):
-            if status.step == step:
-                await self.forget(status)
-                return
-        raise IncompleteCheckpoint(f"job {self.job!r} has no checkpoint {step}")
+        status = await status_of(self.index, self.job, step)
+        if status is None:
+            raise IncompleteCheckpoint(f"job {self.job!r} has no checkpoint {step}")
+        await self.forget(status)
 
     async def forget(self, status: CheckpointStatus) -> None:
         """Remove a checkpoint everywhere (its tombstone stays if a tier's data could not be removed)."""
@@ -86,11 +85,11 @@ class Removal:
         ranks, session-scoped markers keep such leftovers from counting, and a resuming writer removes them."""
         if self.world_size > 1:
             return
-        for status in await self.index.list(self.job):
-            if status.step == step:
-                if status.is_complete:
-                    raise CheckpointExists(f"job {self.job!r} step {step} became complete elsewhere meanwhile")
-                await self.forget(status)
+        status = await status_of(self.index, self.job, step)  # one step asked for: not the whole history
+        if status is not None:
+            if status.is_complete:
+                raise CheckpointExists(f"job {self.job!r} step {step} became complete elsewhere meanwhile")
+            await self.forget(status)
 
     async def drop_incomplete_after(self, step: int) -> None:
         """A writer starting from `step`: remove incomplete checkpoints newer than it, leftovers of the crashed

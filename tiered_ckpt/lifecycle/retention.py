@@ -16,13 +16,13 @@ from typing import Callable, Iterable, Mapping
 
 from ..errors import TieredCkptError
 from ..manifest import Manifest
-from ..storage.index import CheckpointStatus, Index
+from ..storage.index import CheckpointStatus, Index, listing_range
 from . import lineage
 from .busy import BusySteps
 from .removal import Removal
-from .rules import Listed, Rules
+from .rules import Listed, Rules, Verdict
 
-SCAN_EVERY = 16  # a tier whose listing costs requests (not files of this machine) is looked at every 16th pass
+SCAN_EVERY = 16  # a tier itself is listed at its first pass and every 16th (its listing grows with its history)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,10 @@ class Retention:
         self._finishing: dict[str, set[int]] = {}  # per tier: saves waiting for that pass (not busy for it)
         self._deferred: set[str] = set()  # tiers whose last pass spared a busy step it would have removed
         self._passes: dict[str, int] = {}  # per tier: passes so far (when to look at the tier itself)
+        self._floor: dict[str, int] = {}  # per tier: the oldest step the next pass judges (see _window)
+        self._held: dict[str, set[int]] = {}  # per tier: older steps kept as best, which the next pass asks for
+        self._seen: dict[str, set[int]] = {}  # per tier: the steps complete there that the last pass kept
+        self._strays: set[str] = set()  # tiers that hold steps the index does not keep there (left by _converge)
 
     async def apply(self, tier: str, *, finishing: int | None = None) -> None:
         """Apply the tier's rules as save `finishing` ends. Saves that finish while a pass runs share the
@@ -59,46 +63,100 @@ class Retention:
             finishing = self._finishing.pop(tier, set())
             rules = self.rules[tier]
             try:
-                statuses = await self.index.list(self.job)
+                full = self._floor.get(tier) is None
+                statuses, forgot = await self._window(tier, finishing)
 
                 def busy() -> set[int]:  # asked again before each removal: a load may have begun meanwhile
                     return self.busy.steps(finishing_on=tier, finishing=finishing)
 
                 verdict = rules.judge([(s.step, s.metadata) for s in statuses if tier in s.complete])
                 oldest_last = verdict.oldest_last
+                spared: set[int] = set()  # older than the keep_last window yet still there after this pass
+                dropped: set[int] = set()
                 if oldest_last is not None:
                     for s in statuses:  # older than the keep_last window, complete or not, and kept by no rule
                         if tier in s.tiers and s.step < oldest_last and s.step not in verdict.kept:
                             await self.busy.no_load_picking()
                             if s.step in busy():
                                 self._deferred.add(tier)  # look again once that save or load is done (revisit)
+                                spared.add(s.step)
                             else:
                                 await self.removal.drop_tier(s, tier)
-                if self._scan_due(tier):
-                    await self._converge(tier, rules, statuses, busy)
+                                dropped.add(s.step)
+                self._remember(tier, rules, verdict, [s for s in statuses if s.step not in dropped], spared)
+                if self._scan_due(tier) or forgot or tier in self._strays:
+                    whole = statuses if full or forgot else await self.index.list(self.job)
+                    if await self._converge(tier, rules, whole, busy):
+                        self._strays.add(tier)  # listed again at the next pass, until the tier agrees
+                    else:
+                        self._strays.discard(tier)
             except (TieredCkptError, OSError) as e:  # a tier or the index failing must never fail a save
+                self._floor.pop(tier, None)  # the next pass looks at the whole history again
                 log.warning("retention on tier %s did not finish (the next save tries again): %s: %s", tier,
                             type(e).__name__, e)
 
+    async def _window(self, tier: str, finishing: set[int]) -> tuple[list[CheckpointStatus], bool]:
+        """What this pass judges: at the first pass (or after one that failed), every checkpoint the index lists;
+        afterwards only those from the oldest step the last pass left to judge again on (its keep_last window,
+        what it spared as busy) and the saves finishing now, plus the older ones kept as best (their rank may
+        change). What lies below and is not listed here was judged already: removed, or kept by keep_every for
+        good. So a pass costs the same at ten thousand checkpoints as at a hundred. Every checkpoint is listed
+        again, and True returned (the tier is to be listed now), when the index no longer lists one that the
+        last pass kept: it forgot (restarted empty, restored from an older snapshot) or a best one went."""
+        floor = self._floor.get(tier)
+        if floor is None:
+            return await self.index.list(self.job), False
+        held, seen = self._held.get(tier, set()), self._seen.get(tier, set())
+        statuses = await listing_range(self.index, self.job, min([floor, *finishing]), also=sorted(held))
+        present = {s.step for s in statuses if tier in s.complete}
+        if (held | seen) - present:
+            log.info("retention on tier %s: the index no longer lists step(s) %s, which it kept; looking at every "
+                     "checkpoint and at the tier", tier, sorted((held | seen) - present)[:10])
+            self._floor.pop(tier, None)
+            return await self.index.list(self.job), True
+        return statuses, False
+
+    def _remember(self, tier: str, rules: Rules, verdict: Verdict, statuses: list[CheckpointStatus],
+                  spared: set[int]) -> None:
+        """Where the next pass starts (`_window`): the keep_last window's oldest step, or the oldest step spared
+        as busy; the older steps kept as best, which the next pass asks for by name; and the steps from there on
+        that stay complete on the tier (`statuses`: what this pass leaves), which the next pass expects to see."""
+        oldest_last = verdict.oldest_last
+        if oldest_last is None:  # nothing complete on the tier yet: the next pass looks at everything again
+            self._floor.pop(tier, None)
+            self._held.pop(tier, None)
+            self._seen.pop(tier, None)
+            return
+        floor = min([oldest_last, *spared])
+        self._floor[tier] = floor
+        self._seen[tier] = {s.step for s in statuses if tier in s.complete and s.step >= floor}
+        self._held[tier] = {st for st in verdict.best if st < floor}
+        if rules.keep_best and rules.keep_every:  # keep_every's steps below the floor may rank among the best
+            ranked = rules.best.ranked([(s.step, s.metadata) for s in statuses if tier in s.complete
+                                        and s.step < floor and s.step in verdict.every]) if rules.best else []
+            self._held[tier] |= set(ranked[:rules.keep_best])
+
     def _scan_due(self, tier: str) -> bool:
-        """A tier of files on this machine is listed at every pass (cheap); another at the first pass and every
-        SCAN_EVERY passes (a listing of S3 or Redis costs requests)."""
+        """Whether this pass also lists the tier itself (`_converge`): at the first pass and every SCAN_EVERY
+        passes, on every kind of tier. A listing grows with the history the tier keeps (and costs requests on
+        S3 or Redis); between them the index's record is what a pass judges by."""
         done = self._passes.get(tier, 0)
         self._passes[tier] = done + 1
-        return self.removal.io.file_tier(tier) is not None or done % SCAN_EVERY == 0
+        return done % SCAN_EVERY == 0
 
     async def _converge(self, tier: str, rules: Rules, statuses: list[CheckpointStatus],
-                        busy: Callable[[], set[int]]) -> None:
+                        busy: Callable[[], set[int]]) -> bool:
         """What the tier holds of this index's lineage beyond what the index lists: steps the index does not
         list (or whose record no longer targets this tier: a removal cut short). Whole ones count beside the
         complete ones the index lists, judged by the same rules (their metadata from their manifests); the rest
         of them older than the keep_last window go. Manifests are read newest first only as far as keep_last
-        needs, and beyond that only where keep_best or keep_every could keep the step."""
+        needs, and beyond that only where keep_best or keep_every could keep the step. True when the tier still
+        holds such steps afterwards (kept, or spared as busy): the next pass looks at the tier again."""
         io, by_step = self.removal.io, {s.step: s for s in statuses if "index" not in s.failed}
         copies = await lineage.scan(io, tier, self.job, self.index.identity)
         unlisted = sorted(not_kept_here(copies, by_step, tier, io.names), reverse=True)
         if not unlisted:
-            return
+            return False
         assert rules.keep_last is not None
         found: dict[int, Listed] = {s.step: (s.step, s.metadata) for s in statuses if tier in s.complete}
         for st in unlisted:  # newest first
@@ -111,16 +169,22 @@ class Retention:
                 found[st] = (st, manifest.metadata)
         verdict = rules.judge(list(found.values()))
         oldest_last = verdict.oldest_last
+        left = False
         for st in unlisted:
             if st in verdict.kept or (st not in by_step and (oldest_last is None or st > oldest_last)):
-                continue  # kept, or newer than what is kept (not ours to judge: gc's)
+                # kept, or newer than what is kept (not ours to judge: gc's); the keep_last window moves on,
+                # so a later pass judges those within it again (keep_every's and the best stay as they are)
+                left = left or oldest_last is None or st >= oldest_last
+                continue
             await self.busy.no_load_picking()
             if st in busy():
                 self._deferred.add(tier)
+                left = True
                 continue
             log.info("retention on tier %s: removing step %d, which the index %s", tier, st,
                      "does not list" if st not in by_step else "no longer keeps on this tier")
             await self.removal.remove_from_tier(tier, st)
+        return left
 
     async def _whole(self, tier: str, copies: list[lineage.Copy]) -> Manifest | None:
         """The manifest of a copy of this index that it committed and that is whole on the tier, or None."""

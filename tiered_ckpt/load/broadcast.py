@@ -8,11 +8,14 @@ such a rank (the one with the fewest bytes assigned so far, so readers spread), 
 holds it. It reaches the others whole, broadcast on a subgroup of the ranks that need it and its reader, when
 every one of them wants the whole part (replicas); otherwise the reader sends each rank only the byte spans
 it wants (a rank whose part holds a replicated 0-d optimizer step beside another rank's shard receives its 4
-bytes, not the part), all such transfers at once, each matched by a tag. Every rank walks the same global
-list of broadcasts in the same order, so the collectives cannot cross. Parts only one rank needs and can read
-at their best tier are read by it directly.
+bytes, not the part), all such transfers at once, each matched by a tag. Small payloads (a few bytes of
+optimizer steps, a tiny part) go neither way: they travel together in one buffer along a binary tree of ranks
+(load/relay.py), so a rank sends and receives at most three messages for them, whatever the world. Every rank
+walks the same global list of broadcasts in the same order, so the collectives cannot cross. Parts only one rank
+needs and can read at their best tier are read by it directly.
 Bytes read from storage per load: 1x the parts needed, instead of 1x per replica (NeMo#6131), none from a
-slower tier while a node's memory holds them; bytes a rank receives: what it wants.
+slower tier while a node's memory holds them; bytes a rank receives: what it wants (and, on the relay's path,
+the small payloads of others: at most 1 MiB in all).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from ..buffers import tensor_bytes
 from ..storage.tier_io import TierIO
 from ..storage.verified_read import PartRead, ReadLog, fill
 from ..distributed.coordinator import Coordinator
+from .relay import relay_small, small_entries
 
 PartId = tuple[int, int]  # (saved rank, part index)
 
@@ -209,14 +213,16 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
     plan, lengths = plan_broadcasts([e[1] for e in everyone], [e[2] for e in everyone], order,
                                     [{k: sum(n for _, n in v) for k, v in e[3].items()} for e in everyone])
     first_tag = max(e[4] for e in everyone)  # this load's tags follow every earlier load's, on every rank
-    if first_tag + 2 * len(plan) >= 2**30:
+    if first_tag + 2 * len(plan) + 2 >= 2**30:
         first_tag = 0
-    coordinator.next_tag = first_tag + 2 * len(plan)
+    coordinator.next_tag = first_tag + 2 * len(plan) + 2  # (the last two: the relay's, up and down)
     shared = {key for key, _, _ in plan}
+    small = small_entries(plan, lengths, [e[3] for e in everyone])  # relayed in one buffer along a tree of ranks
+    relayed = {plan[i][0] for i in small}
     partial = {key for key, members, reader in plan  # some rank wants less than the whole part: sent its spans
-               if any(key in everyone[m][3] for m in members if m != reader)}
+               if key not in relayed and any(key in everyone[m][3] for m in members if m != reader)}
     groups = {}
-    for members in sorted({m for key, m, _ in plan if key not in partial}):
+    for members in sorted({m for key, m, _ in plan if key not in partial and key not in relayed}):
         groups[members] = await coordinator.subgroup(members)  # every rank creates every group, in order
 
     def read(key: PartId, part: PartRead) -> asyncio.Task[str]:
@@ -247,8 +253,11 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
         exchange = asyncio.create_task(_exchange_spans(coordinator, transfers, prefetch, buffers, parts, everyone,
                                                        lengths, io, log, first_tag))
         tasks.append(exchange)
+        relay = asyncio.create_task(relay_small(coordinator, plan, small, prefetch, buffers, parts, lengths, io, log,
+                                                first_tag + 2 * len(plan)))
+        tasks.append(relay)
         for key, members, reader in plan:  # whole parts, to every member of a replica group: broadcast, in order
-            if me not in members or key in partial:
+            if me not in members or key in partial or key in relayed:
                 continue
             status = torch.zeros(1, dtype=torch.int64)
             if reader == me:
@@ -274,6 +283,7 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
             else:
                 buffers.pop(key)
         errors.extend(await exchange)
+        errors.extend(await relay)
         for outcome in await asyncio.gather(*solo, return_exceptions=True):
             if isinstance(outcome, BaseException):
                 errors.append(outcome)

@@ -13,7 +13,7 @@ import os
 from typing import Awaitable, Callable, Sequence, TypeVar
 
 from ..errors import CheckpointLost, FreshStart, IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
-from ..storage.index import CheckpointStatus, Index, rank_metas
+from ..storage.index import CheckpointStatus, Index, listing_range, rank_metas
 from ..layout import index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
 from ..manifest import Manifest, RankMeta
 from ..lifecycle import lineage
@@ -23,6 +23,7 @@ from ..storage.tier_io import TierIO
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+RECENT = (8, 64, 512)  # a load's pick looks at the index's newest records this many at first (_pick_recent)
 
 
 class PartsGone(IncompleteCheckpoint):
@@ -122,6 +123,10 @@ class Catalog:
         self._checked = None
         self.held = None
         self.lost = []
+        if step is None and best is None:
+            found = await self._pick_recent(allowed, listings)
+            if found is not None:
+                return found
         statuses = await self.statuses()
         if best is not None:
             return await self._pick_best(statuses, allowed, best, listings)
@@ -141,13 +146,35 @@ class Catalog:
             f"failed on {found.failed or 'none'})")
         raise IncompleteCheckpoint(f"job {self.job!r} step {step} {detail} on tiers {list(allowed)}")
 
+    async def _pick_recent(self, allowed: Sequence[str],
+                           listings: dict[str, Sequence[str] | None] | None) -> CheckpointStatus | None:
+        """The newest loadable checkpoint judged from the index's newest records (8; 64 or 512 when none of them is
+        complete on `allowed`) and the tiers' folders from the oldest of them on (a listing that starts there), so
+        a load's pick costs the same whatever the history the job keeps. What it returns is what `_pick_newest`
+        over everything would: every listed step newer than it is in the window, and so is every copy the index
+        does not list. None (then everything is looked at) when the index cannot be read, or no checkpoint of the
+        window can be loaded."""
+        for count in RECENT:  # a tier that takes every 10th save only: a wider window finds its newest
+            try:
+                recent = await listing_range(self.index, self.job, newest=count)
+            except IndexUnavailable:
+                return None
+            if any(s.complete & set(allowed) and (s.foreign is None or self.adopt) for s in recent):
+                return await self._pick_newest(recent, allowed, listings, first=recent[0].step)
+            if len(recent) < count:
+                return None  # the whole history had none
+        return None
+
     async def _pick_newest(self, statuses: list[CheckpointStatus], allowed: Sequence[str],
-                           listings: dict[str, Sequence[str] | None] | None) -> CheckpointStatus:
+                           listings: dict[str, Sequence[str] | None] | None,
+                           first: int | None = None) -> CheckpointStatus:
         """Newest first, the first candidate that checks out: one the index lists complete (its manifest and
         records readable, a tier it names still holding its folder), or one of this index's lineage that the
         index does not list (a record lost or unreadable, an index restarted empty or restored from an older
-        snapshot) and that is whole on a tier. Each one passed over is named in a warning."""
-        copies, unlisted_tiers = await self._scan(allowed, listings)
+        snapshot) and that is whole on a tier. Each one passed over is named in a warning. With `first`, `statuses`
+        is the index's listing from step `first` on, the tiers are looked at from there, and None stands for "none
+        of these" (the caller looks at everything then)."""
+        copies, unlisted_tiers = await self._scan(allowed, listings, first)
         buried = await self._buried()
         listed = {s.step for s in statuses if "index" not in s.failed}  # an unreadable record lists nothing
         candidates: list[tuple[int, CheckpointStatus | None]] = [
@@ -183,6 +210,8 @@ class Catalog:
                             "index restarted empty or restored from an older snapshot); loading it from the tiers",
                             self.job, st, ", ".join(found.complete))
             return found
+        if first is not None:
+            return None  # type: ignore[return-value]
         found = await self._from_tiers(statuses, allowed, None)  # other indexes' (adopt), earlier formats
         if found is not None:
             return found
@@ -229,9 +258,9 @@ class Catalog:
                     f"loaded from tiers {list(allowed)}: {'; '.join(passed_over[:5])}")
 
     async def _scan(self, allowed: Sequence[str], listings: dict[str, Sequence[str] | None] | None = None,
-                    ) -> tuple[dict[str, dict[int, list[Copy]]], set[str]]:
-        """This index's copies on every allowed tier (one listing each, or the one given in `listings`), and the
-        tiers that could not be listed."""
+                    first: int | None = None) -> tuple[dict[str, dict[int, list[Copy]]], set[str]]:
+        """This index's copies on every allowed tier (one listing each, or the one given in `listings`; with
+        `first`, of steps from `first` on only), and the tiers that could not be listed."""
         copies: dict[str, dict[int, list[Copy]]] = {}
         failed: set[str] = set()
         for tier in self.io.order(allowed):
@@ -240,7 +269,7 @@ class Catalog:
                 continue
             try:
                 copies[tier] = await lineage.scan(self.io, tier, self.job, self.index.identity,
-                                                  (listings or {}).get(tier))
+                                                  (listings or {}).get(tier), first=first)
             except TierError as e:
                 log.warning("tier %s cannot be listed: %s", tier, e)
                 failed.add(tier)

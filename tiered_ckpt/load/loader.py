@@ -22,6 +22,7 @@ from ..layout import job_prefix, parse_key
 from ..lifecycle.busy import BusySteps
 from ..lifecycle.rules import Best
 from ..manifest import Manifest, dtype_from_str
+from ..release import release_off_loop
 from ..state.gc_pause import automatic_gc_paused
 from ..state import LoadTarget, SavedTensor, decode_skeleton, match
 from ..storage.index import CheckpointStatus
@@ -114,11 +115,15 @@ class Loader:
                     raise _partly_overwritten(e, info.reads.overwritten) if info.reads.overwritten else e
                 assert reads is not None and target is not None
                 await self.io.run_blocking(reads.finish)  # scratch → targets, only once every rank read everything
-                await self.io.run_blocking(reads.release)
                 await self.io.run_blocking(target.copy_ties)
+                # what the load made per tensor (the scratch too) goes in a thread, a batch at a time, before
+                # collection resumes: else the first collection after the pause walks it all at once, on whichever
+                # thread, the loop's too, and the last reference dropped on the loop frees it there
+                await release_off_loop([reads, target.tensors])
             finally:
                 self.busy.end_load(status.step)
             await asyncio.to_thread(target.apply)  # load_state_dict() of modules and optimizers: seconds for large ones
+        await release_off_loop([target])  # (the rest of what it made: not freed by the return, on the loop)
         if self.heal and manifest is not None:
             running = next((t for t, s in self.heals.items() if s == manifest.step), None)  # one heal a step
             damaged = [(f.tier, f.part) for f in info.fallbacks  # this node's copy was to hold the part

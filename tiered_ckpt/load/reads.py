@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from ..errors import TierError
 from ..layout import checkpoint_prefix, parse_key
 from ..manifest import Manifest, dtype_from_str
 from ..buffers import DeviceBytes, Sink, Sinks, as_byte_tensor, tensor_bytes
+from ..release import empty, release_off_loop
 from ..storage.tier_io import TierIO
 from ..storage.verified_read import Fallback, PartRead, ReadLog
 
@@ -81,11 +82,18 @@ class Reads:
                 dst.copy_(src)
 
     def release(self) -> None:
-        """Drop the scratch buffers (call it in a thread: freeing large buffers takes milliseconds)."""
-        self.dests.clear()
-        self.subs.clear()
-        self.copies.clear()
-        self.keep.clear()
+        """Drop the scratch buffers and the per-chunk maps, a batch at a time (call it in a thread: freeing large
+        buffers takes milliseconds, and 1M entries freed in one go would hold the GIL for a tenth of a second)."""
+        for held in (self.dests, self.direct, self.subs, self.copies, self.keep):
+            empty(held)
+
+
+class Boxed(NamedTuple):
+    """A plain tensor that is the box at `offsets` of a saved tensor: a target given with its place in the
+    global tensor (the DCP reader's destinations), where a DTensor carries its own."""
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
 
 
 def target_devices(targets: Mapping[int, tuple[str, torch.Tensor]]) -> list[torch.device]:
@@ -102,7 +110,7 @@ def wait_for_devices(devices: Sequence[torch.device]) -> None:
         torch.cuda.synchronize(device)
 
 
-def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor]]) -> Reads:
+def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor | Boxed]]) -> Reads:
     """Where each saved chunk that overlaps a target goes. A chunk that lies wholly inside a contiguous CPU
     or GPU target of its dtype, on a contiguous stretch of it (the same box, a Shard(0) piece of a full tensor,
     any piece of a 1-d one), is read straight into that memory; so is the part of a chunk that such a target
@@ -117,8 +125,11 @@ def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor
     ranks, byte_offsets, chunk_nbytes, dtypes = (table.rank.tolist(), table.byte_offset.tolist(),
                                                  table.nbytes.tolist(), table.dtype.tolist())
     for index, (where, target) in targets.items():
-        local = local_tensor(target)
-        _, box_offsets, box_sizes = local_box(target)
+        if type(target) is Boxed:
+            local, box_offsets, box_sizes = target.tensor, target.offsets, tuple(target.tensor.shape)
+        else:
+            local = local_tensor(target)
+            _, box_offsets, box_sizes = local_box(target)
         dtype = dtype_from_str(table.dtype_names[dtypes[index]])
         # the target's own memory takes the bytes: a CPU tensor's directly, a GPU tensor's by a copy from the
         # read buffer, chunk by chunk (no host copy of it in between)
@@ -305,6 +316,16 @@ async def read_parts(io: TierIO, coordinator: Coordinator, manifest: Manifest | 
     several ranks, each part is read on a node whose fastest tier holds it."""
     ready = manifest is not None and reads is not None
     parts = await asyncio.to_thread(parts_to_read, manifest, reads) if ready else {}  # type: ignore[arg-type]
+    try:
+        await _read(io, coordinator, manifest, order, parts, log, ready, holdings)
+    finally:  # each part's buffers list every tensor in it: freed in a thread, not where the last reference goes
+        await release_off_loop([*parts.values(), parts])
+        del parts
+
+
+async def _read(io: TierIO, coordinator: Coordinator, manifest: Manifest | None, order: Sequence[str],
+                parts: dict[tuple[int, int], PartRead], log: ReadLog, ready: bool,
+                holdings: dict[str, frozenset[int]] | None) -> None:
     if coordinator.distributed:
         def describe(key: tuple[int, int], views: list[memoryview]) -> PartRead:
             assert manifest is not None

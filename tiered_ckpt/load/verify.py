@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Callable
 
 from ..errors import IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
-from ..storage.index import CheckpointStatus, Index
+from ..storage.index import CheckpointStatus, Index, rank_metas
 from ..layout import PartKey, manifest_key, rank_meta_key
 from ..manifest import Manifest, RankMeta
 from ..storage.tier_io import TierIO
@@ -97,21 +97,34 @@ class IndexReport:
 
 async def verify_index(index: Index, manifest: Manifest) -> IndexReport:
     """The index's copy of the manifest and of every rank's record: present and intact (each is sealed). A load
-    skips a damaged copy for a tier's, so only verify tells that the index's copies are damaged."""
+    skips a damaged copy for a tier's, so only verify tells that the index's copies are damaged. Two reads of the
+    index whatever the number of ranks: the manifest, then every rank's record in one batched read."""
     job, step = manifest.job, manifest.step
-    report = IndexReport(index.identity)
-    records: list[tuple[str, Callable[[], Awaitable[bytes]], Callable[[bytes, str], object]]] = [
-        ("manifest", lambda: index.get_manifest(job, step), lambda data, src: Manifest.from_bytes(data, source=src))]
-    records += [(f"checksums of rank {r.rank}", lambda r=r: index.get_rank_meta(job, step, r.rank),
-                 lambda data, src: RankMeta.from_bytes(data, source=src)) for r in manifest.ranks]
-    for what, read, parse in records:
-        report.records += 1
-        try:
-            data = await read()
-            await asyncio.to_thread(parse, data, f"index {what} of step {step}")
-        except IndexUnavailable as e:
-            report.unreachable = str(e)
-            return report
-        except (IncompleteCheckpoint, IntegrityError) as e:  # missing, or corrupt
-            report.bad.append(f"{what}: {type(e).__name__}: {e}")
+    report = IndexReport(index.identity, records=1 + len(manifest.ranks))
+    try:
+        data = await index.get_manifest(job, step)
+        await asyncio.to_thread(Manifest.from_bytes, data, source=f"index manifest of step {step}")
+    except IndexUnavailable as e:
+        report.unreachable = str(e)
+        return report
+    except (IncompleteCheckpoint, IntegrityError) as e:  # missing, or corrupt
+        report.bad.append(f"manifest: {type(e).__name__}: {e}")
+    try:
+        stored = await rank_metas(index, job, step, [r.rank for r in manifest.ranks])
+    except IndexUnavailable as e:
+        report.unreachable = str(e)
+        return report
+
+    def check() -> list[str]:
+        bad = []
+        for r in manifest.ranks:
+            what = f"checksums of rank {r.rank}"
+            try:
+                if r.rank not in stored:
+                    raise IncompleteCheckpoint(f"job {job!r} step {step}: no {what} in the index")
+                RankMeta.from_bytes(stored[r.rank], source=f"index {what} of step {step}")
+            except (IncompleteCheckpoint, IntegrityError) as e:
+                bad.append(f"{what}: {type(e).__name__}: {e}")
+        return bad
+    report.bad += await asyncio.to_thread(check)
     return report

@@ -52,7 +52,8 @@ class Committer:
     async def begin(self, step: int, tiers: Sequence[str], *, nbytes: int | None = None,
                     metadata: Mapping[str, Any] | None = None) -> None:
         """The checkpoint is listed, incomplete; rank 0 also records its size and metadata for list()."""
-        info = {"nbytes": nbytes, "metadata": dict(metadata or {})} if self.rank == 0 and nbytes is not None else None
+        info = {"nbytes": nbytes, "metadata": dict(metadata or {}), "folder": self.incarnation} \
+            if self.rank == 0 and nbytes is not None else None
         await self.index.begin(self.job, step, tiers, info)
 
     async def put_manifest(self, step: int, data: bytes) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from ..lifecycle.removal import Removal
 from ..lifecycle.retention import Retention
+from ..release import release_off_loop
 from ..state import FlatState
 from ..storage.tier_io import TierIO
 from .commit import Committer
@@ -94,9 +95,12 @@ class SaveJob:
         finally:
             self.launch = None
         self.handle.set_staged()
-        self.flat.tensors = []  # drop references to the caller's tensors
         if buffer.files is not None:
             self.services.pool.prepare_next(buffer.files.nbytes, self.plan)
+        # drop references to the caller's tensors, and the paths (new strings at each walk: 1M of them freed on the
+        # loop would stall it), in a thread a batch at a time
+        held, self.flat.tensors, self.flat.paths = [self.flat.tensors, self.flat.paths], [], []
+        await release_off_loop(held)
 
     async def _run(self, staging: asyncio.Task[None]) -> None:
         commit, handle = self.services.commit, self.handle

@@ -105,10 +105,9 @@ class Planner:
     async def plan(self, paths: list[str], tensors: list[torch.Tensor]) -> Plan:
         args = (paths, tensors, self.coordinator.world_size, self.part_size)
         small = len(tensors) <= SMALL_STATE and all(type(t) is torch.Tensor for t in tensors)
-        key = structure_key(*args) if small else await asyncio.to_thread(structure_key, *args)
-        plan = self._cache.get(key)
+        # the key looked up in a thread too: hashing and comparing a key of 1M paths is a stall on the loop
+        key, plan = self._look_up(args) if small else await asyncio.to_thread(self._look_up, args)
         if plan is not None:
-            self._cache.move_to_end(key)
             self.last = plan
             return plan
         self.misses += 1
@@ -120,11 +119,23 @@ class Planner:
             error = e
         failed = _Failed(f"{type(error).__name__}: {error}") if error is not None else None
         plan = await self._exchange(key, described, failed, error)
+        await asyncio.to_thread(self._keep, key, plan)
+        self.last = plan
+        return plan
+
+    def _look_up(self, args: tuple) -> tuple[tuple, Plan | None]:
+        """(the key, its cached plan or None); on a hit the key is dropped here, not on the loop (1M paths)."""
+        key = structure_key(*args)
+        plan = self._cache.get(key)
+        if plan is not None:
+            self._cache.move_to_end(key)
+            return (), plan
+        return key, plan
+
+    def _keep(self, key: tuple, plan: Plan) -> None:
         self._cache[key] = plan
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
-        self.last = plan
-        return plan
 
     async def _exchange(self, key: tuple, described: Described | None, failed: _Failed | None,
                         error: BaseException | None) -> Plan:

@@ -306,7 +306,11 @@ class StagingPool:
         free, self._free = self._free, []
         for buf in free:
             await self._discard(buf)
-        self._retained.clear()  # their files stay: they are the memory tier's checkpoints
+        retained = [b for b in self._retained.values() if not b.in_use]
+        self._retained.clear()  # their files stay (the memory tier's checkpoints); their memory and views go in a
+        for buf in retained:  # thread, not wherever the last reference goes (the loop: seconds at 1M tensors)
+            await asyncio.to_thread(buf.unmap)
+        del retained
         self._count = 0
         self.gatherer.clear()
         if self.arena is not None:

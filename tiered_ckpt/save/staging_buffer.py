@@ -11,6 +11,7 @@ import torch
 
 from ..buffers import tensor_bytes
 from ..gc_pause import automatic_gc_paused
+from ..release import empty
 
 if TYPE_CHECKING:
     from .mapped import MappedParts
@@ -70,6 +71,15 @@ class StagingBuffer:
         it in a thread)."""
         if self.files is not None and not self.published:
             self.files.unlink()
+        self.unmap()
+
+    def unmap(self) -> None:
+        """Let its memory go, and its views with it, a batch at a time; its files stay (run it in a thread: a
+        view per tensor is 1M objects at 1M tensors, and freeing them in one go would hold the GIL, so the event
+        loop, for a tenth of a second and more; then the unmapping itself)."""
+        views, self._views = self._views, None
+        if views is not None:
+            empty(views[1])
+        del views
         self.files = None
         self.tensor = self.view = None  # type: ignore[assignment]  # the last references: unmapped here
-        self._views = None

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 import torch
 
 from ..errors import StateError
+from ..release import empty
 from .skeleton import (PerRank, PerRankMark, Pickled, TensorAlias, TensorRef, _is_stateful, _view_key, any_in_tree,
                        path_str, per_rank_name)
 
@@ -44,6 +45,11 @@ class Targets(Mapping[int, "tuple[str, torch.Tensor]"]):
 
     def __contains__(self, index: object) -> bool:
         return index in self.tensor
+
+    def release(self) -> None:
+        """Forget every pairing, a batch at a time (in a thread: 1M entries freed in one go hold the GIL)."""
+        empty(self.where)
+        empty(self.tensor)
 
 
 @dataclass
@@ -94,6 +100,12 @@ class LoadTarget:
     @property
     def empty(self) -> bool:
         return not (self.tensors or self.assign or self.finish)
+
+    def release(self) -> None:
+        """Forget everything it pairs and does, a batch at a time (a load's end, in a thread)."""
+        self.tensors.release()
+        for held in (self.ties, self.assign, self.finish, self.unexpected, self.asked):
+            empty(held)
 
 
 _MISSING = object()

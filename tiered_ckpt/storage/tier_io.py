@@ -160,6 +160,11 @@ class TierIO:
     async def list(self, tier: str, prefix: str) -> list[str]:
         return await self._pipelines[tier].attempt(lambda: self._drivers[tier].list(prefix), f"list {prefix}")
 
+    async def list_from(self, tier: str, prefix: str, start: str) -> list[str]:
+        """Keys under `prefix` sorting at or after `start` (Tier.list_from)."""
+        return await self._pipelines[tier].attempt(lambda: self._drivers[tier].list_from(prefix, start),
+                                                   f"list {prefix} from {start}")
+
     async def delete(self, tier: str, prefix: str) -> None:
         await self._pipelines[tier].attempt(lambda: self._drivers[tier].delete(prefix), f"delete {prefix}")
 

@@ -9,12 +9,15 @@ two reads of `TierReads` (each with the tier's timeout, retries and byte budget)
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Protocol, Sequence, TypeVar
+from typing import (TYPE_CHECKING, AbstractSet, Any, Callable, ContextManager, Iterable, Iterator, Protocol, Sequence,
+                    TypeVar)
 
 from ..checksum import ALGORITHM, chunk_digest, describe, of_chunk_digests, part_checksum
 from ..errors import IntegrityError, TierError
+from ..release import empty
 from .tiers.base import scatter
 
 if TYPE_CHECKING:  # torch is imported where buffers are made: listing and deleting need none (the CLI)
@@ -54,6 +57,14 @@ class PartRead:
     touched: tuple[str, ...] = ()  # targets that verified chunks reached, of a part whose read then failed
     spans: tuple[tuple[int, int], ...] = ()  # (offset, length) in the part of the views the caller wants (a load)
 
+    def release(self) -> None:
+        """Drop the buffers, a batch at a time (in a thread: a part of small tensors lists 100k+ of them)."""
+        if isinstance(self.views, list):
+            empty(self.views)
+        else:
+            self.views.release()
+        self.targets = self.target_starts = self.touched = ()
+
     def wanted_views(self) -> list[memoryview] | Sinks:
         """The views that `spans` names, in order (the others take, or skip, the bytes the caller does not want)."""
         if not isinstance(self.views, list):  # Sinks
@@ -66,6 +77,44 @@ class PartRead:
         return out
 
 
+class Overwritten(AbstractSet[str]):
+    """The caller's entries that verified bytes reached, a set made only when asked: `update` keeps each part's
+    keys as they come (one append on the event loop, where a set would take one insertion per tensor: 1M
+    at 1M tensors), and only a failed load's message, or a caller of `LoadInfo.reads`, reads them as a set."""
+
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        self._groups: list[Iterable[str]] = []
+        self._set: set[str] | None = None
+        self.update(tuple(keys))
+
+    def update(self, keys: Iterable[str]) -> None:
+        if keys:
+            self._groups.append(keys)
+            self._set = None
+
+    def _all(self) -> set[str]:
+        if self._set is None:
+            self._set = set()
+            for keys in self._groups:
+                self._set.update(keys)
+        return self._set
+
+    def __bool__(self) -> bool:
+        return bool(self._groups)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._all()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __repr__(self) -> str:
+        return f"Overwritten({sorted(self._all())!r})"
+
+
 @dataclass
 class ReadLog:
     """What reads report: per-part fallbacks, bytes served per tier, bytes received by broadcast from the
@@ -74,7 +123,7 @@ class ReadLog:
     fallbacks: list[Fallback] = field(default_factory=list)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     bytes_received: int = 0
-    overwritten: set[str] = field(default_factory=set)
+    overwritten: Overwritten = field(default_factory=Overwritten)
 
 
 class BouncePool:
@@ -184,20 +233,29 @@ async def _try_chunked_read(tiers_io: TierReads, name: str, part: PartRead,
         return True, f"{type(e).__name__}: {e}"
     if n is None:
         return False, None
-    if written[0]:  # verified chunks reached the destination, whatever comes next
-        starts = part.target_starts or (0,) * len(part.targets)
-        part.touched = tuple(t for t, at in zip(part.targets, starts) if at < written[0])
+    reason = _chunked_failure(part, n, outcome, sums)
+    if reason is not None and written[0]:  # verified chunks reached the destination before the failure: which
+        # targets (the targets before the first that begins past what was written, found by bisection on the event
+        # loop, never a walk over 100k of them: `target_starts` rise, as the targets lie in the part)
+        reached = bisect.bisect_left(part.target_starts, written[0]) if part.target_starts else len(part.targets)
+        part.touched = tuple(part.targets[:reached])
+    return True, reason
+
+
+def _chunked_failure(part: PartRead, n: int, outcome: list[str], sums: memoryview) -> str | None:
+    """Why a part read a chunk at a time is not intact (None: it is)."""
+    size = part.chunk_size
     if n != part.length:
-        return True, f"length {n}, expected {part.length}"
+        return f"length {n}, expected {part.length}"
     if outcome:
-        return True, outcome[0]
+        return outcome[0]
     if len(sums) != 8 * (-(-part.length // size)):
-        return True, f"{len(sums) // 8} chunk digests for {-(-part.length // size)} chunks"
+        return f"{len(sums) // 8} chunk digests for {-(-part.length // size)} chunks"
     whole = of_chunk_digests(part.chunk_sums, part.algorithm) if part.check_whole else part.checksum
     if whole != part.checksum:  # the chunks are the record's: the part's checksum follows from their digests
-        return True, (f"{describe(part.algorithm, whole)}, expected {describe(part.algorithm, part.checksum)} "
-                      f"(the record's chunk digests disagree)")
-    return True, None
+        return (f"{describe(part.algorithm, whole)}, expected {describe(part.algorithm, part.checksum)} "
+                f"(the record's chunk digests disagree)")
+    return None
 
 
 async def _try_bounced_read(tiers_io: TierReads, bounce: BouncePool, name: str, part: PartRead,

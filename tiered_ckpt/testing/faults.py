@@ -193,6 +193,10 @@ class FaultyTier(LocalTier):
         await self._before("list", [prefix])
         return await super().list(prefix)
 
+    async def list_from(self, prefix: str, start: str) -> list[str]:
+        await self._before("list", [prefix])
+        return await super().list_from(prefix, start)
+
     async def missing(self, keys: Sequence[str]) -> list[str]:
         await self._before("missing", keys)
         return await super().missing(keys)

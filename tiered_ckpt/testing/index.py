@@ -55,6 +55,21 @@ class IndexConformance:
         assert [s.step for s in await index.list("other")] == [7]
         assert await index.list("nobody") == []
 
+    async def test_list_range_lists_from_a_step_on_the_newest_and_the_steps_asked(self, index):
+        for step in (4, 30, 100, 7, 250):
+            await index.begin(JOB, step, ["disk"], {"nbytes": step, "metadata": {"loss": 1.0 / step}})
+        assert await index.mark_durable(JOB, 30, "disk", 0, 1, "s")
+        whole = await index.list(JOB)
+        assert await index.list_range(JOB, 30) == [s for s in whole if s.step >= 30]  # the same statuses
+        assert await index.list_range(JOB) == whole
+        assert [s.step for s in await index.list_range(JOB, newest=2)] == [100, 250]
+        assert [s.step for s in await index.list_range(JOB, 31, also=[4, 5, 30])] == [4, 30, 100, 250]
+        assert [s.step for s in await index.list_range(JOB, newest=1, also=[7, 250])] == [7, 250]
+        assert [s.step for s in await index.list_range(JOB, 8, newest=10)] == [30, 100, 250]
+        assert await index.list_range(JOB, 251) == [] and await index.list_range("nobody") == []
+        await index.delete(JOB, 100)
+        assert [s.step for s in await index.list_range(JOB, 30, also=[100])] == [30, 250]
+
     async def test_jobs_are_those_with_a_checkpoint(self, index, opened):
         assert await index.jobs() == []  # a fenced writer has no checkpoint yet
         await index.begin(JOB, 1, ["disk"])

@@ -113,6 +113,17 @@ class TierConformance:
         await tier.write(key, memoryview(b""))
         assert await tier.read_into(key, []) == 0
 
+    async def test_list_from_a_step_on_is_the_listing_from_there(self, tier):
+        for step in (3, 10, 12, 200):
+            await tier.write(PartKey("job", step, 0, 0).path, memoryview(b"x"))
+            await tier.write(rank_meta_key("job", step, 0), memoryview(b"c"))
+        await tier.write(PartKey("jobs", 50, 0, 0).path, memoryview(b"y"))  # another job whose name starts alike
+        whole = await tier.list("job/")
+        for first in (0, 3, 4, 12, 201):
+            start = step_prefix("job", first)
+            assert await tier.list_from("job/", start) == [k for k in whole if k >= start]
+        assert await tier.list_from("nobody/", step_prefix("nobody", 0)) == []
+
     async def test_list_and_delete_prefix(self, tier):
         for step in (1, 2):
             for p in range(3):

@@ -14,8 +14,10 @@ mid-delete never leaves a "complete" entry with missing parts. Removing a checkp
 manifests can never bring a retired checkpoint back, and the next writer finishes a deletion a crash cut
 short (`buried`).
 
-Rank 0's `begin` also records the checkpoint's size and the `metadata` given to save() (`info`), so that
-`list()` reports both without reading a manifest (plain msgpack values: {"nbytes": int, "metadata": dict}).
+Rank 0's `begin` also records the checkpoint's size, the `metadata` given to save() and its session's folder on
+the tiers (`info`), so that `list()` reports them without reading a manifest (plain msgpack values: {"nbytes":
+int, "metadata": dict, "folder": str}; an index passes the mapping through as given, and `folder` is absent
+from saves of earlier releases).
 
 `fence` starts a new incarnation of the job (the writer's first save); with `lease` (an engine opened with
 `role = "writer"`) it also takes the job's writer lease, and a live writer holding it is a `WriterConflict`
@@ -49,6 +51,7 @@ class CheckpointStatus:
     nbytes: int | None = None  # the checkpoint's size (one copy, every rank's parts); None: not recorded
     metadata: dict[str, Any] = field(default_factory=dict)  # what save(metadata=...) was given
     skipped: dict[str, int] = field(default_factory=dict)  # tiers that could not keep up → the step that superseded it
+    folder: str | None = None  # the tiers' folder of the save that began it last (rank 0's begin); None: not recorded
 
     @property
     def is_complete(self) -> bool:
@@ -116,6 +119,14 @@ class Index(Protocol):
                          rank: int | None = None) -> TierState: ...
     async def unmark(self, job: str, step: int, tier: str) -> None: ...
     async def list(self, job: str) -> list[CheckpointStatus]: ...
+    async def list_range(self, job: str, first: int = 0, *, newest: int | None = None,
+                         also: Sequence[int] = ()) -> list[CheckpointStatus]:
+        """The checkpoints of step >= `first` (with `newest`, only that many of the newest of them), plus those
+        of `also` that exist, oldest first, as `list` reports them. A save's retention and a load's pick ask
+        this for the few steps they judge, so their cost does not grow with the history a job keeps: an index
+        answers from an ordered structure (a sorted set, sorted folder names). This default filters `list`
+        (`listing_range` serves indexes that lack it)."""
+        return _filtered(await self.list(job), first, newest, also)
     async def jobs(self) -> list[str]: ...  # the jobs that have checkpoints here (for "no such job" messages)
     async def delete(self, job: str, step: int) -> None: ...
     async def bury(self, job: str, step: int) -> None: ...
@@ -149,3 +160,31 @@ async def _rank_metas_one_by_one(index: Index, job: str, step: int, ranks: Seque
         except IncompleteCheckpoint:
             continue  # no record: absent (an unreachable index raises, as for one record)
     return found
+
+
+async def listing_range(index: Index, job: str, first: int = 0, *, newest: int | None = None,
+                        also: Sequence[int] = ()) -> list[CheckpointStatus]:
+    """`index.list_range`, or for an index written before it existed (a third party's, not subclassing Index)
+    `list` filtered the same way."""
+    ranged = getattr(index, "list_range", None)
+    if ranged is None:
+        return _filtered(await index.list(job), first, newest, also)
+    return await ranged(job, first, newest=newest, also=also)
+
+
+async def status_of(index: Index, job: str, step: int) -> CheckpointStatus | None:
+    """Checkpoint `step` as `list` reports it, or None: one step asked for by name, whatever the history."""
+    found = await listing_range(index, job, NO_STEP, also=[step])
+    return next((s for s in found if s.step == step), None)
+
+
+NO_STEP = 1 << 62  # a `first` above every step: list_range then lists only the steps asked for by name
+
+
+def _filtered(statuses: list[CheckpointStatus], first: int, newest: int | None,
+              also: Sequence[int]) -> list[CheckpointStatus]:
+    window = [s for s in statuses if s.step >= first]
+    if newest is not None:
+        window = window[len(window) - newest:] if 0 < newest < len(window) else ([] if newest <= 0 else window)
+    steps = {s.step for s in window} | set(also)
+    return [s for s in statuses if s.step in steps]

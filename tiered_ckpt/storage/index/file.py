@@ -31,21 +31,24 @@ its own marker, and lists the folders of failures and skips (absent unless a ran
 from __future__ import annotations
 
 import asyncio
+import bisect
 import errno
 import fcntl
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import msgpack
 
 from ...checksum import seal, unseal
 from ...errors import IncompleteCheckpoint, IntegrityError, TieredCkptError, WriterConflict
-from ...layout import parse_step_dir, step_dir
+from ...layout import STEP_DIR, parse_step_dir, step_dir
 from ..files import check_creatable, fsync_dir, locked_elsewhere, make_folders
 from .base import CheckpointStatus, CommitState, TierState
 
@@ -60,6 +63,7 @@ class FileIndex:
         self.epoch = 0
         self.identity = f"file://{os.path.realpath(self.root)}"  # written into each manifest
         self._leases: dict[str, int] = {}  # job → the open, locked writer.lock
+        self._names = StepNames()  # each job folder's step folders, sorted: read again only once it changed
         self._cleaning: set[str] = set()  # jobs whose lease attach() took (a cleaner's, not a writer's)
         self.waiting_for_cleaner = False  # a fence is waiting for a cleaner (gc, delete) to release the lease
 
@@ -138,7 +142,12 @@ class FileIndex:
 
     async def begin(self, job: str, step: int, tiers: Sequence[str], info: Mapping[str, Any] | None = None) -> None:
         record = seal(msgpack.packb({"tiers": list(tiers), "created": time.time()}))
-        await self._io(_atomic_write, self._dir(job, step) / "begun", record)
+        d = self._dir(job, step)
+
+        def write() -> None:
+            with self._names.changing(d.parent, d.name, added=True):  # the step's folder is made here
+                _atomic_write(d / "begun", record)
+        await self._io(write)
         if info is not None:  # rank 0 only: every rank rewrites `begun`, so the info has a file of its own
             await self._io(_atomic_write, self._dir(job, step) / "info", seal(msgpack.packb(dict(info))))
 
@@ -227,46 +236,71 @@ class FileIndex:
     async def list(self, job: str) -> list[CheckpointStatus]:
         return await self._io(self._list_sync, job)
 
+    async def list_range(self, job: str, first: int = 0, *, newest: int | None = None,
+                         also: Sequence[int] = ()) -> list[CheckpointStatus]:
+        """The checkpoints of step >= `first` (with `newest`, only that many of the newest of them), and those of
+        `also` that exist, oldest first. The job folder's names are read and sorted (one listing, in C: step
+        folders' names are fixed-width, so their order is the steps'); only the folders asked for are read."""
+        def read() -> list[CheckpointStatus]:
+            names = self._names.get(self.root / job)
+            lo = bisect.bisect_left(names, step_dir(max(first, 0)))
+            window = names[lo:] if newest is None else names[max(lo, len(names) - max(newest, 0)):]
+            chosen = set(window)
+            for step in also:
+                name = step_dir(step)
+                at = bisect.bisect_left(names, name)
+                if at < len(names) and names[at] == name:
+                    chosen.add(name)
+            base = self.root / job
+            return [status for n in sorted(chosen) if (status := self._status_sync(base / n)) is not None]
+        return await self._io(read)
+
     def _list_sync(self, job: str) -> list[CheckpointStatus]:
-        out = []
         base = self.root / job
-        if not base.is_dir():
-            return out
-        for d in sorted(base.iterdir()):
-            step = parse_step_dir(d.name)
-            if step is None:
-                continue
-            failures = [p.name.rsplit(".", 2) for p in _entries(d / "failed")]
-            unreadable = ""
-            try:
-                record = _read_begun(d / "begun")
-            except FileNotFoundError:
-                if not failures:
-                    continue  # killed before `begin` landed: nothing was promised
-                record = {"tiers": sorted({name for name, _, _ in failures})}  # a rank failed before begin
-            except (IntegrityError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
-                log.warning("index %s: the record of step %d cannot be read (%s); listed as incomplete", self.root,
-                            step, e)
-                record, unreadable = {"tiers": []}, f"the index record cannot be read: {e}"
-            complete = frozenset(p.name for p in _entries(d / "complete") if p.name in record["tiers"])
-            failed = {}
-            for p in _entries(d / "failed"):
-                name, rank, _ = p.name.rsplit(".", 2)
-                if name not in complete:
-                    failed.setdefault(name, f"rank {rank}: {p.read_text(errors='replace')}")
-            if unreadable:
-                failed["index"] = unreadable
-            skipped: dict[str, int] = {}
-            for p in _entries(d / "skipped"):
-                name = p.name.rsplit(".", 2)[0]
-                newer = _read_step(p)
-                if name in record["tiers"] and name not in complete and newer is not None:
-                    skipped.setdefault(name, newer)
-            info = _read_info(d / "info")
-            out.append(CheckpointStatus(step, tuple(record["tiers"]), complete, failed,
-                                        record.get("created", 0.0), nbytes=info.get("nbytes"),
-                                        metadata=info.get("metadata") or {}, skipped=skipped))
-        return out
+        return [status for n in self._names.get(base) if (status := self._status_sync(base / n)) is not None]
+
+    def _status_sync(self, folder: Path) -> CheckpointStatus | None:
+        """One step folder's status; None when it promises nothing (killed before `begin` landed). Paths as
+        strings: a listing reads ten thousand of these, and pathlib's objects cost more than the reads."""
+        step = parse_step_dir(folder.name)
+        if step is None:
+            return None
+        d = str(folder)
+        try:
+            held = set(os.listdir(d))  # one listing says which records exist: none is looked for in vain
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        failures = [p.name.rsplit(".", 2) for p in _entries(folder / "failed")] if "failed" in held else []
+        unreadable = ""
+        try:
+            record = _read_begun(f"{d}/begun")
+        except FileNotFoundError:
+            if not failures:
+                return None  # killed before `begin` landed: nothing was promised
+            record = {"tiers": sorted({name for name, _, _ in failures})}  # a rank failed before begin
+        except (IntegrityError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            log.warning("index %s: the record of step %d cannot be read (%s); listed as incomplete", self.root,
+                        step, e)
+            record, unreadable = {"tiers": []}, f"the index record cannot be read: {e}"
+        complete = frozenset(name for name in _names(f"{d}/complete") if name in record["tiers"]) \
+            if "complete" in held else frozenset()
+        failed = {}
+        for p in _entries(folder / "failed") if failures else []:
+            name, rank, _ = p.name.rsplit(".", 2)
+            if name not in complete:
+                failed.setdefault(name, f"rank {rank}: {p.read_text(errors='replace')}")
+        if unreadable:
+            failed["index"] = unreadable
+        skipped: dict[str, int] = {}
+        for p in _entries(folder / "skipped") if "skipped" in held else []:
+            name = p.name.rsplit(".", 2)[0]
+            newer = _read_step(p)
+            if name in record["tiers"] and name not in complete and newer is not None:
+                skipped.setdefault(name, newer)
+        info = _read_info(f"{d}/info") if "info" in held else {}
+        return CheckpointStatus(step, tuple(record["tiers"]), complete, failed, record.get("created", 0.0),
+                                nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped,
+                                folder=folder if isinstance(folder := info.get("folder"), str) and folder else None)
 
     async def jobs(self) -> list[str]:
         """The jobs with a checkpoint folder here, sorted."""
@@ -329,11 +363,13 @@ class FileIndex:
                 return
             # Drop the commit records first: a crash part-way leaves an incomplete entry, never a false one.
             trash = d.with_name(f".deleting-{d.name}-{uuid.uuid4().hex[:6]}")
-            os.replace(d, trash)
+            with self._names.changing(d.parent, d.name, added=False):
+                os.replace(d, trash)
             fsync_dir(d.parent, missing_ok=True)
             for path in sorted(trash.rglob("*"), key=lambda p: -len(p.parts)):
                 path.rmdir() if path.is_dir() else path.unlink()
-            trash.rmdir()
+            with self._names.changing(d.parent, trash.name, added=False):  # (not a step's name: stays as it is)
+                trash.rmdir()
         await self._io(delete)
 
     async def get_rank_metas(self, job: str, step: int, ranks: Sequence[int]) -> dict[int, bytes]:
@@ -400,23 +436,28 @@ def lease_holder(root: Path, job: str) -> str | None:
         os.close(fd)
 
 
-def _read_info(path: Path) -> dict[str, Any]:
+def _read_info(path: str) -> dict[str, Any]:
     """Rank 0's {nbytes, metadata} of a step; {} when absent (an older release, a save cut short before it)
     or unreadable (a size is not worth failing a listing for)."""
     try:
-        data = path.read_bytes()
+        data = _read(path)
         body = unseal(data, f"index record {path}")
         info = msgpack.unpackb(data if body is None else body, strict_map_key=False)
     except FileNotFoundError:
         return {}
     except (IntegrityError, ValueError, TypeError, msgpack.UnpackException) as e:
-        log.warning("index %s: %s cannot be read (%s)", path.parent.parent.parent, path, e)
+        log.warning("index %s: %s cannot be read (%s)", Path(path).parent.parent.parent, path, e)
         return {}
     return info if isinstance(info, dict) else {}
 
 
-def _read_begun(path: Path) -> dict[str, Any]:
-    data = path.read_bytes()
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_begun(path: str | Path) -> dict[str, Any]:
+    data = _read(str(path))
     body = unseal(data, f"index record {path}")
     record = msgpack.unpackb(data if body is None else body)
     if not isinstance(record, dict) or not isinstance(record.get("tiers"), list):
@@ -491,6 +532,80 @@ def _create_tally(tally: Path) -> None:
     finally:
         os.close(fd)
     fsync_dir(tally.parent)
+
+
+class StepNames:
+    """The sorted step folder names of each job folder, read again only when the folder changed: its modification
+    time (nanoseconds) and inode, one stat, say so. This index's own creations and removals of step folders
+    (begin, delete) update the names in place when nothing else changed the folder since they were read, so a
+    writer's saves never list the folder again: a save's bookkeeping costs the same at ten thousand checkpoints
+    as at a hundred. A change by another process (another rank making the same step's folder, gc or delete from
+    the CLI) changes the time, and the folder is listed again at the next look. (A file system that keeps
+    modification times to the second may hide another process's change made within the second of a listing
+    until the folder changes again; this index's own changes are always seen.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[Path, tuple[tuple[int, int], list[str]]] = {}
+
+    def get(self, base: Path) -> list[str]:
+        stamp = _stamp(base)
+        with self._lock:
+            hit = self._cache.get(base)
+        if stamp is None:
+            return []
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        names = _step_names(base)  # (a change between the stat and the listing: listed again at the next look)
+        with self._lock:
+            self._cache[base] = (stamp, names)
+        return names
+
+    @contextmanager
+    def changing(self, base: Path, name: str, *, added: bool) -> Iterator[None]:
+        """Around this process's own creation (`added`) or removal of folder `name` in `base`."""
+        before = _stamp(base)
+        try:
+            yield
+        finally:
+            after = _stamp(base)
+            with self._lock:
+                hit = self._cache.pop(base, None)
+                if hit is not None and before is not None and after is not None and hit[0] == before:
+                    names = hit[1]
+                    at = bisect.bisect_left(names, name)
+                    present = at < len(names) and names[at] == name
+                    if added and not present and parse_step_dir(name) is not None:
+                        names = [*names[:at], name, *names[at:]]
+                    elif not added and present:
+                        names = [*names[:at], *names[at + 1:]]
+                    self._cache[base] = (after, names)
+
+
+def _stamp(base: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(base)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_mtime_ns, st.st_ino
+
+
+def _step_names(base: Path) -> list[str]:
+    """The step folders' names in a job's folder, sorted (so by step: the names are fixed-width)."""
+    try:
+        names = sorted(os.listdir(base))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    lo, hi = bisect.bisect_left(names, STEP_DIR), bisect.bisect_left(names, STEP_DIR[:-1] + chr(ord(STEP_DIR[-1]) + 1))
+    return [n for n in names[lo:hi] if n[len(STEP_DIR):].isdigit()] if hi - lo else []
+
+
+def _names(d: str) -> list[str]:
+    """The names in folder `d` but temp files'; [] when it does not exist."""
+    try:
+        return [n for n in os.listdir(d) if not n.startswith(".tmp-")]
+    except FileNotFoundError:
+        return []
 
 
 def _entries(d: Path) -> list[Path]:

@@ -67,6 +67,7 @@ _SCRIPTS = {"hset": _CHECK + _SUMMARY + _lua("hset"), "commit": _CHECK + _SUMMAR
             "bury": _CHECK + _lua("bury"), "fence": _lua("fence"), "lease": _lua("lease") + _lua("fence"),
             "renew": _lua("renew"), "release": _lua("release")}
 RECORDS_PER_HMGET = 1024  # checksum records per HMGET when a load reads every rank's (get_rank_metas)
+IN_THREAD = 64  # a listing decodes more summaries than this in a thread (off the event loop)
 LEASE_SECONDS = 10.0  # a `role = "writer"` engine's lease lives this long unless renewed (every third of it)
 
 
@@ -368,7 +369,47 @@ class RedisIndex:
             return await pipe.execute()
 
         names, summaries = await self._call("listing", read)
-        decoded = {int(n): _from_summary(int(n), raw) for n, raw in summaries.items()}
+        return await self._statuses_of(job, names, summaries)
+
+    async def list_range(self, job: str, first: int = 0, *, newest: int | None = None,
+                         also: Sequence[int] = ()) -> list[CheckpointStatus]:
+        """The checkpoints of step >= `first` (with `newest`, only that many of the newest of them), and those of
+        `also` that exist, oldest first: two round trips (the steps from the sorted set by score, then their
+        summaries), whatever the number of checkpoints the job keeps."""
+        assert self._client is not None
+        steps_key, list_key = self._k(job, "steps"), self._k(job, "list")
+
+        wanted = sorted({int(s) for s in also})
+
+        async def steps() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            if newest is None:
+                pipe.zrangebyscore(steps_key, first, "+inf")
+            else:
+                pipe.zrevrangebyscore(steps_key, "+inf", first, start=0, num=max(newest, 0))
+            for step in wanted:
+                pipe.zscore(steps_key, step)
+            return await pipe.execute()
+
+        found, *scores = await self._call("listing", steps)
+        names = sorted({*(found if newest is None or newest > 0 else []),
+                        *(str(st).encode() for st, score in zip(wanted, scores, strict=True) if score is not None)},
+                       key=int)
+        if not names:
+            return []
+        values = await self._call("listing", lambda: self._client.hmget(list_key, names))
+        summaries = {n: v for n, v in zip(names, values, strict=True) if v is not None}
+        return await self._statuses_of(job, names, summaries)
+
+    async def _statuses_of(self, job: str, names: Sequence[bytes], summaries: Mapping[bytes, bytes],
+                           ) -> list[CheckpointStatus]:
+        """Statuses of the steps `names`, in their order, from their summaries (from the step hashes where a
+        summary is missing, an earlier release's, or damaged). Many are decoded in a thread: ten thousand take a
+        tenth of a second, too long for the event loop."""
+        if len(names) > IN_THREAD:
+            decoded = await asyncio.to_thread(_from_summaries, summaries)
+        else:
+            decoded = _from_summaries(summaries)
         damaged = [st for st, status in decoded.items() if status is _DAMAGED]
         if damaged:
             log.warning("index %s: the list summary of step(s) %s of job %r is damaged; listed from their records",
@@ -376,15 +417,18 @@ class RedisIndex:
         older = [int(n) for n in names if n not in summaries or decoded[int(n)] is _DAMAGED]
         statuses = dict(zip(older, self._statuses(older, await self._small_fields(job, older)), strict=True)) \
             if older else {}
-        out = []
-        with automatic_gc_paused():  # ten thousand statuses allocate enough to set off full collections (2-3x)
-            for name in names:
-                status = decoded.get(int(name))
-                if status is None or status is _DAMAGED:
-                    status = statuses.get(int(name))
-                if status is not None:
-                    out.append(status)
-        return out
+
+        def assemble() -> list[CheckpointStatus]:
+            out = []
+            with automatic_gc_paused():  # ten thousand statuses allocate enough to set off full collections (2-3x)
+                for name in names:
+                    status = decoded.get(int(name))
+                    if status is None or status is _DAMAGED:
+                        status = statuses.get(int(name))
+                    if status is not None:
+                        out.append(status)
+            return out
+        return await asyncio.to_thread(assemble) if len(names) > IN_THREAD else assemble()
 
     @staticmethod
     def _statuses(steps: list[int], step_fields: list[dict[str, bytes]]) -> list[CheckpointStatus | None]:
@@ -420,7 +464,7 @@ class RedisIndex:
         created = float(fields.get("created", b"0").decode() or 0)
         info = _info(fields.get("info"))
         return CheckpointStatus(step, tiers or tuple(failed), complete, failed, created, nbytes=info.get("nbytes"),
-                                metadata=info.get("metadata") or {}, skipped=skipped)
+                                metadata=info.get("metadata") or {}, skipped=skipped, folder=_folder(info))
 
     async def jobs(self) -> list[str]:
         """The jobs with a checkpoint here (a job's sorted set of steps exists while it has one), sorted."""
@@ -480,7 +524,17 @@ def _info(data: bytes | None) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
+def _folder(info: dict[str, Any]) -> str | None:
+    """The folder rank 0's begin recorded (saves of earlier releases recorded none)."""
+    folder = info.get("folder")
+    return folder if isinstance(folder, str) and folder else None
+
+
 _DAMAGED: Any = CheckpointStatus(-1, ())  # a summary whose seal or content is wrong: list the step from its hash
+
+
+def _from_summaries(summaries: Mapping[bytes, bytes]) -> dict[int, CheckpointStatus | None]:
+    return {int(n): _from_summary(int(n), raw) for n, raw in summaries.items()}
 
 
 def _from_summary(step: int, raw: bytes) -> CheckpointStatus | None:
@@ -509,7 +563,8 @@ def _decode_summary(step: int, summary: dict[bytes, Any]) -> CheckpointStatus | 
     info = _info(summary.get(b"i"))
     skipped = {t.decode(): int(n) for t, n in skips.items() if t.decode() not in done} if skips else {}
     return CheckpointStatus(step, tiers or tuple(failed), done, failed, float(summary.get(b"c") or 0),
-                            nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped)
+                            nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped,
+                            folder=_folder(info))
 
 
 _BITS = [tuple(j for j in range(8) if byte & (0x80 >> j)) for byte in range(256)]

@@ -80,6 +80,12 @@ class Tier(ABC):
     async def list(self, prefix: str) -> list[str]:
         """Keys starting with `prefix`, sorted."""
 
+    async def list_from(self, prefix: str, start: str) -> list[str]:
+        """Keys starting with `prefix` that sort at or after `start`, sorted: a load looks at the newest step
+        folders of a job only (`<job>/step-…` names are fixed-width, so their order is the steps'). The default
+        filters `list`; a store that can start a listing part-way (a folder's sorted names) overrides it."""
+        return [key for key in await self.list(prefix) if key >= start]
+
     async def missing(self, keys: Sequence[str]) -> list[str]:
         """Which of `keys` are no longer stored, checked just before a commit, so a checkpoint never becomes
         complete on a tier with parts already gone (a cache that restarted or evicted, a file removed by

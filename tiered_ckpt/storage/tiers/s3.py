@@ -261,8 +261,9 @@ class S3Tier(Tier):
     async def read(self, key: str) -> bytes:
         return (await self._get(key))[0]
 
-    async def _keys(self, prefix: str) -> list[tuple[str, str]]:
-        """(object name, engine key) of every key starting with `prefix`, in every shard (concurrently)."""
+    async def _keys(self, prefix: str, start: str = "") -> list[tuple[str, str]]:
+        """(object name, engine key) of every key starting with `prefix` (and, with `start`, sorting after it:
+        the listing starts there), in every shard (concurrently)."""
         paginator = self._client.get_paginator("list_objects_v2")
         keys: list[tuple[str, str]] = []
         slots = asyncio.Semaphore(self.options.concurrency)
@@ -270,7 +271,8 @@ class S3Tier(Tier):
         async def walk(shard: str) -> None:
             base = self._prefix + shard
             async with slots:
-                async for page in paginator.paginate(Bucket=self.options.bucket, Prefix=base + prefix):
+                after = {"StartAfter": base + start} if start else {}
+                async for page in paginator.paginate(Bucket=self.options.bucket, Prefix=base + prefix, **after):
                     keys.extend((obj["Key"], obj["Key"][len(base):]) for obj in page.get("Contents", []))
 
         await self._layout()
@@ -293,3 +295,7 @@ class S3Tier(Tier):
 
     async def list(self, prefix: str) -> list[str]:
         return sorted(key for _, key in await self._keys(prefix))
+
+    async def list_from(self, prefix: str, start: str) -> list[str]:
+        """The listing starts at `start` (StartAfter): the requests grow with what is listed, not the history."""
+        return sorted(key for _, key in await self._keys(prefix, start) if key >= start)

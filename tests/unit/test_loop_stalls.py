@@ -1,0 +1,130 @@
+"""Nothing per tensor on the event loop: no Python function runs once per tensor on the loop's thread during a
+save or a load, what a load made per tensor is freed in a worker thread, and the memory tier's staging buffers
+are unmapped off the loop at close. Counted by thread identity, not timed (the stalls themselves are measured by
+`python -m tiered_ckpt.bench.stalls`: docs/benchmarks.md, *Event-loop stalls against the tensor count*)."""
+import collections
+import gc
+import sys
+import threading
+import weakref
+
+import torch
+
+import tiered_ckpt as tc
+from tiered_ckpt.buffers import Sinks
+from tiered_ckpt.release import BATCH, empty, release_all
+from tiered_ckpt.save import mapped
+from tiered_ckpt.storage.verified_read import ReadLog
+
+COUNT = 3000  # tensors: well above any per-part or per-save count of calls, well below a slow test
+
+
+def _state(count: int = COUNT) -> dict[str, torch.Tensor]:
+    return {f"layer{i}.scale": torch.full((16,), float(i)) for i in range(count)}
+
+
+class CallsOnThisThread:
+    """Python calls on the current thread (the loop's, in an async test) per function of the package, from
+    sys.setprofile: a generator resumed once per tensor counts once per tensor."""
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def _profile(self, frame, event, arg) -> None:
+        if event == "call" and "tiered_ckpt" in frame.f_code.co_filename:
+            self.calls[f"{frame.f_code.co_filename.split('tiered_ckpt/')[-1]}:{frame.f_code.co_name}"] += 1
+
+    def __enter__(self) -> "CallsOnThisThread":
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+
+    def per_tensor(self) -> dict[str, int]:
+        return {name: n for name, n in self.calls.items() if n >= COUNT // 2}
+
+
+async def test_no_function_runs_once_per_tensor_on_the_loop_during_saves_and_a_load(make_config):
+    state = _state()
+    target = {k: torch.zeros(16) for k in state}
+    async with tc.Engine(make_config(part_size="64KiB")) as engine:  # 3 parts of ~1,000 tensors
+        with CallsOnThisThread() as loop:
+            await (await engine.save(1, state)).wait()
+            await (await engine.save(2, state)).wait()
+            await engine.load(target)
+    assert loop.calls, "the profile saw no call of the package on the loop thread"
+    assert loop.per_tensor() == {}
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+async def test_a_load_frees_what_it_made_per_part_off_the_loop(make_config, monkeypatch):
+    """Each part's Sinks lists every tensor in the part: the last reference goes in a worker thread."""
+    freed_on: list[int] = []
+    made = Sinks.__init__
+
+    def tracked(self) -> None:
+        made(self)
+        weakref.finalize(self, lambda: freed_on.append(threading.get_ident()))
+
+    monkeypatch.setattr(Sinks, "__init__", tracked)
+    state = _state()
+    async with tc.Engine(make_config(part_size="64KiB")) as engine:
+        await (await engine.save(1, state)).wait()
+        target = {k: torch.zeros(16) for k in state}
+        await engine.load(target)
+        gc.collect()
+        assert freed_on, "no Sinks was made or freed by the load"
+        assert threading.get_ident() not in freed_on
+
+
+async def test_close_unmaps_the_memory_tiers_staging_buffers_off_the_loop(make_config, monkeypatch):
+    """The buffers that hold the memory tier's checkpoints (one view per tensor each) are unmapped at close, in
+    a worker thread, not where their last reference is dropped (the loop)."""
+    unmapped_on: list[int] = []
+    real = mapped._unmap
+
+    def unmap(*args) -> None:
+        unmapped_on.append(threading.get_ident())
+        real(*args)
+
+    monkeypatch.setattr(mapped, "_unmap", unmap)
+    state = _state(500)
+    engine = tc.Engine(make_config(part_size="64KiB"))
+    async with engine:
+        for step in (1, 2, 3):
+            await (await engine.save(step, state)).wait()
+        assert engine.pool.retained, "no staging buffer holds a memory tier checkpoint"
+    assert unmapped_on, "close unmapped none of the retained staging buffers"
+    assert threading.get_ident() not in unmapped_on
+
+
+def test_overwritten_keys_are_kept_per_part_and_read_as_a_set_only_when_asked():
+    """A load's bookkeeping of the entries reached, on the loop after each part: no walk over the part's keys."""
+    iterated: list[int] = []
+
+    class Keys(tuple):
+        def __iter__(self):
+            iterated.append(threading.get_ident())
+            return super().__iter__()
+
+    log = ReadLog()
+    log.overwritten.update(Keys(("a", "b")))
+    log.overwritten.update(Keys(("c",)))
+    log.overwritten.update(())
+    assert log.overwritten and not iterated
+    assert set(log.overwritten) == {"a", "b", "c"} and "b" in log.overwritten and len(log.overwritten) == 3
+    assert not ReadLog().overwritten
+
+
+def test_release_empties_large_containers_a_batch_at_a_time():
+    """What `release_all` is given is emptied whole (lists, dicts, sets, and objects through their release())."""
+    sinks = Sinks()
+    for _ in range(3 * BATCH + 5):
+        sinks.append(memoryview(bytearray(1)))
+    listed, mapped_, kept = list(range(3 * BATCH + 7)), {i: str(i) for i in range(BATCH + 1)}, set(range(BATCH * 2))
+    things = [sinks, listed, mapped_, kept]
+    release_all(things)
+    assert (len(sinks), sinks.nbytes, listed, mapped_, kept, things) == (0, 0, [], {}, set(), [])
+    other = "left as it is"
+    empty(other)

@@ -1,0 +1,124 @@
+"""A save's retention pass costs the same whatever the history a job keeps: after its first pass, retention asks
+the index for the few checkpoints it judges (its keep_last window, the saves finishing, the best ones kept),
+never for the whole history. Counted in checkpoint records read, on both indexes."""
+import pytest
+
+import tiered_ckpt as tc
+from tiered_ckpt.storage.index import file as file_index
+from tiered_ckpt.storage.index import redis as redis_index
+
+from .common import state_of
+
+HISTORY = 1000  # checkpoints the job keeps (keep_every on the disk tier) before the saves counted
+
+
+@pytest.fixture
+def records_read(monkeypatch):
+    """How many checkpoint records the indexes have decoded (a file index's `begun` record, a Redis summary)."""
+    count = [0]
+    real_file, real_redis = file_index._read_begun, redis_index._from_summary
+
+    def file_record(path):
+        count[0] += 1
+        return real_file(path)
+
+    def redis_summary(step, raw):
+        count[0] += 1
+        return real_redis(step, raw)
+
+    monkeypatch.setattr(file_index, "_read_begun", file_record)
+    monkeypatch.setattr(redis_index, "_from_summary", redis_summary)
+    return count
+
+
+async def fill(engine: tc.Engine, steps: range) -> None:
+    """Complete checkpoints on the disk tier, recorded through the index's own calls (their data is not
+    written: retention judges by the index, and keep_every keeps each of them)."""
+    index, job = engine.store.index, engine.store.job
+    for step in steps:
+        await index.begin(job, step, ["disk"], {"nbytes": 1, "metadata": {"loss": 1.0}})
+        assert await index.mark_durable(job, step, "disk", 0, 1, "filled")
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+async def test_a_save_reads_the_same_records_at_a_thousand_checkpoints_as_at_none(make_config, shm_dir, kind,
+                                                                                  records_read, redis_server):
+    """Failed on the old code: every pass listed the whole index (over a thousand records per save here)."""
+    url = f"file://{shm_dir}/index" if kind == "file" else redis_server().url
+    config = make_config(index=url, tiers=[{"keep_last": 2}, {"keep_last": 2, "keep_every": 10}])
+    async with tc.Engine(config) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()  # fences the index: the fill writes in its epoch
+        await fill(engine, range(10, 10 * (HISTORY + 1), 10))
+        step = 10 * (HISTORY + 1)
+        for n in range(4):  # the first pass of each tier after the fill may list everything (it is its first)
+            records_read[0] = 0
+            await (await engine.save(step + n, state_of(float(n)))).wait()
+        assert records_read[0] < 40, records_read[0]  # a window of keep_last and the save, per tier
+        listing = await engine.statuses()
+        assert len([s for s in listing if "disk" in s.complete]) == HISTORY + 3  # keep_every: the fill and step, + 2
+        assert [s.step for s in listing if "host" in s.complete] == [step + 2, step + 3]
+
+
+async def test_a_best_checkpoint_below_the_window_is_judged_again_when_a_better_one_comes(make_config, shm_dir):
+    """keep_best = 1 keeps the best one however old: when a better one is saved, the old best (below the keep_last
+    window, so outside what a pass lists) is removed, as a pass over the whole index would."""
+    config = make_config(index=f"file://{shm_dir}/index",
+                         tiers=[{"keep_last": 1}, {"keep_last": 1, "keep_best": 1, "best_metric": "loss"}])
+    async with tc.Engine(config) as engine:
+        for step, loss in ((1, 0.5), (2, 0.9), (3, 0.8), (4, 0.7), (5, 0.2), (6, 0.6)):
+            await (await engine.save(step, state_of(float(step)), metadata={"loss": loss})).wait()
+        assert [s.step for s in await engine.statuses() if "disk" in s.complete] == [5, 6]
+
+
+async def test_checkpoints_another_process_removed_from_the_window_make_the_pass_look_again(make_config, shm_dir):
+    """A step of the keep_last window deleted by another process (the CLI) is missed by the window: the pass
+    lists everything again and still keeps the tier at keep_last."""
+    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 2}, {"keep_last": 2}])
+    async with tc.Engine(config) as engine:
+        for step in (1, 2, 3):
+            await (await engine.save(step, state_of(float(step)))).wait()
+        await engine.delete(3)
+        for step in (4, 5):
+            await (await engine.save(step, state_of(float(step)))).wait()
+        assert [s.step for s in await engine.statuses()] == [4, 5]
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+async def test_a_loads_pick_reads_the_newest_records_and_the_newest_folders_only(make_config, shm_dir, kind,
+                                                                                records_read, redis_server,
+                                                                                monkeypatch):
+    """Failed on the old code: the pick listed every record of the index (and every key of every tier)."""
+    from tiered_ckpt.layout import PartKey
+    from tiered_ckpt.lifecycle import lineage
+
+    url = f"file://{shm_dir}/index" if kind == "file" else redis_server().url
+    config = make_config(index=url, tiers=[{"keep_last": 2}, {"keep_last": 2, "keep_every": 10}])
+    async with tc.Engine(config) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        await fill(engine, range(10, 10 * (HISTORY + 1), 10))
+        disk = engine.store.io.driver("disk")
+        for step in range(10, 3000, 10):  # keys of older steps on the tier (a history it keeps)
+            await disk.write(PartKey("test", step, 0, 0, "ix-old/s").path, memoryview(b"x"))
+        step = 10 * (HISTORY + 1) + 1
+        await (await engine.save(step, state_of(7.0))).wait()
+        parsed = []
+        real = getattr(lineage, "copies_of", None)
+        monkeypatch.setattr(lineage, "copies_of", lambda keys, *a: real(parsed.extend(keys) or keys, *a), raising=False)
+        records_read[0] = 0
+        info = await engine.load(out := state_of(0.0))
+        assert info.step == step and float(out["w"][0]) == 7.0
+        assert records_read[0] < 20, records_read[0]
+        assert all(k.split("/")[1] >= "step-000000009930" for k in parsed), sorted(parsed)[:3]
+
+
+async def test_a_load_from_a_tier_that_takes_every_tenth_save_widens_its_window(make_config, shm_dir):
+    """The newest checkpoint complete on the tier asked for is older than the 8 newest the index lists: the pick
+    looks further back (64, then 512 records) and still finds it."""
+    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 20}, {"keep_last": 5, "every": 10}])
+    async with tc.Engine(config) as engine:
+        for step in range(1, 20):
+            await (await engine.save(step, state_of(float(step)))).wait()
+        info = await engine.load(out := state_of(0.0), tiers=["disk"])
+        assert info.step == 10 and float(out["w"][0]) == 10.0
+        info = await engine.load(out := state_of(0.0))
+        assert info.step == 19 and float(out["w"][0]) == 19.0
