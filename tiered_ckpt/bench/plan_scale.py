@@ -27,7 +27,8 @@ import numpy as np
 
 from ..save.describe import DIGEST, describe, pack_ints
 from ..save.plan import Box, _warn_if_replicas_differ
-from ..save.world_plan import plan_world
+from ..manifest import Manifest, RankMeta
+from ..save.world_plan import WorldPlan, plan_world
 
 COLS = 1024
 DTYPE = "torch.float32"
@@ -86,9 +87,10 @@ def _cpu(fn: Callable[[], Any]) -> tuple[Any, float]:
             gc.enable()
 
 
-def measure(layout: str, tensors: int, world: int) -> dict[str, Any]:
+def measure(layout: str, tensors: int, world: int, *, manifest: bool = False) -> dict[str, Any]:
     """One point: CPU seconds of rank 1 ("rank_cpu") and of rank 0 ("coordinator_cpu"), bytes gathered to rank 0
-    and received by rank 1, max/mean bytes per rank, chunks in the world's table."""
+    and received by rank 1, max/mean bytes per rank, chunks in the world's table; with `manifest`, also rank 0's
+    CPU to encode the checkpoint's manifest from that table and its size ("manifest_cpu", "manifest_bytes")."""
     described0, _ = _cpu(lambda: describe(rank_boxes(layout, tensors, 0, world), 0))
     first = described0.digest
     gathered = [pickle.dumps(described0.payload_for(None), protocol=pickle.HIGHEST_PROTOCOL)]
@@ -116,7 +118,8 @@ def measure(layout: str, tensors: int, world: int) -> dict[str, Any]:
     reply = sent[1] if world > 1 else sent[0]
     local, receive_cpu = _cpu(lambda: described1.local(pickle.loads(reply)[4]) if world > 1 else None)
     loads = plan.rank_nbytes
-    out = {"layout": layout, "tensors": tensors, "ranks": world,
+    encoded = _manifest(plan) if manifest else {}
+    out = {**encoded, "layout": layout, "tensors": tensors, "ranks": world,
            "rank_cpu": (encode_cpu + receive_cpu) if world > 1 else coordinator_cpu,
            "coordinator_cpu": coordinator_cpu,
            "gathered_bytes": sum(len(b) for b in gathered[1:]),  # (rank 0 keeps its own: see Planner._exchange)
@@ -126,6 +129,15 @@ def measure(layout: str, tensors: int, world: int) -> dict[str, Any]:
     del plan, sent, local
     gc.collect()
     return out
+
+
+def _manifest(plan: WorldPlan) -> dict[str, Any]:
+    """Rank 0's encoding of the manifest of a save with this plan (records.py does the same, in a thread)."""
+    m = Manifest(job="bench", step=1, world_size=len(plan.rank_nbytes), part_size=64 << 20, checksum="crc32c",
+                 tensors=plan.tensors, ranks=tuple(RankMeta(r, n) for r, n in enumerate(plan.rank_nbytes)),
+                 skeleton=b"", created=0.0)
+    data, cpu = _cpu(m.to_bytes)
+    return {"manifest_bytes": len(data), "manifest_cpu": cpu}
 
 
 def _encode(boxes: list[Box], rank: int, first: tuple[bytes, bytes]) -> tuple[Any, bytes]:

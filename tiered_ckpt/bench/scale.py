@@ -49,7 +49,7 @@ def slope(xs: list[int], ys: list[float]) -> float | None:
 
 def plan_phase(layout: str, tensors: int, ranks: int) -> dict[str, Any]:
     """A plan miss at `ranks` ranks, through the project's planner (plan_scale.measure)."""
-    m = plan_scale.measure(layout, tensors, ranks)
+    m = plan_scale.measure(layout, tensors, ranks, manifest=True)
     # (an older plan_scale reports one figure: every rank planned the world, so a rank paid the coordinator's cost)
     rank_cpu = m.get("rank_cpu", m.get("cpu_s"))
     return {"phase": f"plan {layout}", "ranks": ranks, "rank_cpu": rank_cpu,
