@@ -145,6 +145,15 @@ def test_boxes_claimed_alone_by_two_ranks_are_still_written_once():
     assert written(plan) == old_written(everyone)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("alone", [False, True])
+def test_boxes_that_overlap_without_being_equal_are_each_written_as_before(alone):
+    # rank 0 holds rows 0-2 of w, rank 1 rows 1-3: the planner looped for ever on them (nothing to take back)
+    everyone = [[box("w", (4,), (0,), (3,), alone)], [box("w", (4,), (1,), (3,), alone)]]
+    plan = build_plan(("k",), everyone, 0, 1 << 20)
+    assert written(plan) == old_written(everyone)
+
+
 def test_replicated_state_stays_level_and_in_few_pieces_at_a_large_world():
     world = 512
     everyone = [[box(f"t{i}", (4096 + 512 * (i % 7), 64)) for i in range(40)]] * world

@@ -142,9 +142,10 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
         for mask in (sole, held):
             covered += np.bincount(tid[mask], weights=elems[mask], minlength=count)
         over = np.flatnonzero(covered > numel)
-        if not len(over):
-            break
-        sole &= ~np.isin(tid, over)
+        claimed = sole & np.isin(tid, over)
+        if not claimed.any():  # no "alone" claim to take back: boxes that overlap without being equal (rank 0
+            break  # holds rows 0-2, rank 1 rows 1-3) are each written, as they were before the coordinator planned
+        sole &= ~claimed
 
     rank_of_group = np.asarray([rs[0] for rs in groups], dtype=np.int64)
     own_rows = [o for o in own if math.prod(o[4]) > 0 or numel[o[2]] == 0]
