@@ -166,3 +166,16 @@ def test_resharded_columns_copy_only_the_overlap_through_scratch(monkeypatch):
     assert torch.equal(target, full[:, :1])
 
 
+
+
+def test_rank_0_answers_every_rank_even_when_its_replica_check_fails(monkeypatch):
+    """Whatever stops rank 0's planning becomes an answer in the scatter (else every other rank waits there until
+    the group's timeout): here the fingerprint comparison itself raises."""
+    import tiered_ckpt.save.plan as plan_module
+
+    def broken(_):
+        raise ValueError("unreadable fingerprints")
+    monkeypatch.setattr(plan_module, "_warn_if_replicas_differ", broken)
+    shares, world, error = plan_module._plan_world([(None, None, None, None, {})] * 3)
+    assert world is None and isinstance(error, ValueError)
+    assert shares == [("error", "ValueError", "unreadable fingerprints")] * 3

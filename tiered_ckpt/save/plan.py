@@ -208,13 +208,13 @@ def _plan_world(gathered: list[Any] | None) -> tuple[list[tuple], WorldPlan | No
     for r, payload in enumerate(gathered):
         if isinstance(payload, _Failed):
             return [("failed", r, payload.reason)] * world_size, None, None
-    _warn_if_replicas_differ([p[4] for p in gathered])
-    try:
+    try:  # every rank must leave the scatter with an answer, whatever goes wrong here
+        _warn_if_replicas_differ([p[4] for p in gathered])
         world = plan_world(gathered)
-    except Exception as e:  # every rank must leave the scatter with an answer
+        total, largest = sum(world.rank_nbytes), max(world.rank_nbytes, default=0)
+        return [("plan", n, total, largest, share) for n, share in zip(world.rank_nbytes, world.shares)], world, None
+    except Exception as e:
         return [("error", type(e).__name__, str(e))] * world_size, None, e
-    total, largest = sum(world.rank_nbytes), max(world.rank_nbytes, default=0)
-    return [("plan", n, total, largest, share) for n, share in zip(world.rank_nbytes, world.shares)], world, None
 
 
 def _alone(t: torch.Tensor) -> bool:
