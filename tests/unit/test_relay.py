@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tiered_ckpt.load import relay
 from tiered_ckpt.load.relay import SMALL_ENTRY, SMALL_TOTAL, Tree, _extract, merged, small_entries
 
 
@@ -75,3 +76,92 @@ def test_extract_picks_the_wanted_spans_out_of_the_union():
     blob = torch.arange(20, dtype=torch.uint8)
     # the entry at 2 holds the part's spans (0, 6) and (100, 8): bytes 2..7 and 8..15 of the blob
     assert _extract(blob, 2, ((0, 6), (100, 8)), ((2, 4), (104, 2))).tolist() == [4, 5, 6, 7, 12, 13]
+
+
+class _Wire:
+    """Point-to-point messages between ranks running in threads of this process: what the relay posts on the
+    engine's gloo group, matched by (source, destination, tag) as gloo matches them."""
+
+    def __init__(self):
+        import queue
+        import threading
+        self.lock, self.boxes, self.queue = threading.Lock(), {}, queue
+
+    def box(self, key):
+        with self.lock:
+            return self.boxes.setdefault(key, self.queue.Queue())
+
+
+class _Work:
+    def __init__(self, wait):
+        self.wait = wait
+
+
+class _Ranks:
+    """The Coordinator's point-to-point surface for one rank (post_send, post_recv) over a _Wire."""
+
+    def __init__(self, wire, rank, world):
+        self.wire, self.rank, self.world_size, self.collectives = wire, rank, world, 0
+
+    def post_send(self, tensor, dst, tag):
+        self.wire.box((self.rank, dst, tag)).put(tensor.clone())
+        return _Work(lambda: None)
+
+    def post_recv(self, tensor, src, tag):
+        def wait():
+            tensor.copy_(self.wire.box((src, self.rank, tag)).get(timeout=20))
+        return _Work(wait)
+
+
+def test_a_reader_whose_own_copy_fails_still_relays_the_entry_to_the_ranks_that_want_it():
+    """Rank 0 reads a small part both ranks want; writing it into rank 0's own tensors fails. Rank 0 reports that
+    error, and rank 1 still gets the part (before: rank 0 raised before sending, and rank 1 waited for its
+    message until the group's timeout)."""
+    import asyncio
+    import threading
+
+    import torch
+
+    from tiered_ckpt.storage.verified_read import ReadLog
+
+    key, data = (0, 0), torch.arange(16, dtype=torch.uint8)
+    plan, lengths = [(key, (0, 1), 0)], {key: 16}
+    chosen = relay.small_entries(plan, lengths, [{}, {}])
+    wire, outcome, target = _Wire(), {}, torch.zeros(16, dtype=torch.uint8)
+
+    class Part:
+        def __init__(self, views):
+            self.views, self.targets, self.spans = views, ("w",), None
+
+    class IO:
+        def __init__(self, broken):
+            self.broken = broken
+
+        async def run_blocking(self, fn, *args):
+            if self.broken:
+                raise OSError("rank 0's own tensors could not be written")
+            return fn(*args)
+
+    def rank(r):
+        async def run():
+            loop = asyncio.get_running_loop()
+            prefetch, buffers = {}, {}
+            if r == 0:
+                prefetch[key] = loop.create_future()
+                prefetch[key].set_result("memory")
+                buffers[key] = data.clone()
+            parts = {key: Part([memoryview(target.numpy())] if r == 1 else [memoryview(bytearray(16))])}
+            return await relay.relay_small(_Ranks(wire, r, 2), plan, chosen, prefetch, buffers, parts, lengths,
+                                           IO(broken=r == 0), ReadLog(), tag=7)
+        try:
+            outcome[r] = asyncio.run(run())
+        except BaseException as e:  # (a receive that never came: queue.Empty after 20 s)
+            outcome[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [type(e).__name__ for e in outcome[0]] == ["OSError"]
+    assert outcome[1] == [] and torch.equal(target, data)

@@ -134,13 +134,19 @@ async def relay_small(coordinator: Coordinator, plan: Sequence[Entry], chosen: d
         return blob[tree.start[r]:tree.start[r] + tree.size[r]]
 
     ups = [coordinator.post_recv(section(c), c, tag) for c in children if tree.size[c]]
+    cancelled = False  # once the load gives up (it cancels this task), the entries left go up as failed reads:
+    # the receives are posted, and the parent and its subtree wait for this rank's message, so it is still sent
     for i in sorted(chosen):
         key, _, reader = plan[i]
         if reader != me:
             continue
-        await asyncio.wait([prefetch[key]])  # its outcome, whatever it is: the entry goes up either way
+        if not cancelled:
+            try:
+                await asyncio.wait([prefetch[key]])  # its outcome, whatever it is: the entry goes up either way
+            except asyncio.CancelledError:
+                cancelled = True
         read, buffer = prefetch[key], buffers.pop(key, None)
-        if read.cancelled():
+        if not read.done() or read.cancelled():
             errors.append(IntegrityError(f"part {key}: its read was cancelled"))
         elif read.exception() is not None:
             errors.append(read.exception())  # type: ignore[arg-type]
@@ -150,9 +156,14 @@ async def relay_small(coordinator: Coordinator, plan: Sequence[Entry], chosen: d
                 blob[at:at + n] = buffer[start:start + n]
                 at += n
             blob[tree.offsets[i]] = 1
-            if key in parts:  # the reader's own share
-                await io.run_blocking(fill, parts[key].views, [tensor_bytes(buffer)])
-                log.overwritten.update(parts[key].targets)
+            if key in parts and not cancelled:  # the reader's own share
+                try:
+                    await io.run_blocking(fill, parts[key].views, [tensor_bytes(buffer)])
+                    log.overwritten.update(parts[key].targets)
+                except asyncio.CancelledError:
+                    cancelled = True
+                except Exception as e:  # its own targets only: the others still get the entry
+                    errors.append(e)
 
     def relay() -> None:
         """Up, then down; every posted work waited for."""
@@ -178,7 +189,10 @@ async def relay_small(coordinator: Coordinator, plan: Sequence[Entry], chosen: d
 
     coordinator.collectives += (len(ups) + (parent is not None and tree.size[me] > 0)
                                 + (parent is not None and tree.wants[me]) + sum(tree.wants[c] for c in children))
-    await asyncio.to_thread(relay)
+    relaying = asyncio.ensure_future(asyncio.to_thread(relay))
+    if cancelled:  # the messages go out in the thread whatever happens to this task
+        raise asyncio.CancelledError
+    await relaying
     for i in sorted(chosen):
         key, members, reader = plan[i]
         if reader == me or me not in members:
