@@ -16,6 +16,7 @@ async def test_own_saves_do_not_list_the_job_folder_again_and_another_processs_c
         return real(base)
 
     monkeypatch.setattr(file_index, "_step_names", counted)
+    monkeypatch.setattr(file_index, "_racy", lambda mtime_ns: -1)  # (listings here are a tick from the changes)
     index = FileIndex(tmp_path / "index")
     await index.open()
     await index.fence("j")
@@ -36,3 +37,20 @@ async def test_own_saves_do_not_list_the_job_folder_again_and_another_processs_c
     assert listed[0] == 1
     os.rename(tmp_path / "index" / "j" / "step-000000000009", tmp_path / "index" / "j" / "step-000000000010")
     assert [s.step for s in await index.list_range("j", 10)] == [10]
+
+
+async def test_a_listing_made_in_the_tick_of_a_change_is_not_trusted(tmp_path):
+    """On a file system whose times are coarse, another process's change in the same tick as this process's
+    listing leaves the folder's time as it was: such a listing is read again at the next look, and a step asked
+    for by name is read from its folder whatever the names say."""
+    index, other = FileIndex(tmp_path / "index"), FileIndex(tmp_path / "index")
+    await index.open()
+    await index.fence("j")
+    await index.begin("j", 1, ["disk"])
+    job = tmp_path / "index" / "j"
+    assert [s.step for s in await index.list("j")] == [1]
+    was = os.stat(job).st_mtime_ns
+    await other.begin("j", 2, ["disk"])
+    os.utime(job, ns=(was, was))  # the same tick: the folder's time did not move
+    assert [s.step for s in await index.list_range("j", 0, also=[2])] == [1, 2]
+    assert [s.step for s in await index.list("j")] == [1, 2]

@@ -246,11 +246,8 @@ class FileIndex:
             lo = bisect.bisect_left(names, step_dir(max(first, 0)))
             window = names[lo:] if newest is None else names[max(lo, len(names) - max(newest, 0)):]
             chosen = set(window)
-            for step in also:
-                name = step_dir(step)
-                at = bisect.bisect_left(names, name)
-                if at < len(names) and names[at] == name:
-                    chosen.add(name)
+            chosen.update(step_dir(step) for step in also)  # read from their folders, whatever the cached names
+            # say (a folder another process made within the file system's time granularity may be missing there)
             base = self.root / job
             return [status for n in sorted(chosen) if (status := self._status_sync(base / n)) is not None]
         return await self._io(read)
@@ -541,12 +538,14 @@ class StepNames:
     writer's saves never list the folder again: a save's bookkeeping costs the same at ten thousand checkpoints
     as at a hundred. A change by another process (another rank making the same step's folder, gc or delete from
     the CLI) changes the time, and the folder is listed again at the next look. (A file system that keeps
-    modification times to the second may hide another process's change made within the second of a listing
-    until the folder changes again; this index's own changes are always seen.)"""
+    modification times coarsely (to the second; a kernel's clock tick) could hide another process's change made
+    within the same tick as the listing: a listing made within `RACY` of the folder's modification time is not
+    trusted and the folder is listed again at the next look, as git does with its index. Steps asked for by name
+    are read from their folders, never from these names.)"""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._cache: dict[Path, tuple[tuple[int, int], list[str]]] = {}
+        self._cache: dict[Path, tuple[tuple[int, int], list[str], bool]] = {}  # stamp, names, trusted
 
     def get(self, base: Path) -> list[str]:
         stamp = _stamp(base)
@@ -554,11 +553,12 @@ class StepNames:
             hit = self._cache.get(base)
         if stamp is None:
             return []
-        if hit is not None and hit[0] == stamp:
+        if hit is not None and hit[0] == stamp and hit[2]:
             return hit[1]
+        listed_at = time.time_ns()
         names = _step_names(base)  # (a change between the stat and the listing: listed again at the next look)
         with self._lock:
-            self._cache[base] = (stamp, names)
+            self._cache[base] = (stamp, names, listed_at - stamp[0] > _racy(stamp[0]))
         return names
 
     @contextmanager
@@ -579,7 +579,14 @@ class StepNames:
                         names = [*names[:at], name, *names[at:]]
                     elif not added and present:
                         names = [*names[:at], *names[at + 1:]]
-                    self._cache[base] = (after, names)
+                    self._cache[base] = (after, names, hit[2])  # (this process's own change: known exactly)
+
+
+def _racy(mtime_ns: int) -> int:
+    """How close to a folder's modification time a listing may be and still miss a change made in the same tick:
+    2 s where the time has no sub-second part (a file system that keeps seconds), else 50 ms (a kernel's coarse
+    clock ticks every few milliseconds)."""
+    return 2_000_000_000 if mtime_ns % 1_000_000_000 == 0 else 50_000_000
 
 
 def _stamp(base: Path) -> tuple[int, int] | None:
