@@ -539,13 +539,16 @@ class StepNames:
     as at a hundred. A change by another process (another rank making the same step's folder, gc or delete from
     the CLI) changes the time, and the folder is listed again at the next look. (A file system that keeps
     modification times coarsely (to the second; a kernel's clock tick) could hide another process's change made
-    within the same tick as the listing: a listing made within `RACY` of the folder's modification time is not
-    trusted and the folder is listed again at the next look, as git does with its index. Steps asked for by name
-    are read from their folders, never from these names.)"""
+    within the same tick as the listing. Where a folder's link count counts its subfolders (ext4, xfs, tmpfs,
+    Lustre, NFS), a step folder made or removed changes it, so the stamp holds it too. Elsewhere (btrfs keeps
+    one link) a listing made within the time granularity of the folder's last change (`_racy`) is not trusted,
+    and the folder is listed again at the next look, as git does with its index. A folder renamed within the
+    tick of a listing can still go unseen until the folder changes again. Steps asked for by name are read from
+    their folders, never from these names.)"""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._cache: dict[Path, tuple[tuple[int, int], list[str], bool]] = {}  # stamp, names, trusted
+        self._cache: dict[Path, tuple[tuple[int, int, int], list[str], bool]] = {}  # stamp, names, trusted
 
     def get(self, base: Path) -> list[str]:
         stamp = _stamp(base)
@@ -558,7 +561,7 @@ class StepNames:
         listed_at = time.time_ns()
         names = _step_names(base)  # (a change between the stat and the listing: listed again at the next look)
         with self._lock:
-            self._cache[base] = (stamp, names, listed_at - stamp[0] > _racy(stamp[0]))
+            self._cache[base] = (stamp, names, stamp[2] > 1 or listed_at - stamp[0] > _racy(stamp[0]))
         return names
 
     @contextmanager
@@ -589,12 +592,12 @@ def _racy(mtime_ns: int) -> int:
     return 2_000_000_000 if mtime_ns % 1_000_000_000 == 0 else 50_000_000
 
 
-def _stamp(base: Path) -> tuple[int, int] | None:
+def _stamp(base: Path) -> tuple[int, int, int] | None:
     try:
         st = os.stat(base)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return st.st_mtime_ns, st.st_ino
+    return st.st_mtime_ns, st.st_ino, st.st_nlink
 
 
 def _step_names(base: Path) -> list[str]:
