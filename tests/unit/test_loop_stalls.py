@@ -8,13 +8,15 @@ import sys
 import threading
 import weakref
 
+import pytest
 import torch
 
 import tiered_ckpt as tc
 from tiered_ckpt.buffers import Sinks
+from tiered_ckpt.manifest.table import TensorTable
 from tiered_ckpt.release import BATCH, empty, release_all
 from tiered_ckpt.save import mapped
-from tiered_ckpt.storage.verified_read import ReadLog
+from tiered_ckpt.storage.verified_read import Overwritten, ReadLog
 
 COUNT = 3000  # tensors: well above any per-part or per-save count of calls, well below a slow test
 
@@ -76,6 +78,52 @@ async def test_a_load_frees_what_it_made_per_part_off_the_loop(make_config, monk
         gc.collect()
         assert freed_on, "no Sinks was made or freed by the load"
         assert threading.get_ident() not in freed_on
+
+
+@pytest.mark.parametrize("heal", [True, False])
+async def test_a_load_empties_its_manifests_paths_off_the_loop(make_config, monkeypatch, heal):
+    """The manifest a load read holds one path per tensor: its last user (the heal, or else the load) empties them
+    in a worker thread, so the table freed on the loop (when that coroutine ends) holds none."""
+    freed: list[tuple[int, int]] = []  # (thread, paths the table still held)
+    made = TensorTable.__init__
+
+    def tracked(self, paths, *args) -> None:
+        made(self, paths, *args)
+        weakref.finalize(self, lambda: freed.append((threading.get_ident(), len(paths))))
+
+    monkeypatch.setattr(TensorTable, "__init__", tracked)
+    state = _state()
+    async with tc.Engine(make_config(part_size="64KiB", heal=heal)) as engine:
+        await (await engine.save(1, state)).wait()
+        freed.clear()
+        info = await engine.load({k: torch.zeros(16) for k in state})
+        if info.heal is not None:
+            await info.heal
+        del info
+        gc.collect()
+        assert freed, "no manifest table the load read was freed"
+        assert [n for thread, n in freed if thread == threading.get_ident()] in ([], [0] * len(freed))
+        assert any(n == 0 for _, n in freed), "the load's manifest was freed holding its paths"
+
+
+async def test_a_successful_load_forgets_the_overwritten_keys_off_the_loop(make_config, monkeypatch):
+    """The keys the reads reached (the load's own path strings, one per tensor) are only for a failed load's
+    message: once every rank succeeded they are dropped in a worker thread, not left in the returned LoadInfo
+    for its caller to free on the loop."""
+    released_on: list[int] = []
+    real = Overwritten.release
+
+    def release(self) -> None:
+        released_on.append(threading.get_ident())
+        real(self)
+
+    monkeypatch.setattr(Overwritten, "release", release)
+    state = _state()
+    async with tc.Engine(make_config(part_size="64KiB")) as engine:
+        await (await engine.save(1, state)).wait()
+        info = await engine.load({k: torch.zeros(16) for k in state})
+    assert not info.reads.overwritten
+    assert released_on and threading.get_ident() not in released_on
 
 
 async def test_close_unmaps_the_memory_tiers_staging_buffers_off_the_loop(make_config, monkeypatch):
