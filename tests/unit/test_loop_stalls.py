@@ -4,6 +4,7 @@ are unmapped off the loop at close. Counted by thread identity, not timed (the s
 `python -m tiered_ckpt.bench.stalls`: docs/benchmarks.md, *Event-loop stalls against the tensor count*)."""
 import collections
 import gc
+import pickle
 import sys
 import threading
 import weakref
@@ -12,10 +13,13 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
+from tiered_ckpt import pieces
 from tiered_ckpt.buffers import Sinks
 from tiered_ckpt.manifest.table import TensorTable
 from tiered_ckpt.release import BATCH, empty, release_all
 from tiered_ckpt.save import mapped
+from tiered_ckpt.save.describe import describe
+from tiered_ckpt.save.world_plan import plan_world
 from tiered_ckpt.storage.verified_read import Overwritten, ReadLog
 
 COUNT = 3000  # tensors: well above any per-part or per-save count of calls, well below a slow test
@@ -176,3 +180,32 @@ def test_release_empties_large_containers_a_batch_at_a_time():
     assert (len(sinks), sinks.nbytes, listed, mapped_, kept, things) == (0, 0, [], {}, set(), [])
     other = "left as it is"
     empty(other)
+
+
+def test_the_plans_structure_is_pickled_and_unpickled_a_piece_at_a_time(monkeypatch):
+    """A worker thread holds the GIL through one C call: describe() pickles the paths, and the world plan
+    unpickles them, in calls of at most PIECE entries (1M paths in one `pickle.dumps`: ~0.3 s the loop waits)."""
+    monkeypatch.setattr(pieces, "PIECE", 100)
+    longest: list[int] = []
+    real_dumps, real_loads = pickle.dumps, pickle.loads
+
+    def entries(value) -> None:  # what one call pickled or unpickled: the longest list in it
+        if isinstance(value, (list, tuple)):
+            longest.append(max([len(value), *(len(v) for v in value if isinstance(v, (list, tuple)))]))
+
+    def dumps(value, *args, **kwargs):
+        entries(value)
+        return real_dumps(value, *args, **kwargs)
+
+    def loads(data, *args, **kwargs):
+        value = real_loads(data, *args, **kwargs)
+        entries(value)
+        return value
+
+    monkeypatch.setattr(pickle, "dumps", dumps)
+    monkeypatch.setattr(pickle, "loads", loads)
+    descriptors = [(f"layer{i}.scale", "torch.float32", 4, (16,), (0,), (16,)) for i in range(COUNT)]
+    described = describe(descriptors, 0)
+    plan = plan_world([described.payload_for(None)])
+    assert len(plan.tensors) == COUNT and list(plan.tensors.paths[:2]) == ["layer0.scale", "layer1.scale"]
+    assert longest and max(longest) <= 100
