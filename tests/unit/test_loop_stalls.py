@@ -19,6 +19,7 @@ from tiered_ckpt.manifest.table import TensorTable
 from tiered_ckpt.release import BATCH, empty, release_all
 from tiered_ckpt.save import mapped
 from tiered_ckpt.save.describe import describe
+from tiered_ckpt.save.plan import structure_key
 from tiered_ckpt.save.world_plan import plan_world
 from tiered_ckpt.storage.verified_read import Overwritten, ReadLog
 
@@ -209,3 +210,26 @@ def test_the_plans_structure_is_pickled_and_unpickled_a_piece_at_a_time(monkeypa
     plan = plan_world([described.payload_for(None)])
     assert len(plan.tensors) == COUNT and list(plan.tensors.paths[:2]) == ["layer0.scale", "layer1.scale"]
     assert longest and max(longest) <= 100
+
+
+def test_the_plan_key_is_hashed_and_compared_a_piece_at_a_time(monkeypatch):
+    """The plan cache's key holds no tuple of more than PIECE entries (a tuple of 1M paths is hashed and compared
+    in one C call each, in the lookup's thread but holding the GIL), and still tells states apart."""
+    monkeypatch.setattr(pieces, "PIECE", 1000)
+    state = _state()
+
+    def key(paths=None, tensors=None):
+        return structure_key(paths or [f"{p}" for p in state], tensors or list(state.values()), 1, 1 << 20)
+
+    def longest(value) -> int:  # the longest tuple in the key (its own attributes, and the tuples in them)
+        inside = gc.get_referents(value) if not isinstance(value, tuple) else value
+        own = len(value) if isinstance(value, tuple) else 0
+        return max([own, *(longest(v) for v in inside if isinstance(v, tuple))])
+
+    first = key()
+    assert 0 < longest(first) <= 1000
+    assert first == key() and hash(first) == hash(key())
+    renamed = [*state][:1500] + ["other"] + [*state][1501:]
+    assert first != key(paths=renamed)
+    assert first != key(tensors=[*state.values()][:2000] + [torch.zeros(16, dtype=torch.float64)]
+                        + [*state.values()][2001:])
