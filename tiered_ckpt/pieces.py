@@ -36,10 +36,3 @@ def int_array(values: Sequence[int]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
     return np.concatenate([np.asarray(values[i:i + PIECE], dtype=np.int64) for i in range(0, len(values), PIECE)])
 
-
-def to_list(array: np.ndarray) -> list[Any]:
-    """array.tolist() of a 1-d array, a piece at a time."""
-    out: list[Any] = []
-    for i in range(0, len(array), PIECE):
-        out.extend(array[i:i + PIECE].tolist())
-    return out
