@@ -4,17 +4,24 @@ are unmapped off the loop at close. Counted by thread identity, not timed (the s
 `python -m tiered_ckpt.bench.stalls`: docs/benchmarks.md, *Event-loop stalls against the tensor count*)."""
 import collections
 import gc
+import pickle
 import sys
 import threading
 import weakref
 
+import pytest
 import torch
 
 import tiered_ckpt as tc
+from tiered_ckpt import pieces
 from tiered_ckpt.buffers import Sinks
+from tiered_ckpt.manifest.table import TensorTable
 from tiered_ckpt.release import BATCH, empty, release_all
 from tiered_ckpt.save import mapped
-from tiered_ckpt.storage.verified_read import ReadLog
+from tiered_ckpt.save.describe import describe
+from tiered_ckpt.save.plan import structure_key
+from tiered_ckpt.save.world_plan import plan_world
+from tiered_ckpt.storage.verified_read import Overwritten, ReadLog
 
 COUNT = 3000  # tensors: well above any per-part or per-save count of calls, well below a slow test
 
@@ -78,6 +85,52 @@ async def test_a_load_frees_what_it_made_per_part_off_the_loop(make_config, monk
         assert threading.get_ident() not in freed_on
 
 
+@pytest.mark.parametrize("heal", [True, False])
+async def test_a_load_empties_its_manifests_paths_off_the_loop(make_config, monkeypatch, heal):
+    """The manifest a load read holds one path per tensor: its last user (the heal, or else the load) empties them
+    in a worker thread, so the table freed on the loop (when that coroutine ends) holds none."""
+    freed: list[tuple[int, int]] = []  # (thread, paths the table still held)
+    made = TensorTable.__init__
+
+    def tracked(self, paths, *args) -> None:
+        made(self, paths, *args)
+        weakref.finalize(self, lambda: freed.append((threading.get_ident(), len(paths))))
+
+    monkeypatch.setattr(TensorTable, "__init__", tracked)
+    state = _state()
+    async with tc.Engine(make_config(part_size="64KiB", heal=heal)) as engine:
+        await (await engine.save(1, state)).wait()
+        freed.clear()
+        info = await engine.load({k: torch.zeros(16) for k in state})
+        if info.heal is not None:
+            await info.heal
+        del info
+        gc.collect()
+        assert freed, "no manifest table the load read was freed"
+        assert [n for thread, n in freed if thread == threading.get_ident()] in ([], [0] * len(freed))
+        assert any(n == 0 for _, n in freed), "the load's manifest was freed holding its paths"
+
+
+async def test_a_successful_load_forgets_the_overwritten_keys_off_the_loop(make_config, monkeypatch):
+    """The keys the reads reached (the load's own path strings, one per tensor) are only for a failed load's
+    message: once every rank succeeded they are dropped in a worker thread, not left in the returned LoadInfo
+    for its caller to free on the loop."""
+    released_on: list[int] = []
+    real = Overwritten.release
+
+    def release(self) -> None:
+        released_on.append(threading.get_ident())
+        real(self)
+
+    monkeypatch.setattr(Overwritten, "release", release)
+    state = _state()
+    async with tc.Engine(make_config(part_size="64KiB")) as engine:
+        await (await engine.save(1, state)).wait()
+        info = await engine.load({k: torch.zeros(16) for k in state})
+    assert not info.reads.overwritten
+    assert released_on and threading.get_ident() not in released_on
+
+
 async def test_close_unmaps_the_memory_tiers_staging_buffers_off_the_loop(make_config, monkeypatch):
     """The buffers that hold the memory tier's checkpoints (one view per tensor each) are unmapped at close, in
     a worker thread, not where their last reference is dropped (the loop)."""
@@ -128,3 +181,55 @@ def test_release_empties_large_containers_a_batch_at_a_time():
     assert (len(sinks), sinks.nbytes, listed, mapped_, kept, things) == (0, 0, [], {}, set(), [])
     other = "left as it is"
     empty(other)
+
+
+def test_the_plans_structure_is_pickled_and_unpickled_a_piece_at_a_time(monkeypatch):
+    """A worker thread holds the GIL through one C call: describe() pickles the paths, and the world plan
+    unpickles them, in calls of at most PIECE entries (1M paths in one `pickle.dumps`: ~0.3 s the loop waits)."""
+    monkeypatch.setattr(pieces, "PIECE", 100)
+    longest: list[int] = []
+    real_dumps, real_loads = pickle.dumps, pickle.loads
+
+    def entries(value) -> None:  # what one call pickled or unpickled: the longest list in it
+        if isinstance(value, (list, tuple)):
+            longest.append(max([len(value), *(len(v) for v in value if isinstance(v, (list, tuple)))]))
+
+    def dumps(value, *args, **kwargs):
+        entries(value)
+        return real_dumps(value, *args, **kwargs)
+
+    def loads(data, *args, **kwargs):
+        value = real_loads(data, *args, **kwargs)
+        entries(value)
+        return value
+
+    monkeypatch.setattr(pickle, "dumps", dumps)
+    monkeypatch.setattr(pickle, "loads", loads)
+    descriptors = [(f"layer{i}.scale", "torch.float32", 4, (16,), (0,), (16,)) for i in range(COUNT)]
+    described = describe(descriptors, 0)
+    plan = plan_world([described.payload_for(None)])
+    assert len(plan.tensors) == COUNT and list(plan.tensors.paths[:2]) == ["layer0.scale", "layer1.scale"]
+    assert longest and max(longest) <= 100
+
+
+def test_the_plan_key_is_hashed_and_compared_a_piece_at_a_time(monkeypatch):
+    """The plan cache's key holds no tuple of more than PIECE entries (a tuple of 1M paths is hashed and compared
+    in one C call each, in the lookup's thread but holding the GIL), and still tells states apart."""
+    monkeypatch.setattr(pieces, "PIECE", 1000)
+    state = _state()
+
+    def key(paths=None, tensors=None):
+        return structure_key(paths or [f"{p}" for p in state], tensors or list(state.values()), 1, 1 << 20)
+
+    def longest(value) -> int:  # the longest tuple in the key (its own attributes, and the tuples in them)
+        inside = gc.get_referents(value) if not isinstance(value, tuple) else value
+        own = len(value) if isinstance(value, tuple) else 0
+        return max([own, *(longest(v) for v in inside if isinstance(v, tuple))])
+
+    first = key()
+    assert 0 < longest(first) <= 1000
+    assert first == key() and hash(first) == hash(key())
+    renamed = [*state][:1500] + ["other"] + [*state][1501:]
+    assert first != key(paths=renamed)
+    assert first != key(tensors=[*state.values()][:2000] + [torch.zeros(16, dtype=torch.float64)]
+                        + [*state.values()][2001:])

@@ -119,7 +119,7 @@ class Loader:
                 # what the load made per tensor (the scratch too) goes in a thread, a batch at a time, before
                 # collection resumes: else the first collection after the pause walks it all at once, on whichever
                 # thread, the loop's too, and the last reference dropped on the loop frees it there
-                await release_off_loop([reads, target.tensors])
+                await release_off_loop([info.reads.overwritten, reads, target.tensors])
             finally:
                 self.busy.end_load(status.step)
             await asyncio.to_thread(target.apply)  # load_state_dict() of modules and optimizers: seconds for large ones
@@ -129,10 +129,16 @@ class Loader:
             damaged = [(f.tier, f.part) for f in info.fallbacks  # this node's copy was to hold the part
                        if self.io.file_tier(f.tier) and (k := parse_key(f.part)) is not None
                        and k.rank in holdings.get(f.tier, ())]
-            info.heal = running or asyncio.create_task(self._heal(manifest, order, holdings, held, damaged))
-            if running is None:
+            if running is None:  # the heal takes the manifest over (and frees it: _heal)
+                info.heal = asyncio.create_task(self._heal(manifest, order, holdings, held, damaged))
                 self.heals[info.heal] = manifest.step
                 info.heal.add_done_callback(self._healed)
+                manifest = None
+            else:
+                info.heal = running
+        if manifest is not None:  # its paths (one str per tensor) freed in a thread, not by this frame's end
+            await release_off_loop([manifest.tensors])
+            manifest = None
         info.tier = max(info.bytes_by_tier, key=info.bytes_by_tier.__getitem__, default=order[0] if order else None)
         info.seconds = time.perf_counter() - started
         self._say_fallbacks(info.step, info.fallbacks, holdings)
@@ -187,9 +193,12 @@ class Loader:
                     held: dict[str, frozenset[int]], damaged: list[tuple[str, str]]) -> HealReport:
         """In the background: the missing cache copies this rank heals, and the parts its node's copies returned
         damaged (load/heal.py)."""
-        with self.busy.loading(manifest.step):
-            return await heal(self.io, self.catalog.index, manifest, order, holdings, self.coordinator.rank, held,
-                              self.coordinator.hosts, damaged)
+        try:
+            with self.busy.loading(manifest.step):
+                return await heal(self.io, self.catalog.index, manifest, order, holdings, self.coordinator.rank,
+                                  held, self.coordinator.hosts, damaged)
+        finally:  # the manifest's last user (the load handed it over): its paths freed in a thread, not on the loop
+            await release_off_loop([manifest.tensors])
 
     async def _unexpected(self, target: LoadTarget | None) -> BaseException | None:
         """Entries of the checkpoint that a module of this rank's state lacks are an error unless another rank's

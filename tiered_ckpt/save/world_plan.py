@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..pieces import loads as unpickle_in_pieces
 from ..errors import StateError
 from ..manifest.table import TensorTable
 from .describe import unpack_ints
@@ -86,7 +87,8 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
         if digest not in tids:
             if digest not in structures:
                 raise StateError(f"rank {rank} sent a structure digest that no rank described")
-            paths, dtypes, itemsizes, ndims, flat = pickle.loads(structures[digest])
+            # each column pickled in pieces (describe.py)
+            paths, dtypes, itemsizes, ndims, flat = map(unpickle_in_pieces, pickle.loads(structures[digest]))
             at, ids = 0, []
             for path, dtype, itemsize, n in zip(paths, dtypes, itemsizes, ndims):
                 ids.append(world.add(path, dtype, itemsize, tuple(flat[at:at + n]), rank))

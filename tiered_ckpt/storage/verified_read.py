@@ -80,7 +80,8 @@ class PartRead:
 class Overwritten(AbstractSet[str]):
     """The caller's entries that verified bytes reached, a set made only when asked: `update` keeps each part's
     keys as they come (one append on the event loop, where a set would take one insertion per tensor: 1M
-    at 1M tensors), and only a failed load's message, or a caller of `LoadInfo.reads`, reads them as a set."""
+    at 1M tensors), and only a failed load's message reads them as a set. A load that succeeded empties it
+    (`release`): every entry was overwritten then."""
 
     def __init__(self, keys: Iterable[str] = ()) -> None:
         self._groups: list[Iterable[str]] = []
@@ -98,6 +99,13 @@ class Overwritten(AbstractSet[str]):
             for keys in self._groups:
                 self._set.update(keys)
         return self._set
+
+    def release(self) -> None:
+        """Forget the keys once the load succeeded (every entry was overwritten then): they are the load's own
+        path strings, one per tensor, and the returned LoadInfo would free them wherever its caller drops it (the
+        loop). Called in a worker thread, before the other structures that hold the strings (release.py)."""
+        empty(self._groups)
+        self._set = None
 
     def __bool__(self) -> bool:
         return bool(self._groups)

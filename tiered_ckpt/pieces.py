@@ -1,0 +1,38 @@
+"""Work over every tensor done as many short C calls instead of one long one, so a worker thread that does it
+lets the event loop run in between.
+
+A thread gives the GIL back only between bytecodes, never inside one C call: `pickle.dumps` of 1M paths holds
+it ~0.3 s, `np.asarray` of 3M ints ~70 ms, and the loop (and every other thread) waits that long, even though
+the work runs in a thread (docs/benchmarks.md, *Event-loop stalls against the tensor count*). Cut into pieces
+of PIECE entries, each call is a few milliseconds.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any, Sequence
+
+import numpy as np
+
+PIECE = 16384  # entries per C call: ~5 ms for pickling paths, the costliest per entry
+
+
+def dumps(items: Sequence[Any]) -> bytes:
+    """Pickle a list PIECE entries at a time (read back with `loads`)."""
+    return pickle.dumps([pickle.dumps(list(items[i:i + PIECE]), protocol=pickle.HIGHEST_PROTOCOL)
+                         for i in range(0, len(items), PIECE)], protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> list[Any]:
+    """The list `dumps` pickled, unpickled a piece at a time."""
+    out: list[Any] = []
+    for piece in pickle.loads(data):
+        out.extend(pickle.loads(piece))
+    return out
+
+
+def int_array(values: Sequence[int]) -> np.ndarray:
+    """np.asarray(values, int64), a piece at a time."""
+    if len(values) <= PIECE:
+        return np.asarray(values, dtype=np.int64)
+    return np.concatenate([np.asarray(values[i:i + PIECE], dtype=np.int64) for i in range(0, len(values), PIECE)])
+
