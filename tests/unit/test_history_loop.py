@@ -63,3 +63,34 @@ async def test_gc_decodes_a_long_history_off_the_loop_with_collection_off(make_c
         # the work runs with collection off; each pause may end with one young collection, of what it kept
         assert len(collections_off_the_loop) <= 4 and set(collections_off_the_loop) <= {0}, collections_off_the_loop
         assert gc.isenabled()
+
+
+async def test_a_load_lists_a_tiers_job_folder_again_only_once_it_changed(make_config, shm_dir, monkeypatch):
+    """Failed on the old code: each load listed the disk tier's job folder (ten thousand step folders at a long
+    history: 5 ms a load); now a load while nothing was saved reads it from the last listing, and a step saved
+    since (its folder changes the job folder's time) is seen at the next load."""
+    from tiered_ckpt.storage.tiers import local
+
+    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 1}, {"keep_last": 20}])
+    async with tc.Engine(config) as engine:
+        for step in (1, 2, 3):
+            await (await engine.save(step, state_of(float(step)))).wait()
+        job_folder = str(engine.store.io.driver("disk").root / engine.store.job)
+        listed: list[str] = []
+        real = local.os.listdir
+
+        def counted(path="."):
+            if str(path) == job_folder:
+                listed.append(str(path))
+            return real(path)
+
+        monkeypatch.setattr(local.os, "listdir", counted)
+        assert (await engine.load(state_of(0.0))).step == 3
+        first = len(listed)
+        for _ in range(3):
+            assert (await engine.load(state_of(0.0))).step == 3
+        assert len(listed) == first <= 1
+        await (await engine.save(4, state_of(4.0))).wait()
+        out = state_of(0.0)
+        assert (await engine.load(out)).step == 4 and float(out["w"][0]) == 4.0
+        assert len(listed) <= first + 1
