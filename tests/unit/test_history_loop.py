@@ -45,12 +45,14 @@ async def fill(engine: tc.Engine, steps: range) -> None:
         await driver.write(manifest_key(job, step), memoryview(b"m"))
 
 
-async def test_gc_decodes_a_long_history_off_the_loop_with_collection_off(make_config, redis_server,
+@pytest.mark.parametrize("kind", ["redis", "file"])
+async def test_gc_decodes_a_long_history_off_the_loop_with_collection_off(make_config, redis_server, shm_dir, kind,
                                                                           collections_off_the_loop):
-    """Failed on the old code: the Redis summaries were decoded and gc's tier keys sorted in a thread with
-    automatic collection on, and 20-odd collections started there (older generations too, each one every
-    thread waits on; at 10,000 checkpoints full ones of 0.1-0.2 s each)."""
-    config = make_config(index=redis_server().url, tiers=[{"keep_last": 2}, {"keep_last": 2, "keep_every": 1}])
+    """Failed on the old code: the Redis summaries (file index: the step folders) were read and gc's tier keys
+    sorted in a thread with automatic collection on, and 20-odd collections started there (older generations
+    too, each one every thread waits on; at 10,000 checkpoints full ones of 0.1-0.2 s each)."""
+    url = redis_server().url if kind == "redis" else f"file://{shm_dir}/index"
+    config = make_config(index=url, tiers=[{"keep_last": 2}, {"keep_last": 2, "keep_every": 1}])
     async with tc.Engine(config) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
         await fill(engine, range(10, 10 * (HISTORY + 1), 10))

@@ -48,6 +48,7 @@ import msgpack
 
 from ...checksum import seal, unseal
 from ...errors import IncompleteCheckpoint, IntegrityError, TieredCkptError, WriterConflict
+from ...gc_pause import automatic_gc_paused
 from ...layout import STEP_DIR, parse_step_dir, step_dir
 from ..files import check_creatable, fsync_dir, locked_elsewhere, make_folders
 from .base import CheckpointStatus, CommitState, TierState
@@ -258,7 +259,8 @@ class FileIndex:
     def _list_sync(self, job: str) -> list[CheckpointStatus]:
         base = self.root / job
         where = str(base)
-        return [status for n in self._names.get(base) if (status := self._status_sync(where, n)) is not None]
+        with automatic_gc_paused():  # ten thousand statuses, in a thread: a collection there stalls the loop too
+            return [status for n in self._names.get(base) if (status := self._status_sync(where, n)) is not None]
 
     def _status_sync(self, base: str, name: str) -> CheckpointStatus | None:
         """The status of step folder `name` in job folder `base`; None when it promises nothing (killed before
