@@ -140,13 +140,13 @@ async def _child(kind: str, size: int, url: str, work: Path, gc: bool) -> dict[s
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # as installed: with bytecode caches (not compiling at each start)
     subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "-c", str(config), "--job", "nobody", "ls"], env=env,
-                   capture_output=True, timeout=600)  # writes the caches where they are missing (not measured)
+                   capture_output=True, timeout=600, cwd=work)  # writes the caches where they are missing (not measured)
     for argv in (["--job", "nobody", "ls"], ["ls"], ["gc", "--dry-run", "--json"], ["gc", "--json"]):
         if argv[0] == "gc" and not gc:
             continue
         t, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "-c", str(config), *argv], env=env,
-                              capture_output=True, text=True, timeout=1800)
+                              capture_output=True, text=True, timeout=1800, cwd=work)  # (`-m` imports from cwd first)
         wall, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
         if done.returncode not in (0, 1):
             raise RuntimeError(f"tiered-ckpt {' '.join(argv)}: exit {done.returncode}: {done.stderr[-2000:]}")
