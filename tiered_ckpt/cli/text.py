@@ -6,7 +6,7 @@ import time
 import json
 import math
 import sys
-from typing import Any
+from typing import Any, Collection
 
 from ..errors import redact
 from ..sizes import format_size
@@ -62,9 +62,23 @@ def local_time(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S ", local) + (time.strftime("%Z", local) or time.strftime("%z", local))
 
 
-def print_json(document: dict[str, Any]) -> None:
-    """One JSON document on stdout (the schemas: docs/operations.md, *JSON output*)."""
-    print(json.dumps(jsonable(document), indent=2, allow_nan=False))
+LONG_LIST = 100  # a top-level list longer than this is written one compact item a line
+
+
+def print_json(document: dict[str, Any], *, ready: Collection[str] = ()) -> None:
+    """One JSON document on stdout (the schemas: docs/operations.md, *JSON output*), indented; but the items of
+    a long top-level list (`ls` of ten thousand checkpoints, a gc report) one a line, each compact: Python's
+    indenting encoder is pure Python (0.8 s for `ls` of 10,000 checkpoints), the compact one is C. The lists
+    under the keys `ready` hold items already made `jsonable` (status_json's): not walked again."""
+    parts = []
+    for key, value in document.items():
+        value = value if key in ready else jsonable(value)
+        if isinstance(value, list) and len(value) > LONG_LIST:
+            items = ",\n".join(f"    {json.dumps(item, allow_nan=False)}" for item in value)
+            parts.append(f"  {json.dumps(key)}: [\n{items}\n  ]")
+        else:
+            parts.append(f"  {json.dumps(key)}: " + json.dumps(value, indent=2, allow_nan=False).replace("\n", "\n  "))
+    sys.stdout.write("{\n" + ",\n".join(parts) + "\n}\n" if parts else "{}\n")
 
 
 def jsonable(value: Any) -> Any:
@@ -82,9 +96,13 @@ def jsonable(value: Any) -> Any:
 
 
 def status_json(c: CheckpointStatus) -> dict[str, Any]:
-    return {"step": c.step, "created": c.created or None, "nbytes": c.nbytes, "complete": c.is_complete,
-            "tiers": list(c.tiers), "complete_on": [t for t in c.tiers if t in c.complete], "failed": dict(c.failed),
-            "skipped": dict(c.skipped), "foreign": c.foreign, "metadata": c.metadata}
+    """A checkpoint's entry of `ls --json`, ready for JSON (`jsonable`: its metadata and time are walked, the
+    rest is of JSON's types already: ten thousand of these are written at once)."""
+    return {"step": c.step, "created": jsonable(c.created or None), "nbytes": c.nbytes, "complete": c.is_complete,
+            "tiers": list(c.tiers), "complete_on": [t for t in c.tiers if t in c.complete],
+            "failed": {str(k): str(v) for k, v in c.failed.items()},
+            "skipped": {str(k): v for k, v in c.skipped.items()}, "foreign": c.foreign,
+            "metadata": jsonable(c.metadata)}
 
 
 def plain_values(skeleton_bytes: bytes) -> list[tuple[str, Any]]:

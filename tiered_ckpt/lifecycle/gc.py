@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable
 
 from ..errors import IncompleteCheckpoint, IntegrityError, TierError
+from ..gc_pause import automatic_gc_paused
 from ..layout import (checkpoint_prefix, committed_key, index_dir, job_prefix, manifest_key, parse_key, parse_step_dir,
                       step_prefix)
 from ..manifest import Manifest
@@ -278,12 +279,14 @@ async def _snapshot(scope: GcScope, report: GcReport) -> list[_Tier]:
 
 def _by_step(sizes: dict[str, int | None], job: str) -> dict[int, dict[str, dict[str, int | None]]]:
     """A tier's keys of `job` with their sizes, by step and folder; keys that are not a checkpoint's are left out
-    (temp files are debris, looked for apart)."""
+    (temp files are debris, looked for apart). Run in a thread with automatic collection off: a collection set
+    off by tens of thousands of keys would hold the GIL, and the event loop with it (gc_pause.py)."""
     steps: dict[int, dict[str, dict[str, int | None]]] = {}
-    for key, nbytes in sizes.items():
-        parsed = parse_key(key)
-        if parsed is not None and parsed.job == job:
-            steps.setdefault(parsed.step, {}).setdefault(parsed.incarnation, {})[key] = nbytes
+    with automatic_gc_paused():
+        for key, nbytes in sizes.items():
+            parsed = parse_key(key)
+            if parsed is not None and parsed.job == job:
+                steps.setdefault(parsed.step, {}).setdefault(parsed.incarnation, {})[key] = nbytes
     return steps
 
 

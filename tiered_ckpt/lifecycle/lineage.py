@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from ..errors import TierError
+from ..gc_pause import automatic_gc_paused
 from ..layout import committed_key, index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
 from ..manifest import Manifest
 from ..storage.index import Index
@@ -60,14 +61,18 @@ async def scan(io: TierIO, tier: str, job: str, identity: str, keys: Iterable[st
     """step → the copies this index's incarnations wrote on `tier`, newest session first (one listing; or
     `keys`, a listing made elsewhere: every node's listing of a node-local tier, put together). With `first`, only
     steps from `first` on (the listing starts there). The keys are parsed in a thread: a tier that keeps a long
-    history holds tens of thousands."""
+    history holds tens of thousands, with automatic collection off (a collection there holds the GIL, and the event
+    loop waits on it: gc_pause.py)."""
     if keys is not None:
         listed = keys
     elif first is None:
         listed = await io.list(tier, job_prefix(job))
     else:
         listed = await io.list_from(tier, job_prefix(job), step_prefix(job, max(first, 0)))
-    return await io.run_blocking(lambda: copies_of(listed, job, identity, first))
+    def parse() -> dict[int, list[Copy]]:
+        with automatic_gc_paused():
+            return copies_of(listed, job, identity, first)
+    return await io.run_blocking(parse)
 
 
 def copies_of(keys: Iterable[str], job: str, identity: str, first: int | None = None) -> dict[int, list[Copy]]:

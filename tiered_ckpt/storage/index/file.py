@@ -48,6 +48,7 @@ import msgpack
 
 from ...checksum import seal, unseal
 from ...errors import IncompleteCheckpoint, IntegrityError, TieredCkptError, WriterConflict
+from ...gc_pause import automatic_gc_paused
 from ...layout import STEP_DIR, parse_step_dir, step_dir
 from ..files import check_creatable, fsync_dir, locked_elsewhere, make_folders
 from .base import CheckpointStatus, CommitState, TierState
@@ -248,26 +249,29 @@ class FileIndex:
             chosen = set(window)
             chosen.update(step_dir(step) for step in also)  # read from their folders, whatever the cached names
             # say (a folder another process made within the file system's time granularity may be missing there)
-            base = self.root / job
-            return [status for n in sorted(chosen) if (status := self._status_sync(base / n)) is not None]
+            base = str(self.root / job)
+            return [status for n in sorted(chosen) if (status := self._status_sync(base, n)) is not None]
         return await self._io(read)
 
     def _list_sync(self, job: str) -> list[CheckpointStatus]:
         base = self.root / job
-        return [status for n in self._names.get(base) if (status := self._status_sync(base / n)) is not None]
+        where = str(base)
+        with automatic_gc_paused():  # ten thousand statuses, in a thread: a collection there stalls the loop too
+            return [status for n in self._names.get(base) if (status := self._status_sync(where, n)) is not None]
 
-    def _status_sync(self, folder: Path) -> CheckpointStatus | None:
-        """One step folder's status; None when it promises nothing (killed before `begin` landed). Paths as
-        strings: a listing reads ten thousand of these, and pathlib's objects cost more than the reads."""
-        step = parse_step_dir(folder.name)
+    def _status_sync(self, base: str, name: str) -> CheckpointStatus | None:
+        """The status of step folder `name` in job folder `base`; None when it promises nothing (killed before
+        `begin` landed). Paths as strings: a listing reads ten thousand of these, and pathlib's objects cost more
+        than the reads."""
+        step = parse_step_dir(name)
         if step is None:
             return None
-        d = str(folder)
+        d = f"{base}/{name}"
         try:
             held = set(os.listdir(d))  # one listing says which records exist: none is looked for in vain
         except (FileNotFoundError, NotADirectoryError):
             return None
-        failures = [p.name.rsplit(".", 2) for p in _entries(folder / "failed")] if "failed" in held else []
+        failures = [p.name.rsplit(".", 2) for p in _entries(Path(d, "failed"))] if "failed" in held else []
         unreadable = ""
         try:
             record = _read_begun(f"{d}/begun")
@@ -282,14 +286,14 @@ class FileIndex:
         complete = frozenset(name for name in _names(f"{d}/complete") if name in record["tiers"]) \
             if "complete" in held else frozenset()
         failed = {}
-        for p in _entries(folder / "failed") if failures else []:
+        for p in _entries(Path(d, "failed")) if failures else []:
             name, rank, _ = p.name.rsplit(".", 2)
             if name not in complete:
                 failed.setdefault(name, f"rank {rank}: {p.read_text(errors='replace')}")
         if unreadable:
             failed["index"] = unreadable
         skipped: dict[str, int] = {}
-        for p in _entries(folder / "skipped") if "skipped" in held else []:
+        for p in _entries(Path(d, "skipped")) if "skipped" in held else []:
             name = p.name.rsplit(".", 2)[0]
             newer = _read_step(p)
             if name in record["tiers"] and name not in complete and newer is not None:
@@ -449,8 +453,16 @@ def _read_info(path: str) -> dict[str, Any]:
 
 
 def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    """A small record's bytes: os.read on a descriptor (a listing reads twenty thousand; the buffered file
+    object cost as much as the reads themselves)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = [os.read(fd, 1 << 16)]
+        while len(chunks[-1]) == 1 << 16:  # larger than a record ever is, but read whole
+            chunks.append(os.read(fd, 1 << 16))
+    finally:
+        os.close(fd)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _read_begun(path: str | Path) -> dict[str, Any]:

@@ -534,7 +534,11 @@ _DAMAGED: Any = CheckpointStatus(-1, ())  # a summary whose seal or content is w
 
 
 def _from_summaries(summaries: Mapping[bytes, bytes]) -> dict[int, CheckpointStatus | None]:
-    return {int(n): _from_summary(int(n), raw) for n, raw in summaries.items()}
+    """Decoded with automatic collection off: ten thousand statuses set off collections in the decoding thread,
+    full ones now and then, and every thread waits on those (an in-process gc at 10,000 on Redis stalled the
+    event loop 2 s that way)."""
+    with automatic_gc_paused():
+        return {int(n): _from_summary(int(n), raw) for n, raw in summaries.items()}
 
 
 def _from_summary(step: int, raw: bytes) -> CheckpointStatus | None:
