@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .. import pieces
+from ..pieces import dumps as dumps_in_pieces, int_array
 from .local_copies import LocalCopies
 
 Descriptor = tuple  # (path, dtype name, itemsize, global shape, offsets, sizes[, alone])
@@ -115,10 +115,10 @@ def describe(descriptors: Sequence[Descriptor], rank: int, fingerprints: bytes =
         sizes.extend((1,) * pad)
         alone.append(1 if len(d) > 6 and d[6] else 0)
     # pickled and made an array a piece at a time: one C call over every tensor holds the GIL (pieces.py)
-    structure = pickle.dumps([pieces.dumps(column) for column in (paths, dtypes, itemsizes, ndims, shapes)])
+    structure = pickle.dumps([dumps_in_pieces(column) for column in (paths, dtypes, itemsizes, ndims, shapes)])
     digest = hashlib.blake2b(structure, digest_size=DIGEST).digest()
-    boxes = pack_ints(np.concatenate([[ndim], pieces.int_array(offsets), pieces.int_array(sizes),
-                                      pieces.int_array(alone)]).astype(np.int64, copy=False))
+    boxes = pack_ints(np.concatenate([[ndim], int_array(offsets), int_array(sizes),
+                                      int_array(alone)]).astype(np.int64, copy=False))
     mine = pickle.dumps([tuple(descriptors[i][:6]) for i in own], protocol=pickle.HIGHEST_PROTOCOL) if own else b""
     return Described((digest, structure, boxes, mine, fingerprints), order, [tuple(descriptors[i][5]) for i in order],
                      [descriptors[i][1] for i in order], [descriptors[i][2] for i in order],

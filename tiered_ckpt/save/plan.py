@@ -23,7 +23,7 @@ from typing import Any, Hashable, NamedTuple, Sequence
 
 import torch
 
-from .. import pieces
+from ..pieces import PIECE
 from ..buffers import tensor_bytes
 from ..checksum import checksum
 from ..distributed.coordinator import Coordinator
@@ -86,7 +86,7 @@ class PlanKey:
 
     def __init__(self, head: tuple, columns: Sequence[Sequence[Any]]):
         self._head = (*head, *(len(c) for c in columns))
-        self._pieces = tuple(tuple(c[i:i + pieces.PIECE]) for c in columns for i in range(0, len(c), pieces.PIECE))
+        self._pieces = tuple(tuple(c[i:i + PIECE]) for c in columns for i in range(0, len(c), PIECE))
         self._hash = hash((self._head, *(c[0] for c in columns if len(c)), *(c[-1] for c in columns if len(c))))
 
     def __hash__(self) -> int:

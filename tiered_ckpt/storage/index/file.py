@@ -52,6 +52,7 @@ from ...gc_pause import automatic_gc_paused
 from ...layout import STEP_DIR, parse_step_dir, step_dir
 from ..files import check_creatable, fsync_dir, locked_elsewhere, make_folders
 from .base import CheckpointStatus, CommitState, TierState
+from ..tiers.base import folder_stamp as _stamp, racy_ns as _racy  # (module names: tests replace them)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -553,7 +554,7 @@ class StepNames:
     modification times coarsely (to the second; a kernel's clock tick) could hide another process's change made
     within the same tick as the listing. Where a folder's link count counts its subfolders (ext4, xfs, tmpfs,
     Lustre, NFS), a step folder made or removed changes it, so the stamp holds it too. Elsewhere (btrfs keeps
-    one link) a listing made within the time granularity of the folder's last change (`_racy`) is not trusted,
+    one link) a listing made within the time granularity of the folder's last change (`racy_ns`) is not trusted,
     and the folder is listed again at the next look, as git does with its index. A folder renamed within the
     tick of a listing can still go unseen until the folder changes again. Steps asked for by name are read from
     their folders, never from these names.)"""
@@ -597,19 +598,6 @@ class StepNames:
                     self._cache[base] = (after, names, hit[2])  # (this process's own change: known exactly)
 
 
-def _racy(mtime_ns: int) -> int:
-    """How close to a folder's modification time a listing may be and still miss a change made in the same tick:
-    2 s where the time has no sub-second part (a file system that keeps seconds), else 50 ms (a kernel's coarse
-    clock ticks every few milliseconds)."""
-    return 2_000_000_000 if mtime_ns % 1_000_000_000 == 0 else 50_000_000
-
-
-def _stamp(base: Path) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(base)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return st.st_mtime_ns, st.st_ino, st.st_nlink
 
 
 def _step_names(base: Path) -> list[str]:

@@ -160,6 +160,30 @@ async def start_tier(tier: Tier, executor: Executor, *, rank: int = 0, world_siz
     return tier
 
 
+def folder_stamp(path: str | Path) -> tuple[int, int, int] | None:
+    """(modification time in ns, inode, link count) of a folder, None if there is none: what says that a folder's
+    listing kept in memory is still its content (`listing_trusted`)."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_mtime_ns, st.st_ino, st.st_nlink
+
+
+def racy_ns(mtime_ns: int) -> int:
+    """How close to a folder's modification time a listing may be and still miss a change made in the same tick:
+    2 s where the time has no sub-second part (a file system that keeps seconds), else 50 ms (a kernel's coarse
+    clock ticks every few milliseconds)."""
+    return 2_000_000_000 if mtime_ns % 1_000_000_000 == 0 else 50_000_000
+
+
+def listing_trusted(stamp: tuple[int, int, int], listed_at_ns: int) -> bool:
+    """Whether a listing made at `listed_at_ns` of a folder with `stamp` holds every change that keeps the stamp:
+    where the link count counts subfolders (ext4, xfs, tmpfs, Lustre, NFS) a folder made or removed changes it;
+    elsewhere (btrfs keeps one link) only a listing made a tick after the last change, as git judges its index."""
+    return stamp[2] > 1 or listed_at_ns - stamp[0] > racy_ns(stamp[0])
+
+
 def machine_name() -> str:
     """This machine's name, as placement needs it: `TIERED_CKPT_HOST` when set (several emulated nodes on one
     host), else the host name. A node is a machine, not a rank number: torchrun's node rank follows the order

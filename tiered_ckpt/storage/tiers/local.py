@@ -20,7 +20,7 @@ from typing import Callable, ClassVar, Iterator, Sequence
 
 from ...errors import ConfigError, TierError, TierFull, TierNotFound
 from ..files import check_creatable, fsync_dir, not_private
-from .base import FileTier
+from .base import FileTier, folder_stamp, listing_trusted
 
 TMP = ".tmp-"
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
@@ -54,7 +54,7 @@ class LocalTier(FileTier):
         self._written = threading.Condition(self._used_lock)
         self._owned: Callable[[str], bool] = lambda key: True  # what counts toward the capacity (count_only)
         self._root_checked = False  # the tier's folder was found this user's own (private tiers)
-        self._sorted_names: dict[str, tuple[tuple[int, int], list[str]]] = {}  # list_from's, by folder (see there)
+        self._sorted_names: dict[str, tuple[tuple[int, int, int], list[str], bool]] = {}  # list_from's, by folder (see there)
         self._names_lock = threading.Lock()
 
     async def open(self) -> None:
@@ -325,23 +325,22 @@ class LocalTier(FileTier):
 
     def _names_of(self, folder: str) -> list[str]:
         """`folder`'s names, sorted: from the last listing while the folder is unchanged since (a file system
-        keeping times to the second may hide a change made within the second of that listing until the next)."""
+        keeping times coarsely could hide a change made within the tick of that listing: `listing_trusted`)."""
         path = self._path(folder)
-        try:
-            st = os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
+        stamp = folder_stamp(path)
+        if stamp is None:
             return []
-        stamp = (st.st_mtime_ns, st.st_ino)
         with self._names_lock:
             hit = self._sorted_names.get(folder)
-        if hit is not None and hit[0] == stamp:
+        if hit is not None and hit[0] == stamp and hit[2]:
             return hit[1]
+        listed_at = time.time_ns()
         try:
             names = sorted(os.listdir(path))
         except (FileNotFoundError, NotADirectoryError):
             return []
-        with self._names_lock:
-            self._sorted_names[folder] = (stamp, names)  # (changed since the stat: listed again at the next look)
+        with self._names_lock:  # (changed since the stat: listed again at the next look)
+            self._sorted_names[folder] = (stamp, names, listing_trusted(stamp, listed_at))
         return names
 
     async def list(self, prefix: str) -> list[str]:
