@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+from typing import Any
 
 _TRAILING = re.compile(r"(\d+)$")
 SCHEME = "tiered_ckpt://"
@@ -22,3 +24,21 @@ def step_of(checkpoint_id: str | os.PathLike[str] | int) -> int:
 
 def checkpoint_id(job: str, step: int) -> str:
     return f"{SCHEME}{job}/{step}"
+
+
+_ASYNC_SAVE = ("torch.distributed.checkpoint.state_dict_saver", "async_save")
+
+
+def async_save_checkpoint_id(stager: Any, depth: int = 8) -> str | os.PathLike[str] | None:
+    """The checkpoint_id given to the dcp.async_save call that is staging through `stager` now, or None (none
+    given, or not called from async_save). async_save calls its stager's stage() before it hands the checkpoint_id
+    to the writer (reset(), in its own thread), so stage() reads it from that call's frame, a few frames up."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if (frame.f_globals.get("__name__"), code.co_name) == _ASYNC_SAVE and frame.f_locals.get("async_stager") is stager:
+            return frame.f_locals.get("checkpoint_id")
+        frame = frame.f_back
+    return None
