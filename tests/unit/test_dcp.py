@@ -133,6 +133,17 @@ def test_async_saves_checkpoint_id_is_the_staged_step(config):
         dcp.async_save(trained(1), storage_writer=StorageWriter(config))
 
 
+def test_async_saves_process_mode_is_refused_before_anything_is_saved(config):
+    """The writer is the stager, so the process mode is refused in stage(), before the engine's save starts (the
+    multirank test runs it under a process group)."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    with pytest.raises(TypeError, match="cannot be sent to another process.*thread mode"):
+        dcp.async_save(trained(1), storage_writer=StorageWriter(config, step=1),
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    assert dcp_engines.checkpointer(config).list() == []
+
+
 def test_a_staged_save_is_kept_by_a_reset_to_its_step_and_a_reset_to_another_is_refused(config):
     writer = StorageWriter(config, step=8)
     state = trained(1)

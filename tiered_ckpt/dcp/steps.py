@@ -29,16 +29,17 @@ def checkpoint_id(job: str, step: int) -> str:
 _ASYNC_SAVE = ("torch.distributed.checkpoint.state_dict_saver", "async_save")
 
 
-def async_save_checkpoint_id(stager: Any, depth: int = 8) -> str | os.PathLike[str] | None:
-    """The checkpoint_id given to the dcp.async_save call that is staging through `stager` now, or None (none
-    given, or not called from async_save). async_save calls its stager's stage() before it hands the checkpoint_id
-    to the writer (reset(), in its own thread), so stage() reads it from that call's frame, a few frames up."""
+def async_save_call(stager: Any, depth: int = 8) -> dict[str, Any] | None:
+    """The arguments of the dcp.async_save call staging through `stager` now (its `checkpoint_id`,
+    `async_checkpointer_type`, ...), or None when stage() was not called by async_save. async_save calls
+    stage() before it hands the checkpoint_id to the writer (reset(), in its own thread), so stage() reads them
+    from that call's frame, a few frames up."""
     frame = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             return None
-        code = frame.f_code
-        if (frame.f_globals.get("__name__"), code.co_name) == _ASYNC_SAVE and frame.f_locals.get("async_stager") is stager:
-            return frame.f_locals.get("checkpoint_id")
+        names = frame.f_globals.get("__name__"), frame.f_code.co_name
+        if names == _ASYNC_SAVE and frame.f_locals.get("async_stager") is stager:
+            return dict(frame.f_locals)
         frame = frame.f_back
     return None

@@ -6,8 +6,9 @@ its retention. Under `dcp.async_save` the writer is also DCP's AsyncStager (a su
 takes it in place of its DefaultStager and makes no copy of its own): `stage()` runs that save at once, in the
 training thread, so the training step waits for the copy alone; DCP's planning and `write_data`, in async_save's
 thread, then find the data staged. The step of that save is async_save's `checkpoint_id` when given, else the
-writer's own (see stage()). DCP's Metadata is not written separately: it is read back from the checkpoint's manifest (see
-layout.py), so it becomes visible with the data, at the commit, once every rank's data is durable on a tier.
+writer's own (see stage()). DCP's Metadata is not written separately: it is read back from the checkpoint's
+manifest (see layout.py), so it becomes visible with the data, at the commit, once every rank's data is
+durable on a tier.
 `finish()` (DCP's coordinator) waits until the save is durable on the first tier (or every tier with
 durable="all"), so `dcp.save` returning, or async_save's future completing, means it can be loaded.
 """
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..sync import SyncSaveHandle
 from .engines import ConfigLike, checkpointer, resolve
 from .layout import Stored, bytes_path, check_whole, rank_state
-from .steps import async_save_checkpoint_id, checkpoint_id, step_of
+from .steps import async_save_call, checkpoint_id, step_of
 
 log = logging.getLogger(__name__)
 DURABLE = ("first", "all", "staged")
@@ -109,7 +110,10 @@ class StorageWriter(_StorageWriter, AsyncStager):
         checkpoint_id given to it, as dcp.save would take it, else the writer's step."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-        given = async_save_checkpoint_id(self)
+        call = async_save_call(self) or {}
+        if getattr(call.get("async_checkpointer_type"), "name", None) == "PROCESS":
+            raise TypeError(self._process_mode_refused())  # before the save starts: nothing is saved
+        given = call.get("checkpoint_id")
         if given is not None:
             self.step = self._checked(step_of(given))
         elif self.step is None:
@@ -196,11 +200,15 @@ class StorageWriter(_StorageWriter, AsyncStager):
     def __getstate__(self) -> dict[str, Any]:
         """async_save's process mode (AsyncCheckpointerType.PROCESS) sends the writer, pickled, to DCP's checkpoint
         process; this writer's save runs on the training process's engine (its staging buffers, its gloo group,
-        the job's writer role), which no other process can carry on: refused with what to use instead."""
-        raise TypeError(f"job {self.job!r}: tiered_ckpt's StorageWriter cannot be sent to another process (async_save "
-                        f"with AsyncCheckpointerType.PROCESS): use the thread mode (the default); the writer's "
-                        f"stage() already limits the training thread's wait to the copy into the engine's buffers, "
-                        f"and the tiers are written by the engine's own threads")
+        the job's writer role), which no other process can carry on: refused with what to use instead (by
+        stage() already, when it sees the mode)."""
+        raise TypeError(self._process_mode_refused())
+
+    def _process_mode_refused(self) -> str:
+        return (f"job {self.job!r}: tiered_ckpt's StorageWriter cannot be sent to another process (async_save with "
+                f"AsyncCheckpointerType.PROCESS): use the thread mode (the default); the writer's stage() already "
+                f"limits the training thread's wait to the copy into the engine's buffers, and the tiers are "
+                f"written by the engine's own threads")
 
     @property
     def handle(self) -> SyncSaveHandle | None:
