@@ -4,6 +4,7 @@ checkpoint is an ordinary one of the job (list, export, verified reads with fall
 is wrong. Multi-rank resharding: tests/multirank/test_dcp.py."""
 from __future__ import annotations
 
+import threading
 import warnings
 from pathlib import Path
 
@@ -87,6 +88,81 @@ def test_async_save_returns_after_the_copy_and_keeps_the_values_of_that_moment(c
     loaded = trained(5)
     dcp.load(loaded, storage_reader=StorageReader(config, step=3))
     same(loaded, _unflat(expected, state))
+
+
+class ThreadsOfSaves(StorageWriter):
+    """The writer, noting the thread each engine save of it starts on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.save_threads: list[str] = []
+
+    def _save(self, values, mappings):
+        self.save_threads.append(threading.current_thread().name)
+        super()._save(values, mappings)
+
+
+def test_async_save_stages_through_the_writer_in_the_calling_thread(config):
+    """async_save takes the writer as its stager (not DCP's DefaultStager, whose full copy would then be saved in
+    DCP's thread): the one engine save starts in the training thread, before async_save returns."""
+    state = trained(1)
+    writer = ThreadsOfSaves(config, step=3)
+    future = dcp.async_save(state, storage_writer=writer)
+    assert writer.save_threads == [threading.current_thread().name]
+    assert writer.handle is not None and writer.handle.step == 3
+    future.result()
+    assert writer.save_threads == [threading.current_thread().name]  # write_data found it staged
+
+
+def test_async_saves_checkpoint_id_is_the_staged_step(config):
+    """async_save's checkpoint_id names the step, as dcp.save's does, though DCP hands it to the writer only
+    after staging: a writer made for step 8, or with no step, stages step 9 when given checkpoint_id 9."""
+    for writer, given in ((ThreadsOfSaves(config, step=8), 9), (ThreadsOfSaves(config), "/ckpt/step-12")):
+        state = trained(given if isinstance(given, int) else 12)
+        expected = _unflat({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in flat(state).items()}, state)
+        future = dcp.async_save(state, storage_writer=writer, checkpoint_id=given)
+        for t in state["model"].values():
+            t.add_(1.0)
+        future.result()
+        assert writer.save_threads == [threading.current_thread().name]
+        loaded = trained(5)
+        dcp.load(loaded, storage_reader=StorageReader(config), checkpoint_id=given)
+        same(loaded, expected)
+    assert [s.step for s in dcp_engines.checkpointer(config).list()] == [9, 12]  # no step 8
+    with pytest.raises(ValueError, match="no step to stage.*checkpoint_id=N"):
+        dcp.async_save(trained(1), storage_writer=StorageWriter(config))
+
+
+def test_async_saves_process_mode_is_refused_before_anything_is_saved(config):
+    """The writer is the stager, so the process mode is refused in stage(), before the engine's save starts (the
+    multirank test runs it under a process group)."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    with pytest.raises(TypeError, match="cannot be sent to another process.*thread mode"):
+        dcp.async_save(trained(1), storage_writer=StorageWriter(config, step=1),
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    assert dcp_engines.checkpointer(config).list() == []
+
+
+def test_a_staged_save_is_kept_by_a_reset_to_its_step_and_a_reset_to_another_is_refused(config):
+    writer = StorageWriter(config, step=8)
+    state = trained(1)
+    writer.stage(state)  # outside async_save: the writer's own step
+    handle = writer.handle
+    writer.reset("step-8")
+    assert writer.handle is handle
+    dcp.save(state, storage_writer=writer, checkpoint_id=8)
+    other = StorageWriter(config, step=10)
+    other.stage(trained(2))
+    with pytest.raises(ValueError, match=r"stage\(\) saved step 10 .* names step 11; step 10 is saved all the same"):
+        other.reset(11)
+    other.handle.wait()
+    other.reset(11)  # usable again: a new save
+    dcp.save(trained(3), storage_writer=other)
+    for step, seed in ((8, 1), (10, 2), (11, 3)):
+        loaded = trained(5)
+        dcp.load(loaded, storage_reader=StorageReader(config, step=step))
+        same(loaded, trained(seed))
 
 
 def _unflat(values: dict, like: dict) -> dict:

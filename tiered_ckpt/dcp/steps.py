@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+from typing import Any
 
 _TRAILING = re.compile(r"(\d+)$")
 SCHEME = "tiered_ckpt://"
@@ -22,3 +24,22 @@ def step_of(checkpoint_id: str | os.PathLike[str] | int) -> int:
 
 def checkpoint_id(job: str, step: int) -> str:
     return f"{SCHEME}{job}/{step}"
+
+
+_ASYNC_SAVE = ("torch.distributed.checkpoint.state_dict_saver", "async_save")
+
+
+def async_save_call(stager: Any, depth: int = 8) -> dict[str, Any] | None:
+    """The arguments of the dcp.async_save call staging through `stager` now (its `checkpoint_id`,
+    `async_checkpointer_type`, ...), or None when stage() was not called by async_save. async_save calls
+    stage() before it hands the checkpoint_id to the writer (reset(), in its own thread), so stage() reads them
+    from that call's frame, a few frames up."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        names = frame.f_globals.get("__name__"), frame.f_code.co_name
+        if names == _ASYNC_SAVE and frame.f_locals.get("async_stager") is stager:
+            return dict(frame.f_locals)
+        frame = frame.f_back
+    return None

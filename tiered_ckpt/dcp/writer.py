@@ -2,10 +2,13 @@
 
 The data goes through the engine's save path: one copy into the engine's reused staging buffers (pinned host
 memory for GPU tensors; with the memory tier first, its own files), then every tier in the background, with
-its retention. Under `dcp.async_save` the writer is also the AsyncStager: `stage()` runs that save at once, in
-the training thread, so the training step waits for the copy alone; DCP's planning and `write_data` then find
-the data staged. DCP's Metadata is not written separately: it is read back from the checkpoint's manifest (see
-layout.py), so it becomes visible with the data, at the commit, once every rank's data is durable on a tier.
+its retention. Under `dcp.async_save` the writer is also DCP's AsyncStager (a subclass of it, so async_save
+takes it in place of its DefaultStager and makes no copy of its own): `stage()` runs that save at once, in the
+training thread, so the training step waits for the copy alone; DCP's planning and `write_data`, in async_save's
+thread, then find the data staged. The step of that save is async_save's `checkpoint_id` when given, else the
+writer's own (see stage()). DCP's Metadata is not written separately: it is read back from the checkpoint's
+manifest (see layout.py), so it becomes visible with the data, at the commit, once every rank's data is
+durable on a tier.
 `finish()` (DCP's coordinator) waits until the save is durable on the first tier (or every tier with
 durable="all"), so `dcp.save` returning, or async_save's future completing, means it can be loaded.
 """
@@ -20,22 +23,26 @@ from torch.futures import Future
 from torch.distributed.checkpoint import StorageWriter as _StorageWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..sync import SyncSaveHandle
 from .engines import ConfigLike, checkpointer, resolve
 from .layout import Stored, bytes_path, check_whole, rank_state
-from .steps import checkpoint_id, step_of
+from .steps import async_save_call, checkpoint_id, step_of
 
 log = logging.getLogger(__name__)
 DURABLE = ("first", "all", "staged")
 
 
-class StorageWriter(_StorageWriter):
+class StorageWriter(_StorageWriter, AsyncStager):
     """Saves a DCP checkpoint as checkpoint `step` of the job `config` describes (a TOML file or a Config;
     `job` replaces its `[engine] job`). `durable`: what finish() waits for: "first" (the fastest tier the step
     goes to has committed it: loadable), "all" (every tier), "staged" (nothing: the save goes on in the
     background). A writer saves one step; `reset(checkpoint_id)` points it at another."""
+
+    # stage() returns once the copy is done: async_save has nothing to wait for after it (synchronize_staging)
+    _synchronize_after_execute: bool = False
 
     def __init__(self, config: ConfigLike, *, job: str | None = None, step: int | None = None,
                  durable: str = "first"):
@@ -65,11 +72,21 @@ class StorageWriter(_StorageWriter):
         return step
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
-        """A new save; `checkpoint_id` (an int, or an id ending in the step, as 'step-1000') sets its step."""
-        if checkpoint_id is not None:
-            self.step = self._checked(step_of(checkpoint_id))
+        """A new save; `checkpoint_id` (an int, or an id ending in the step, as 'step-1000') sets its step.
+        Between stage() and write_data (async_save's thread resets the writer to its checkpoint_id before
+        saving) the staged save is kept when the id names its step, and refused when it names another."""
+        step = self._checked(step_of(checkpoint_id)) if checkpoint_id is not None else None
+        if self._staged_step is not None:
+            if step is not None and step != self._staged_step:
+                staged, self._staged_step = self._staged_step, None  # the writer stays usable; .handle: that save
+                raise ValueError(f"job {self.job!r}: stage() saved step {staged} (the writer's step), but the "
+                                 f"checkpoint_id {checkpoint_id!r} names step {step}; step {staged} is "
+                                 f"saved all the same: give the writer the step the checkpoint_id names "
+                                 f"(StorageWriter(config, step={step}))")
+            return
+        if step is not None:
+            self.step = step
         self._handle = None
-        self._staged_step = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -85,16 +102,23 @@ class StorageWriter(_StorageWriter):
         return self.step
 
     # -- staging (dcp.async_save) ----------------------------------------------------------------
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
-
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The save itself, up to the copy into the engine's staging buffers (the only copy); DCP's planning
         and write_data, in async_save's background, then find it staged. Returns `state_dict` unchanged: what
-        DCP still reads of it there is shapes and placements."""
+        DCP still reads of it there is shapes and placements. async_save hands the checkpoint_id to the writer
+        only after staging (its thread's reset()), so the step is read from async_save's call here: the
+        checkpoint_id given to it, as dcp.save would take it, else the writer's step."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+        call = async_save_call(self) or {}
+        if getattr(call.get("async_checkpointer_type"), "name", None) == "PROCESS":
+            raise TypeError(self._process_mode_refused())  # before the save starts: nothing is saved
+        given = call.get("checkpoint_id")
+        if given is not None:
+            self.step = self._checked(step_of(given))
+        elif self.step is None:
+            raise ValueError(f"job {self.job!r}: the writer has no step to stage: StorageWriter(config, step=N), or "
+                             f"dcp.async_save(..., checkpoint_id=N)")
         flat, mappings = flatten_state_dict(state_dict)
         self._save(flat.items(), mappings)
         self._staged_step = self._step()
@@ -126,9 +150,10 @@ class StorageWriter(_StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Save this rank's items (unless stage() did); the results say where each lies in the checkpoint."""
-        if self._staged_step != self._step():
+        if self._staged_step is None:
             values = list(self._values(plan, planner))
             self._save(values, getattr(plan, "planner_data", None))
+        self._staged_step = None  # used once: a later save with this writer saves its own data
         results = [self._result(item) for item in plan.items]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -175,11 +200,15 @@ class StorageWriter(_StorageWriter):
     def __getstate__(self) -> dict[str, Any]:
         """async_save's process mode (AsyncCheckpointerType.PROCESS) sends the writer, pickled, to DCP's checkpoint
         process; this writer's save runs on the training process's engine (its staging buffers, its gloo group,
-        the job's writer role), which no other process can carry on: refused with what to use instead."""
-        raise TypeError(f"job {self.job!r}: tiered_ckpt's StorageWriter cannot be sent to another process (async_save "
-                        f"with AsyncCheckpointerType.PROCESS): use the thread mode (the default); the writer's "
-                        f"stage() already limits the training thread's wait to the copy into the engine's buffers, "
-                        f"and the tiers are written by the engine's own threads")
+        the job's writer role), which no other process can carry on: refused with what to use instead (by
+        stage() already, when it sees the mode)."""
+        raise TypeError(self._process_mode_refused())
+
+    def _process_mode_refused(self) -> str:
+        return (f"job {self.job!r}: tiered_ckpt's StorageWriter cannot be sent to another process (async_save with "
+                f"AsyncCheckpointerType.PROCESS): use the thread mode (the default); the writer's stage() already "
+                f"limits the training thread's wait to the copy into the engine's buffers, and the tiers are "
+                f"written by the engine's own threads")
 
     @property
     def handle(self) -> SyncSaveHandle | None:
