@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt import pieces
+from tiered_ckpt.manifest import pieces
 from tiered_ckpt.buffers import Sinks
 from tiered_ckpt.manifest.table import TensorTable
 from tiered_ckpt.release import BATCH, empty, release_all

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..pieces import dumps as dumps_in_pieces, int_array
+from ..manifest.pieces import dumps as dumps_in_pieces, int_array
 from .local_copies import LocalCopies
 
 Descriptor = tuple  # (path, dtype name, itemsize, global shape, offsets, sizes[, alone])
@@ -114,7 +114,7 @@ def describe(descriptors: Sequence[Descriptor], rank: int, fingerprints: bytes =
         sizes.extend(box_sizes)
         sizes.extend((1,) * pad)
         alone.append(1 if len(d) > 6 and d[6] else 0)
-    # pickled and made an array a piece at a time: one C call over every tensor holds the GIL (pieces.py)
+    # pickled and made an array a piece at a time: one C call over every tensor holds the GIL (manifest/pieces.py)
     structure = pickle.dumps([dumps_in_pieces(column) for column in (paths, dtypes, itemsizes, ndims, shapes)])
     digest = hashlib.blake2b(structure, digest_size=DIGEST).digest()
     boxes = pack_ints(np.concatenate([[ndim], int_array(offsets), int_array(sizes),

@@ -23,7 +23,7 @@ from typing import Any, Hashable, NamedTuple, Sequence
 
 import torch
 
-from ..pieces import PIECE
+from ..manifest import pieces
 from ..buffers import tensor_bytes
 from ..checksum import checksum
 from ..distributed.coordinator import Coordinator
@@ -80,13 +80,13 @@ class Plan:
 class PlanKey:
     """Names, dtypes, shapes, placements and layout, as tuples of at most PIECE entries each: hashed by a few of
     them, compared a piece at a time. One tuple of 1M paths is hashed and compared in one C call each (~50 ms at
-    1M, in a thread but holding the GIL that the loop waits for: pieces.py)."""
+    1M, in a thread but holding the GIL that the loop waits for: manifest/pieces.py)."""
 
     __slots__ = ("_head", "_pieces", "_hash")
 
     def __init__(self, head: tuple, columns: Sequence[Sequence[Any]]):
         self._head = (*head, *(len(c) for c in columns))
-        self._pieces = tuple(tuple(c[i:i + PIECE]) for c in columns for i in range(0, len(c), PIECE))
+        self._pieces = tuple(tuple(c[i:i + pieces.PIECE]) for c in columns for i in range(0, len(c), pieces.PIECE))
         self._hash = hash((self._head, *(c[0] for c in columns if len(c)), *(c[-1] for c in columns if len(c))))
 
     def __hash__(self) -> int:

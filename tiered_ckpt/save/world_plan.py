@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..pieces import loads as unpickle_in_pieces
+from ..manifest.pieces import loads as unpickle_in_pieces
 from ..errors import StateError
 from ..manifest.table import TensorTable
 from .describe import unpack_ints

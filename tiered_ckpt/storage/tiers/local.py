@@ -54,7 +54,7 @@ class LocalTier(FileTier):
         self._written = threading.Condition(self._used_lock)
         self._owned: Callable[[str], bool] = lambda key: True  # what counts toward the capacity (count_only)
         self._root_checked = False  # the tier's folder was found this user's own (private tiers)
-        self._sorted_names: dict[str, tuple[tuple[int, int, int], list[str], bool]] = {}  # list_from's, by folder (see there)
+        self._sorted_names: dict[str, tuple[tuple[int, int, int], list[str], bool]] = {}  # list_from's
         self._names_lock = threading.Lock()
 
     async def open(self) -> None:
