@@ -7,32 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-import tiered_ckpt as tc
-
-from .common import config
 from .spawn import run_ranks
-from .worlds import build, full_state, mismatches, train_step
+from .worlds import load_counted, save_trained
 
 pytestmark = pytest.mark.timeout(600)  # real processes (gloo): 4 and 8 of them
 
 
 async def _save_and_load(rank: int, world: int, root: str) -> dict:
-    out = {}
-    for kind in ("ddp", "fsdp"):
-        model, optim = build(kind, world)
-        train_step(model, optim)
-        saved = full_state(model, optim)
-        async with tc.Engine(config(f"{root}/{kind}")) as engine:
-            await (await engine.save(1, {"train": tc.TrainState(model, optim)})).wait()
-        model, optim = build(kind, world)  # fresh: AdamW has no state yet
-        async with tc.Engine(config(f"{root}/{kind}")) as engine:
-            c = engine.coordinator
-            before = (c.sends, c.receives)
-            info = await engine.load({"train": tc.TrainState(model, optim)})
-            sends, receives = c.sends - before[0], c.receives - before[1]
-        out[kind] = {"step": info.step, "wrong": mismatches(full_state(model, optim), saved), "sends": sends,
-                     "receives": receives, "read": sum(info.bytes_by_tier.values())}
-    return out
+    return {kind: await load_counted(kind, world, root, await save_trained(kind, world, root))
+            for kind in ("ddp", "fsdp")}
 
 
 def test_messages_per_rank_do_not_grow_with_the_world(tmp_path):

@@ -7,44 +7,25 @@ from __future__ import annotations
 
 import pytest
 
-import tiered_ckpt as tc
-
-from .common import config
 from .spawn import run_ranks
-from .worlds import build, full_state, mismatches, train_step
+from .worlds import load_counted, save_trained
 
 pytestmark = pytest.mark.timeout(900)  # 16 real processes, then 8, on a small machine
 
 KINDS = ("ddp", "fsdp")
 
 
-async def _load(kind: str, world: int, root: str, saved: dict) -> dict:
-    model, optim = build(kind, world)  # fresh: AdamW has no state yet
-    async with tc.Engine(config(f"{root}/{kind}")) as engine:
-        c = engine.coordinator
-        before = (c.sends, c.receives)
-        info = await engine.load({"train": tc.TrainState(model, optim)})
-        sends, receives = c.sends - before[0], c.receives - before[1]
-        nbytes = (await engine.read_manifest(info.step)).nbytes
-    return {"step": info.step, "wrong": mismatches(full_state(model, optim), saved), "sends": sends,
-            "receives": receives, "read": sum(info.bytes_by_tier.values()), "nbytes": nbytes}
-
-
 async def _at_16(rank: int, world: int, root: str) -> dict:
     out = {}
     for kind in KINDS:
-        model, optim = build(kind, world)
-        train_step(model, optim)
-        saved = full_state(model, optim)
-        async with tc.Engine(config(f"{root}/{kind}")) as engine:
-            await (await engine.save(1, {"train": tc.TrainState(model, optim)})).wait()
-        out[kind] = await _load(kind, world, root, saved)
+        saved = await save_trained(kind, world, root)
+        out[kind] = await load_counted(kind, world, root, saved)
         out[kind]["saved"] = saved if rank == 0 else None
     return out
 
 
 async def _at_8(rank: int, world: int, root: str, saved: dict) -> dict:
-    return {kind: await _load(kind, world, root, saved[kind]) for kind in KINDS}
+    return {kind: await load_counted(kind, world, root, saved[kind]) for kind in KINDS}
 
 
 def check(results: list[dict], world: int) -> None:

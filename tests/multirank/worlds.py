@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+import tiered_ckpt as tc
+
+from .common import config
+
 
 def build(kind: str, world: int, layers: int = 4, width: int = 16):
     """`layers` Linear(width, width) layers with AdamW: "ddp" (DistributedDataParallel) or "fsdp" (each layer and
@@ -46,3 +50,27 @@ def mismatches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> l
     """The keys whose values differ (bitwise), or that one side lacks."""
     return sorted(k for k in got.keys() | want.keys()
                   if k not in got or k not in want or not torch.equal(got[k], want[k]))
+
+
+async def save_trained(kind: str, world: int, root: str) -> dict[str, torch.Tensor]:
+    """A model of `kind` after one step, saved as step 1 in `root`/`kind`: its full state, to compare with."""
+    model, optim = build(kind, world)
+    train_step(model, optim)
+    saved = full_state(model, optim)
+    async with tc.Engine(config(f"{root}/{kind}")) as engine:
+        await (await engine.save(1, {"train": tc.TrainState(model, optim)})).wait()
+    return saved
+
+
+async def load_counted(kind: str, world: int, root: str, saved: dict) -> dict:
+    """Load `root`/`kind` into a fresh model (AdamW without state yet): the step, the tensors that differ from
+    `saved`, the point-to-point messages the rank sent and received, the bytes it read and the checkpoint's."""
+    model, optim = build(kind, world)
+    async with tc.Engine(config(f"{root}/{kind}")) as engine:
+        c = engine.coordinator
+        before = (c.sends, c.receives)
+        info = await engine.load({"train": tc.TrainState(model, optim)})
+        sends, receives = c.sends - before[0], c.receives - before[1]
+        nbytes = (await engine.read_manifest(info.step)).nbytes
+    return {"step": info.step, "wrong": mismatches(full_state(model, optim), saved), "sends": sends,
+            "receives": receives, "read": sum(info.bytes_by_tier.values()), "nbytes": nbytes}

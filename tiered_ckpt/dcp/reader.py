@@ -9,9 +9,10 @@ one saved by tc.Checkpointer) loads too. Reads are held from retention while the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import torch
 from torch.futures import Future
@@ -122,6 +123,18 @@ class StorageReader(_StorageReader):
         missing = [p for p in paths if p not in index]
         if missing:
             raise IntegrityError(f"job {self.job!r} step {status.step}: the manifest has no tensor {missing[0]!r}")
+        async with self._held() as order:
+            uses = [index[p] for p in paths]
+            reader = TensorReader(store.io, manifest, order, uses, self.reads, None)
+            out = [await reader.get(i) for i in uses]
+            await store.io.run_blocking(store.io.bounce.clear)
+            return out
+
+    @contextlib.asynccontextmanager
+    async def _held(self) -> AsyncIterator[list[str]]:
+        """The tiers to read the step from, fastest first, with the step held from retention meanwhile."""
+        store, status = self._ckpt.engine.store, self._status
+        assert status is not None
         held, removing = await store.busy.pick_and_hold(lambda: store.catalog.pick(status.step, self.tiers),
                                                         lambda s: s.step)
         try:
@@ -129,11 +142,7 @@ class StorageReader(_StorageReader):
             if not order:
                 raise IncompleteCheckpoint(f"job {self.job!r}: step {status.step} is being removed from every tier "
                                            f"that holds it (retention)")
-            uses = [index[p] for p in paths]
-            reader = TensorReader(store.io, manifest, order, uses, self.reads, None)
-            out = [await reader.get(i) for i in uses]
-            await store.io.run_blocking(store.io.bounce.clear)
-            return out
+            yield order
         finally:
             store.busy.end_load(status.step)
 
@@ -185,14 +194,7 @@ class StorageReader(_StorageReader):
         store, manifest, status = self._ckpt.engine.store, self._manifest, self._status
         assert manifest is not None and status is not None
         index = {t.path: i for i, t in enumerate(manifest.tensors)}
-        held, removing = await store.busy.pick_and_hold(lambda: store.catalog.pick(status.step, self.tiers),
-                                                        lambda s: s.step)
-        try:
-            order = [t for t in store.io.order(held.complete & set(self.tiers)) if t not in removing]
-            if not order:
-                raise IncompleteCheckpoint(f"job {self.job!r}: step {status.step} is being removed from every tier "
-                                           f"that holds it (retention)")
-
+        async with self._held() as order:
             def plan() -> tuple[Reads, dict[Any, Any]]:
                 reads = plan_reads(manifest, {index[path]: (path, box) for path, box in targets.items()})
                 spans = {r.rank: rank_spans(manifest, r.rank) for r in manifest.ranks}
@@ -206,8 +208,6 @@ class StorageReader(_StorageReader):
                 raise failed[0]
             await store.io.run_blocking(reads.finish)
             await store.io.run_blocking(reads.release)
-        finally:
-            store.busy.end_load(status.step)
 
 
 def _narrows_only(planner: LoadPlanner) -> bool:
