@@ -28,6 +28,8 @@ SLOW_MODULES = ("test_local_stack.py", "test_lightning.py", "test_redis_cluster.
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: starts real processes (run after the quick subset; CI runs both)")
+    config.addinivalue_line("markers", "large_world: 16 real ranks on one machine, ~5 minutes on 2 cores; CI leaves "
+                            "it out to stay under 30 minutes (`scripts/test.sh -m large_world` runs it)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

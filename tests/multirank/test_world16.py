@@ -10,7 +10,8 @@ import pytest
 from .spawn import run_ranks
 from .worlds import load_counted, save_trained
 
-pytestmark = pytest.mark.timeout(900)  # 16 real processes, then 8, on a small machine
+pytestmark = [pytest.mark.timeout(900),  # 16 real processes, then 8, on a small machine
+              pytest.mark.large_world]
 
 KINDS = ("ddp", "fsdp")
 
