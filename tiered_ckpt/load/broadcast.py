@@ -30,7 +30,7 @@ from ..buffers import tensor_bytes
 from ..storage.tier_io import TierIO
 from ..storage.verified_read import PartRead, ReadLog, fill
 from ..distributed.coordinator import Coordinator
-from .relay import relay_small, small_entries
+from .relay import relay_small, small_entries, wait_all
 
 PartId = tuple[int, int]  # (saved rank, part index)
 
@@ -153,11 +153,7 @@ async def _exchange_spans(coordinator: Coordinator, transfers: list[tuple[int, P
                 sent.append(coordinator.post_send(payload, m, first_tag + 2 * i + 1))
 
     def wait_sent() -> None:
-        for work in sent:
-            try:
-                work.wait()
-            except Exception as e:  # (a broken group: the others are still waited for)
-                errors.append(e)
+        wait_all(sent, errors)
 
     async def send(i: int, key: PartId, members: tuple[int, ...]) -> None:
         await asyncio.wait([prefetch[key]])  # its outcome, whatever it is: this rank sends either way

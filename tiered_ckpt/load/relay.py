@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -112,6 +112,16 @@ class Tree:
         return self.size[0] if self.world else 0
 
 
+def wait_all(works: Sequence[Any], errors: list[BaseException]) -> None:
+    """Wait for every posted point-to-point work, each error recorded: a broken group's, and the others are
+    still waited for (a work left unwaited leaves its peer waiting until the group's timeout)."""
+    for work in works:
+        try:
+            work.wait()
+        except Exception as e:
+            errors.append(e)
+
+
 async def relay_small(coordinator: Coordinator, plan: Sequence[Entry], chosen: dict[int, Spans],
                       prefetch: dict[PartId, asyncio.Future[str]], buffers: dict[PartId, torch.Tensor],
                       parts: dict[PartId, PartRead], lengths: dict[PartId, int], io: TierIO, log: ReadLog,
@@ -170,11 +180,7 @@ async def relay_small(coordinator: Coordinator, plan: Sequence[Entry], chosen: d
         pending = list(ups)
 
         def settle() -> None:
-            for work in pending:
-                try:
-                    work.wait()
-                except Exception as e:  # (a broken group: the others are still waited for)
-                    errors.append(e)
+            wait_all(pending, errors)
             pending.clear()
 
         settle()
