@@ -10,6 +10,9 @@ import torch
 import tiered_ckpt as tc
 
 N = 3000
+# A save leaves a fixed few hundred tracked objects whatever N (its records, tasks and futures: 190-450 measured on
+# a quiet machine, more under load); an object per tensor would leave N or more. The bound sits between the two.
+PER_TENSOR_BOUND = N // 4
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -54,7 +57,7 @@ async def test_a_steady_save_allocates_nothing_per_tensor(make_config):
             await save(step)
         for step in range(5, 8):
             grown, _ = await _without_gc(save(step))
-            assert grown < N // 10, f"save {step} left {grown} more tracked objects for {N} tensors"
+            assert grown < PER_TENSOR_BOUND, f"save {step} left {grown} more tracked objects for {N} tensors"
 
 
 async def test_after_reserve_the_first_saves_allocate_nothing_per_tensor(make_config):
@@ -66,7 +69,7 @@ async def test_after_reserve_the_first_saves_allocate_nothing_per_tensor(make_co
         assert reservation.made >= 2
         for step in range(1, 5):  # (the first save's few hundred objects are its tiers' first records, not per tensor)
             grown, _ = await _without_gc(_save_and_wait(engine, step, state))
-            assert grown < N // 5, f"save {step} after reserve() left {grown} more tracked objects for {N} tensors"
+            assert grown < PER_TENSOR_BOUND, f"save {step} after reserve() left {grown} more tracked objects for {N} tensors"
 
 
 async def test_a_buffer_made_ahead_comes_with_its_views(make_config):
@@ -79,7 +82,7 @@ async def test_a_buffer_made_ahead_comes_with_its_views(make_config):
         await engine.pool.settle()  # the buffer made ahead is free now
         assert len(engine.pool.free) == 1
         grown, _ = await _without_gc(_save_and_wait(engine, 2, state))
-        assert grown < N // 10, f"save 2 left {grown} more tracked objects for {N} tensors"
+        assert grown < PER_TENSOR_BOUND, f"save 2 left {grown} more tracked objects for {N} tensors"
 
 
 async def _save_and_wait(engine: tc.Engine, step: int, state: dict[str, torch.Tensor]) -> None:
