@@ -9,7 +9,7 @@ of PIECE entries, each call is a few milliseconds.
 from __future__ import annotations
 
 import pickle
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -36,3 +36,17 @@ def int_array(values: Sequence[int]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
     return np.concatenate([np.asarray(values[i:i + PIECE], dtype=np.int64) for i in range(0, len(values), PIECE)])
 
+
+
+def rows(values: np.ndarray) -> Iterator[Any]:
+    """values.tolist(), a piece at a time: one tolist() of 1M entries holds the GIL ~30 ms (3M: ~90 ms)."""
+    for i in range(0, len(values), PIECE):
+        yield from values[i:i + PIECE].tolist()
+
+
+def to_list(values: np.ndarray) -> list[Any]:
+    """values.tolist(), made a piece at a time (see `rows`)."""
+    out: list[Any] = []
+    for i in range(0, len(values), PIECE):
+        out.extend(values[i:i + PIECE].tolist())
+    return out

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..manifest.pieces import loads as unpickle_in_pieces
+from ..manifest.pieces import PIECE, int_array, loads as unpickle_in_pieces, rows, to_list
 from ..errors import StateError
 from ..manifest.table import TensorTable
 from .describe import unpack_ints
@@ -93,7 +93,7 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
             for path, dtype, itemsize, n in zip(paths, dtypes, itemsizes, ndims):
                 ids.append(world.add(path, dtype, itemsize, tuple(flat[at:at + n]), rank))
                 at += n
-            tids[digest] = np.asarray(ids, dtype=np.int64)
+            tids[digest] = int_array(ids)
         ids = tids[digest]
         values = unpack_ints(boxes)
         count = len(ids)
@@ -114,9 +114,10 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
 
     count = len(world.paths)
     width = max([a[1].shape[1] for a in parts] + [len(o[3]) for o in own] + [1])
-    itemsize = np.asarray(world.itemsizes, dtype=np.int64)
-    ndims = np.asarray([len(s) for s in world.shapes], dtype=np.int64)
-    numel = np.asarray([math.prod(s) for s in world.shapes], dtype=np.int64)
+    # (every list made an array a piece at a time: one C call over every tensor holds the GIL, manifest/pieces.py)
+    itemsize = int_array(world.itemsizes)
+    ndims = int_array([len(s) for s in world.shapes])
+    numel = int_array([math.prod(s) for s in world.shapes])
 
     def padded(a: np.ndarray, fill: int) -> np.ndarray:
         return a if a.shape[1] == width else np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
@@ -151,9 +152,9 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
 
     rank_of_group = np.asarray([rs[0] for rs in groups], dtype=np.int64)
     own_rows = [o for o in own if math.prod(o[4]) > 0 or numel[o[2]] == 0]
-    own_tid = np.asarray([o[2] for o in own_rows], dtype=np.int64)
-    own_bytes = itemsize[own_tid] * np.asarray([math.prod(o[4]) for o in own_rows], dtype=np.int64)
-    fixed_rank = np.concatenate([rank_of_group[grp[sole]], np.asarray([o[0] for o in own_rows], dtype=np.int64)])
+    own_tid = int_array([o[2] for o in own_rows])
+    own_bytes = itemsize[own_tid] * int_array([math.prod(o[4]) for o in own_rows])
+    fixed_rank = np.concatenate([rank_of_group[grp[sole]], int_array([o[0] for o in own_rows])])
     fixed_bytes = np.concatenate([nbytes[sole], own_bytes])
     load = np.bincount(fixed_rank, weights=fixed_bytes, minlength=world_size).round().astype(np.int64)
     total = int(fixed_bytes.sum()) + int(nbytes[held].sum()) + sum([placer.nbytes(b) for b in placer.first])
@@ -164,22 +165,23 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
     held_rank = _spread(held, grp, nbytes, tid, groups, load, world.paths)
     pieces = placer.place(load.tolist(), int(fixed_bytes.sum()) + int(nbytes[held].sum()), world_size)
 
-    # every piece: rank, descriptor, tensor, offsets, sizes, cut start (-1: whole), cut length, bytes
-    py = sorted(pieces, key=lambda p: (p[0], p[1]))
-    py_off = np.asarray([p[3] + (0,) * (width - len(p[3])) for p in py], dtype=np.int64).reshape(-1, width)
-    py_size = np.asarray([p[4] + (1,) * (width - len(p[4])) for p in py], dtype=np.int64).reshape(-1, width)
-    own_off = np.asarray([o[3] + (0,) * (width - len(o[3])) for o in own_rows], dtype=np.int64).reshape(-1, width)
-    own_size = np.asarray([o[4] + (1,) * (width - len(o[4])) for o in own_rows], dtype=np.int64).reshape(-1, width)
+    # every piece: rank, descriptor, tensor, offsets, sizes, cut start (-1: whole), cut length, bytes (in any
+    # order: the streams are sorted below)
+    py_off = int_array([x for p in pieces for x in p[3] + (0,) * (width - len(p[3]))]).reshape(-1, width)
+    py_size = int_array([x for p in pieces for x in p[4] + (1,) * (width - len(p[4]))]).reshape(-1, width)
+    own_off = int_array([x for o in own_rows for x in o[3] + (0,) * (width - len(o[3]))]).reshape(-1, width)
+    own_size = int_array([x for o in own_rows for x in o[4] + (1,) * (width - len(o[4]))]).reshape(-1, width)
     whole = int(sole.sum()) + len(own_rows) + int(held.sum())
-    rank = np.concatenate([fixed_rank, held_rank, np.asarray([p[0] for p in py], dtype=np.int64)])
-    descriptor = np.concatenate([desc[sole], np.asarray([o[1] for o in own_rows], dtype=np.int64), desc[held],
-                                 np.asarray([p[1] for p in py], dtype=np.int64)])
-    chunk_tid = np.concatenate([tid[sole], own_tid, tid[held], np.asarray([p[2] for p in py], dtype=np.int64)])
+    rank = np.concatenate([fixed_rank, held_rank, int_array([p[0] for p in pieces])])
+    descriptor = np.concatenate([desc[sole], int_array([o[1] for o in own_rows]), desc[held],
+                                 int_array([p[1] for p in pieces])])
+    chunk_tid = np.concatenate([tid[sole], own_tid, tid[held], int_array([p[2] for p in pieces])])
     chunk_off = np.concatenate([offsets[sole], own_off, offsets[held], py_off])
     chunk_size = np.concatenate([sizes[sole], own_size, sizes[held], py_size])
-    start = np.concatenate([np.full(whole, -1, np.int64), np.asarray([p[5] for p in py], dtype=np.int64)])
-    length = np.concatenate([np.zeros(whole, np.int64), np.asarray([p[6] for p in py], dtype=np.int64)])
-    chunk_bytes = np.concatenate([fixed_bytes, nbytes[held], np.asarray([p[7] for p in py], dtype=np.int64)])
+    start = np.concatenate([np.full(whole, -1, np.int64), int_array([p[5] for p in pieces])])
+    length = np.concatenate([np.zeros(whole, np.int64), int_array([p[6] for p in pieces])])
+    chunk_bytes = np.concatenate([fixed_bytes, nbytes[held], int_array([p[7] for p in pieces])])
+    del pieces
 
     # each rank's stream: its pieces in its tensors' order
     key = rank * (int(descriptor.max(initial=0)) + 1) + descriptor
@@ -198,27 +200,35 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
     rank_nbytes = np.zeros(world_size, np.int64)
     last = first[1:][writes] - 1
     rank_nbytes[writes] = byte_offset[last] + chunk_bytes[last]
-    rows = np.stack([descriptor, start, length, byte_offset], axis=1).astype("<i8")
-    shares = [rows[a:b].tobytes() for a, b in zip(first[:-1].tolist(), first[1:].tolist())]
+    share_rows = np.stack([descriptor, start, length, byte_offset], axis=1).astype("<i8")
+    shares = [share_rows[a:b].tobytes() for a, b in zip(first[:-1].tolist(), first[1:].tolist())]
 
     by_tensor = np.argsort(chunk_tid.astype(np.uint16) if count <= 1 << 16 else chunk_tid, kind="stable")
     chunk_tid = chunk_tid[by_tensor]
     valid = np.arange(width) < ndims[chunk_tid][:, None]
-    names = sorted(set(world.dtypes))
+    names = sorted(_distinct(world.dtypes))
     dtype_index = {n: i for i, n in enumerate(names)}
-    table = TensorTable(list(world.paths), names, np.asarray([dtype_index[d] for d in world.dtypes], dtype=np.int64),
-                        ndims, np.asarray([x for s in world.shapes for x in s], dtype=np.int64),
+    table = TensorTable(list(world.paths), names, int_array([dtype_index[d] for d in world.dtypes]),
+                        ndims, int_array([x for s in world.shapes for x in s]),
                         np.bincount(chunk_tid, minlength=count).astype(np.int64), rank[by_tensor],
                         byte_offset[by_tensor], chunk_bytes[by_tensor], chunk_off[by_tensor][valid],
                         chunk_size[by_tensor][valid])
-    return WorldPlan(table, rank_nbytes.tolist(), shares)
+    return WorldPlan(table, to_list(rank_nbytes), shares)
+
+
+def _distinct(values: list[str]) -> set[str]:
+    """set(values), a piece at a time (one set() of 1M entries is one C call: manifest/pieces.py)."""
+    out: set[str] = set()
+    for i in range(0, len(values), PIECE):
+        out.update(values[i:i + PIECE])
+    return out
 
 
 def _add(placer: _Replicated, mask: np.ndarray, grp: np.ndarray, desc: np.ndarray, tid: np.ndarray,
          offsets: np.ndarray, sizes: np.ndarray, ndims: np.ndarray) -> None:
-    ndim_of = ndims.tolist()
-    for g, d, t, o, z in zip(grp[mask].tolist(), desc[mask].tolist(), tid[mask].tolist(), offsets[mask].tolist(),
-                             sizes[mask].tolist()):
+    ndim_of = to_list(ndims)
+    for g, d, t, o, z in zip(rows(grp[mask]), rows(desc[mask]), rows(tid[mask]), rows(offsets[mask]),
+                             rows(sizes[mask])):
         n = ndim_of[t]
         placer.add(g, d, t, tuple(o[:n]), tuple(z[:n]))
 
