@@ -233,3 +233,80 @@ def test_the_plan_key_is_hashed_and_compared_a_piece_at_a_time(monkeypatch):
     assert first != key(paths=renamed)
     assert first != key(tensors=[*state.values()][:2000] + [torch.zeros(16, dtype=torch.float64)]
                         + [*state.values()][2001:])
+
+
+class LongestCalls:
+    """The longest list or tuple given to np.asarray and the largest array turned into a list (tolist), on this
+    thread: each one C call that holds the GIL for as long as it takes."""
+
+    def __init__(self, monkeypatch) -> None:
+        import numpy as np
+
+        self.made: list[int] = [0]
+        self.listed: list[int] = [0]
+        real = np.asarray
+
+        def asarray(value, *args, **kwargs):
+            if isinstance(value, (list, tuple)):
+                self.made.append(len(value))
+            return real(value, *args, **kwargs)
+
+        monkeypatch.setattr(np, "asarray", asarray)
+
+    def _profile(self, frame, event, arg) -> None:
+        if event == "c_call" and getattr(arg, "__name__", "") == "tolist":
+            self.listed.append(getattr(getattr(arg, "__self__", None), "size", 0))
+
+    def __enter__(self) -> "LongestCalls":
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+
+
+def test_the_world_plan_and_a_ranks_share_make_no_list_or_array_of_every_tensor_in_one_call(monkeypatch):
+    """The world plan's columns (and a rank's share of it, and the load's read planning) go between lists and
+    arrays in calls of at most PIECE entries: one np.asarray of 1M tuples or one tolist() of 1M rows held the GIL
+    50-180 ms at 300k tensors, in the planning thread, and the loop waited as long."""
+    monkeypatch.setattr(pieces, "PIECE", 100)
+    descriptors = [(f"layer{i}.scale", "torch.float32", 4, (16,), (0,), (16,)) for i in range(COUNT)]
+    with LongestCalls(monkeypatch) as calls:
+        described = describe(descriptors, 0)
+        plan = plan_world([described.payload_for(None)])
+        local = described.local(plan.shares[0])
+        spans = plan.tensors.chunk_spans(0)
+    assert len(plan.tensors) == COUNT and len(local) == COUNT and len(spans) == COUNT
+    assert max(calls.made) <= 100 and max(calls.listed) <= 4 * 100, (max(calls.made), max(calls.listed))
+
+
+def test_the_manifest_is_packed_a_piece_at_a_time_into_the_same_bytes(monkeypatch):
+    """msgpack packs the manifest's path column (one str per tensor) in calls of at most PIECE paths (one packb of
+    1M paths held the GIL ~50 ms), into the bytes one packb of the whole makes."""
+    import msgpack
+
+    from tiered_ckpt.checksum import unseal
+    from tiered_ckpt.manifest import Manifest, RankMeta
+
+    monkeypatch.setattr(pieces, "PIECE", 100)
+    descriptors = [(f"layer{i}.scale", "torch.float32", 4, (16,), (0,), (16,)) for i in range(COUNT)]
+    plan = plan_world([describe(descriptors, 0).payload_for(None)])
+    manifest = Manifest(job="j", step=3, world_size=1, part_size=1 << 20, checksum="crc32c", tensors=plan.tensors,
+                        ranks=(RankMeta(0, plan.rank_nbytes[0]),), skeleton=b"", created=1.0,
+                        metadata={"lr": [0.1] * 300, "note": "x"})
+    longest = [0]
+    real = msgpack.Packer
+
+    class Counting(real):
+        def pack(self, value):
+            if isinstance(value, list):
+                longest[0] = max(longest[0], len(value))
+            return super().pack(value)
+
+    monkeypatch.setattr(pieces.msgpack, "Packer", Counting)
+    data = manifest.to_bytes()
+    assert 0 < longest[0] <= 100
+    body = {f: getattr(manifest, f) for f in ("job", "step", "world_size", "part_size", "checksum")}
+    assert unseal(data, "m") == msgpack.packb(msgpack.unpackb(unseal(data, "m")))  # the bytes of one packb
+    assert Manifest.from_bytes(data) == manifest and len(manifest.tensors) == COUNT
+    assert {k: v for k, v in msgpack.unpackb(unseal(data, "m")).items() if k in body} == body

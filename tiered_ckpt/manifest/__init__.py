@@ -186,7 +186,9 @@ class Manifest:
         body["ranks"] = [{"rank": r.rank, "nbytes": r.nbytes, "checksums": list(r.checksums), "skeleton": r.skeleton,
                           "chunk_sums": r.chunk_sums, "host": r.host} for r in self.ranks]
         body["version"] = FORMAT_VERSION
-        return seal(msgpack.packb(body))
+        from .pieces import packb  # (numpy: see __post_init__)
+
+        return seal(packb(body))  # msgpack.packb's bytes, the path column a piece at a time (pieces.py)
 
     @classmethod
     def from_bytes(cls, data: bytes, *, source: str = "manifest") -> "Manifest":

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, TypeVar, ov
 import numpy as np
 
 from ..release import empty
+from .pieces import rows
 from .tensors import ChunkMeta, TensorMeta, dtype_from_str
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ class TensorTable(ColumnRows[TensorMeta]):
         mine = (self.rank == rank) & (self.nbytes > 0)
         starts, lengths = self.byte_offset[mine], self.nbytes[mine]
         order = np.lexsort((lengths, starts))
-        return list(zip(starts[order].tolist(), lengths[order].tolist()))
+        return list(zip(rows(starts[order]), rows(lengths[order])))  # (a piece at a time: pieces.py)
 
     def check(self, rank_nbytes: Sequence[int]) -> str | None:
         """What is wrong with the chunks given each rank's stream length, or None: ranks in range, byte ranges

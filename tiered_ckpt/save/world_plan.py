@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..manifest.pieces import PIECE, int_array, loads as unpickle_in_pieces, rows, to_list
+from ..manifest.pieces import distinct, int_array, loads as unpickle_in_pieces, rows, to_list
 from ..errors import StateError
 from ..manifest.table import TensorTable
 from .describe import unpack_ints
@@ -206,7 +206,7 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
     by_tensor = np.argsort(chunk_tid.astype(np.uint16) if count <= 1 << 16 else chunk_tid, kind="stable")
     chunk_tid = chunk_tid[by_tensor]
     valid = np.arange(width) < ndims[chunk_tid][:, None]
-    names = sorted(_distinct(world.dtypes))
+    names = sorted(distinct(world.dtypes))
     dtype_index = {n: i for i, n in enumerate(names)}
     table = TensorTable(list(world.paths), names, int_array([dtype_index[d] for d in world.dtypes]),
                         ndims, int_array([x for s in world.shapes for x in s]),
@@ -214,14 +214,6 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
                         byte_offset[by_tensor], chunk_bytes[by_tensor], chunk_off[by_tensor][valid],
                         chunk_size[by_tensor][valid])
     return WorldPlan(table, to_list(rank_nbytes), shares)
-
-
-def _distinct(values: list[str]) -> set[str]:
-    """set(values), a piece at a time (one set() of 1M entries is one C call: manifest/pieces.py)."""
-    out: set[str] = set()
-    for i in range(0, len(values), PIECE):
-        out.update(values[i:i + PIECE])
-    return out
 
 
 def _add(placer: _Replicated, mask: np.ndarray, grp: np.ndarray, desc: np.ndarray, tid: np.ndarray,
