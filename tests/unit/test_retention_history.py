@@ -122,3 +122,13 @@ async def test_a_load_from_a_tier_that_takes_every_tenth_save_widens_its_window(
         assert info.step == 10 and float(out["w"][0]) == 10.0
         info = await engine.load(out := state_of(0.0))
         assert info.step == 19 and float(out["w"][0]) == 19.0
+
+
+def test_a_verdict_makes_its_kept_steps_once():
+    """A pass asks `kept` for each checkpoint it judges: made at each ask (the old code), a first pass over ten
+    thousand checkpoints cost O(H^2) (2.6 s on the event loop); now the one set is made once per verdict."""
+    from tiered_ckpt.lifecycle.rules import Rules
+
+    verdict = Rules(2, keep_every=3).judge([(step, {}) for step in range(1, 10_001)])
+    assert verdict.kept is verdict.kept  # the same set: not made again
+    assert len(verdict.kept) == 3333 + 1  # every third step (3 ... 9,999), and the newest two (9,999 and 10,000)
