@@ -132,3 +132,31 @@ def test_a_verdict_makes_its_kept_steps_once():
     verdict = Rules(2, keep_every=3).judge([(step, {}) for step in range(1, 10_001)])
     assert verdict.kept is verdict.kept  # the same set: not made again
     assert len(verdict.kept) == 3333 + 1  # every third step (3 ... 9,999), and the newest two (9,999 and 10,000)
+
+
+async def test_a_writer_lists_the_whole_index_once_to_clean_up_at_its_start(make_config, shm_dir, monkeypatch):
+    """Failed on the old code: a writer's start listed the whole history three times (to relist what the index
+    forgot, to find the newest complete step, to remove newer incomplete ones); now once, for the three. Its
+    work is kept: a checkpoint the index forgot is listed again, an incomplete newer one is removed."""
+    from tiered_ckpt.storage.index.file import FileIndex
+
+    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 5}, {"keep_last": 5}])
+    async with tc.Engine(config) as engine:
+        for step in (1, 2, 3):
+            await (await engine.save(step, state_of(float(step)))).wait()
+        index, job = engine.store.index, engine.store.job
+        await index.delete(job, 2)  # forgotten by the index: still whole on the tiers
+        await index.begin(job, 9, ["disk"])  # a crashed run's incomplete checkpoint, newer than every complete one
+    listings = [0]
+    real = FileIndex.list
+
+    async def counted(self, job):
+        listings[0] += 1
+        return await real(self, job)
+
+    monkeypatch.setattr(FileIndex, "list", counted)
+    async with tc.Engine(config) as engine:
+        listings[0] = 0
+        await engine.store.writer.become()
+        assert listings[0] == 1
+        assert [s.step for s in await engine.statuses()] == [1, 2, 3]
