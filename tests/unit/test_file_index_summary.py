@@ -121,3 +121,17 @@ async def test_a_short_history_keeps_no_summary(tmp_path):
     await index.list(JOB)
     assert not (tmp_path / JOB / file_summary.SUMMARY).exists()  # below LISTED_FROM steps: nothing written
     await index.close()
+
+
+async def test_a_failure_of_a_tier_no_longer_targeted_is_seen(tmp_path, records_read):
+    """A step with a failure marker of a complete tier (listed as nothing) is not kept: a marker of another tier
+    added to the same folder later changes only that folder, and is listed."""
+    index = await writer(tmp_path)
+    await fill(index, range(1, 4))
+    await index.mark_failed(JOB, 2, "disk", 1, "s", "a retry that lost")  # disk is complete: not listed as failed
+    await asyncio.sleep(0.11)
+    reader = FileIndex(tmp_path)
+    assert not (await reader.list(JOB))[1].failed
+    await index.mark_failed(JOB, 2, "old", 0, "s", "gone")
+    assert (await reader.list(JOB))[1].failed == {"old": "rank 0: gone"}
+    await index.close()

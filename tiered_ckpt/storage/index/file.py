@@ -283,7 +283,7 @@ class FileIndex:
                 status = self._status_sync(where, n)
                 if status is None:
                     continue
-                if settled(status) and trusted(stamp, read_at):
+                if settled(status) and trusted(stamp, read_at) and not _has_markers(f"{where}/{n}"):
                     summary.put(where, n, stamp, status)
                 elif hit is not None:
                     summary.drop(where, n)
@@ -640,6 +640,13 @@ def _step_names(base: Path) -> list[str]:
         return []
     lo, hi = bisect.bisect_left(names, STEP_DIR), bisect.bisect_left(names, STEP_DIR[:-1] + chr(ord(STEP_DIR[-1]) + 1))
     return [n for n in names[lo:hi] if n[len(STEP_DIR):].isdigit()] if hi - lo else []
+
+
+def _has_markers(d: str) -> bool:
+    """Whether step folder `d` holds a failed/ or skipped/ folder: a status with one is not kept in the summary,
+    since a marker added there later changes only that folder (a marker of a complete tier, listed as nothing,
+    may stand beside one of a tier no longer targeted, which is listed)."""
+    return os.path.isdir(f"{d}/failed") or os.path.isdir(f"{d}/skipped")
 
 
 def _names(d: str) -> list[str]:

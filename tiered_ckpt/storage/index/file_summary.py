@@ -1,10 +1,10 @@
 """The file index's summary of settled checkpoints: a listing of ten thousand checkpoints reads two stats per
 step instead of two listings and two records.
 
-A checkpoint is *settled* when it is complete on every tier its record targets and no rank recorded a failure or
-a skip there: nothing but a change of the index's own records changes how it is listed then, and each such
-change renames or removes a name in the step's folder (`begun` rewritten by `unmark` or a new `begin`, `info`,
-a `failed/` or `skipped/` folder made) or in its `complete/` folder (a tier's marker made or removed), which
+A checkpoint is *settled* when it is complete on every tier its record targets and its folder holds no `failed/`
+or `skipped/` folder (file.py checks the folders): nothing but a change of the index's own records changes how
+it is listed then, and each such change renames or removes a name in the step's folder (`begun` rewritten by
+`unmark` or a new `begin`, `info`, a `failed/` or `skipped/` folder made) or in its `complete/` folder (a tier's marker made or removed), which
 changes that folder's modification time; a step removed and made again is a new folder (a new inode). So a
 settled status is kept with both folders' (modification time, inode) and is good while both are the same, as git
 trusts its index: only when it was read more than a tick of the file system's clock after the last change of
