@@ -11,6 +11,7 @@ itself is lifecycle/removal.py's.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 from typing import Callable, Iterable, Mapping, TypeVar
 
@@ -185,13 +186,16 @@ class Retention:
         if not unlisted:
             return False
         assert rules.keep_last is not None
+        ordered = await self._judged(len(found), lambda: sorted(found))  # found's steps: one bisect counts newer ones
         for st in unlisted:  # newest first
             if st in by_step:
                 continue
-            if len([k for k in found if k > st]) >= rules.keep_last and not rules.may_keep_old(st):
+            if len(ordered) - bisect.bisect_right(ordered, st) >= rules.keep_last and not rules.may_keep_old(st):
                 continue
             manifest = await self._whole(tier, copies[st])
             if manifest is not None:
+                if st not in found:
+                    bisect.insort(ordered, st)
                 found[st] = (st, manifest.metadata)
         verdict = await self._judged(len(found), lambda: rules.judge(list(found.values())))
         oldest_last = verdict.oldest_last
@@ -249,7 +253,7 @@ class Retention:
 
             by_step, newest, retire_order = await self._judged(max(len(statuses), len(copies)), order)
             await self.busy.no_load_picking()
-            busy = self.busy.steps() | {finishing}  # asked again: a load may have begun during the scan
+            busy = self.busy.steps() | {finishing}  # asked after the scan: a load may have begun during it
             for st in retire_order:
                 if st == newest or st in busy or st > finishing:
                     continue
