@@ -280,10 +280,10 @@ class FileIndex:
                 if hit is not None and hit[0] == stamp:
                     out.append(hit[1])
                     continue
-                status = self._status_sync(where, n)
+                status, markers = self._read_status(where, n)
                 if status is None:
                     continue
-                if settled(status) and trusted(stamp, read_at) and not _has_markers(f"{where}/{n}"):
+                if settled(status) and not markers and trusted(stamp, read_at):
                     summary.put(where, n, stamp, status)
                 elif hit is not None:
                     summary.drop(where, n)
@@ -296,21 +296,28 @@ class FileIndex:
         """The status of step folder `name` in job folder `base`; None when it promises nothing (killed before
         `begin` landed). Paths as strings: a listing reads ten thousand of these, and pathlib's objects cost more
         than the reads."""
+        return self._read_status(base, name)[0]
+
+    def _read_status(self, base: str, name: str) -> tuple[CheckpointStatus | None, bool]:
+        """`_status_sync`, and whether the folder holds a failed/ or skipped/ folder (such a status is not kept
+        in the summary: a marker added there later changes only that folder; one of a complete tier, listed as
+        nothing, may stand beside one of a tier no longer targeted, which is listed)."""
         step = parse_step_dir(name)
         if step is None:
-            return None
+            return None, False
         d = f"{base}/{name}"
         try:
             held = set(os.listdir(d))  # one listing says which records exist: none is looked for in vain
         except (FileNotFoundError, NotADirectoryError):
-            return None
+            return None, False
+        markers = "failed" in held or "skipped" in held
         failures = [p.name.rsplit(".", 2) for p in _entries(Path(d, "failed"))] if "failed" in held else []
         unreadable = ""
         try:
             record = _read_begun(f"{d}/begun")
         except FileNotFoundError:
             if not failures:
-                return None  # killed before `begin` landed: nothing was promised
+                return None, markers  # killed before `begin` landed: nothing was promised
             record = {"tiers": sorted({name for name, _, _ in failures})}  # a rank failed before begin
         except (IntegrityError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             log.warning("index %s: the record of step %d cannot be read (%s); listed as incomplete", self.root,
@@ -334,7 +341,8 @@ class FileIndex:
         info = _read_info(f"{d}/info") if "info" in held else {}
         return CheckpointStatus(step, tuple(record["tiers"]), complete, failed, record.get("created", 0.0),
                                 nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped,
-                                folder=folder if isinstance(folder := info.get("folder"), str) and folder else None)
+                                folder=folder if isinstance(folder := info.get("folder"), str) and folder else None), \
+            markers
 
     async def jobs(self) -> list[str]:
         """The jobs with a checkpoint folder here, sorted."""
@@ -640,13 +648,6 @@ def _step_names(base: Path) -> list[str]:
         return []
     lo, hi = bisect.bisect_left(names, STEP_DIR), bisect.bisect_left(names, STEP_DIR[:-1] + chr(ord(STEP_DIR[-1]) + 1))
     return [n for n in names[lo:hi] if n[len(STEP_DIR):].isdigit()] if hi - lo else []
-
-
-def _has_markers(d: str) -> bool:
-    """Whether step folder `d` holds a failed/ or skipped/ folder: a status with one is not kept in the summary,
-    since a marker added there later changes only that folder (a marker of a complete tier, listed as nothing,
-    may stand beside one of a tier no longer targeted, which is listed)."""
-    return os.path.isdir(f"{d}/failed") or os.path.isdir(f"{d}/skipped")
 
 
 def _names(d: str) -> list[str]:
