@@ -174,7 +174,8 @@ def _slope(xs: list[int], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(lx, ly)) / den if den else 0.0
 
 
-COLUMNS = [("first_save_cpu_s", "1st save CPU"), ("first_save_stall_s", "1st save stall"), ("save_cpu_s", "save CPU"), ("load_cpu_s", "load CPU"), ("startup_cpu_s", "CLI start CPU"),
+COLUMNS = [("first_save_cpu_s", "1st save CPU"), ("first_save_stall_s", "1st save stall"), ("save_cpu_s", "save CPU"),
+           ("load_cpu_s", "load CPU"), ("startup_cpu_s", "CLI start CPU"),
            ("ls_cpu_s", "ls CPU"), ("ls_s", "ls wall"), ("ls_cold_cpu_s", "ls cold CPU"),
            ("gc_dry_run_cpu_s", "gc -n CPU"),
            ("gc_dry_run_s", "gc -n wall"), ("gc_cpu_s", "gc CPU"), ("gc_s", "gc wall"),

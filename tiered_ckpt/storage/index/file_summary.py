@@ -4,8 +4,9 @@ step instead of two listings and two records.
 A checkpoint is *settled* when it is complete on every tier its record targets and its folder holds no `failed/`
 or `skipped/` folder (file.py checks the folders): nothing but a change of the index's own records changes how
 it is listed then, and each such change renames or removes a name in the step's folder (`begun` rewritten by
-`unmark` or a new `begin`, `info`, a `failed/` or `skipped/` folder made) or in its `complete/` folder (a tier's marker made or removed), which
-changes that folder's modification time; a step removed and made again is a new folder (a new inode). So a
+`unmark` or a new `begin`, `info`, a `failed/` or `skipped/` folder made) or in its `complete/` folder (a tier's
+marker made or removed), which changes that folder's modification time; a step removed and made again is a new
+folder (a new inode). So a
 settled status is kept with both folders' (modification time, inode) and is good while both are the same, as git
 trusts its index: only when it was read more than a tick of the file system's clock after the last change of
 either folder (`racy_ns`), since a change within the same tick keeps the time.
