@@ -1,5 +1,6 @@
-"""A local tier's listing cuts each folder's part of the keys once, not per file: a tier keeping ten thousand
-checkpoints holds 40,000 files, and os.path.relpath per file was most of a listing's CPU (1.0 s -> 0.55 s)."""
+"""A local tier's listing cuts each folder's part of the keys once, not per file, in one scandir per folder: a tier
+keeping ten thousand checkpoints holds 40,000 files, and os.path.relpath per file (and os.walk's join and islink per
+folder) were most of a listing's CPU (1.27 s -> 0.40 s)."""
 import os
 
 from tiered_ckpt.storage.tiers.local import LocalOptions, LocalTier
@@ -13,6 +14,8 @@ async def test_a_listing_works_out_no_path_per_file(tmp_path, monkeypatch):
         (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / key).write_bytes(b"1")
     (tmp_path / "job" / "step-000000000003" / ".tmp-part").write_bytes(b"")  # a write in progress: not a key
+    (tmp_path / "job" / "step-000000000004" / "link").symlink_to(tmp_path / "job" / "step-000000000005")  # as
+    # os.walk: a link to a folder is neither followed nor listed
     calls = [0]
     real = os.path.relpath
 

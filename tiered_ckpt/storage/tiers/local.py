@@ -350,18 +350,33 @@ class LocalTier(FileTier):
         return await self.run_blocking(walk)
 
     def _keys_under(self, folder: Path) -> Iterator[str]:
-        """The keys of the files below `folder` (a folder of this tier), temp files left out. Each folder's part of
-        the key is cut once from its path, not worked out per file (os.path.relpath per file was most of the CPU
-        of listing a tier that keeps ten thousand checkpoints: 40,000 files)."""
+        """The keys of the files below `folder` (a folder of this tier), temp files left out, in no order; what
+        os.walk would find (a link to a folder is not followed nor listed; a folder that cannot be read is passed
+        over). Each folder's part of the key is cut once from its path, not worked out per file, and the walk is
+        one scandir per folder: os.path.relpath per file, and os.walk's join and islink per folder, were most of
+        the CPU of listing a tier that keeps ten thousand checkpoints (40,000 files in 80,000 folders)."""
         root = str(self.root)
         below = root if root.endswith("/") else root + "/"
-        for dirpath, _, files in os.walk(folder):
-            rel = dirpath[len(below):] if dirpath.startswith(below) else "" if dirpath == root else \
-                os.path.relpath(dirpath, root)
+        stack = [str(folder)]
+        while stack:
+            path = stack.pop()
+            rel = path[len(below):] if path.startswith(below) else "" if path == root else os.path.relpath(path, root)
             head = rel + "/" if rel else ""
-            for f in files:
-                if not f.startswith(TMP):
-                    yield head + f
+            try:
+                entries = os.scandir(path)
+            except OSError:
+                continue
+            with entries:
+                for entry in entries:
+                    try:
+                        is_dir = entry.is_dir()
+                    except OSError:
+                        is_dir = False
+                    if is_dir:
+                        if not entry.is_symlink():
+                            stack.append(entry.path)
+                    elif not entry.name.startswith(TMP):
+                        yield head + entry.name
 
     async def usage(self, prefix: str) -> dict[str, int]:
         def walk() -> dict[str, int]:
