@@ -40,3 +40,16 @@ class TestIndexWithoutBatchedReads(IndexConformance):
     @pytest.fixture
     def make_index(self, tmp_path):
         return lambda: WithoutBatchedReads(FileIndex(tmp_path / "index"))
+
+
+class TestFileIndexWithItsSummary(IndexConformance):
+    """The file index with its summary of settled checkpoints in use from the first step (file_summary.py),
+    written after every listing."""
+
+    @pytest.fixture
+    def make_index(self, tmp_path, monkeypatch):
+        from tiered_ckpt.storage.index import file_summary
+
+        monkeypatch.setattr(file_summary, "LISTED_FROM", 0)
+        monkeypatch.setattr(file_summary, "REWRITE_AFTER", 0)
+        return lambda: FileIndex(tmp_path / "index")

@@ -122,3 +122,68 @@ async def test_a_load_from_a_tier_that_takes_every_tenth_save_widens_its_window(
         assert info.step == 10 and float(out["w"][0]) == 10.0
         info = await engine.load(out := state_of(0.0))
         assert info.step == 19 and float(out["w"][0]) == 19.0
+
+
+def test_a_verdict_makes_its_kept_steps_once():
+    """A pass asks `kept` for each checkpoint it judges: made at each ask (the old code), a first pass over ten
+    thousand checkpoints cost O(H^2) (2.6 s on the event loop); now the one set is made once per verdict."""
+    from tiered_ckpt.lifecycle.rules import Rules
+
+    verdict = Rules(2, keep_every=3).judge([(step, {}) for step in range(1, 10_001)])
+    assert verdict.kept is verdict.kept  # the same set: not made again
+    assert len(verdict.kept) == 3333 + 1  # every third step (3 ... 9,999), and the newest two (9,999 and 10,000)
+
+
+async def test_a_writer_lists_the_whole_index_once_to_clean_up_at_its_start(make_config, shm_dir, monkeypatch):
+    """Failed on the old code: a writer's start listed the whole history three times (to relist what the index
+    forgot, to find the newest complete step, to remove newer incomplete ones); now once, for the three. Its
+    work is kept: a checkpoint the index forgot is listed again, an incomplete newer one is removed."""
+    from tiered_ckpt.storage.index.file import FileIndex
+
+    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 5}, {"keep_last": 5}])
+    async with tc.Engine(config) as engine:
+        for step in (1, 2, 3):
+            await (await engine.save(step, state_of(float(step)))).wait()
+        index, job = engine.store.index, engine.store.job
+        await index.delete(job, 2)  # forgotten by the index: still whole on the tiers
+        await index.begin(job, 9, ["disk"])  # a crashed run's incomplete checkpoint, newer than every complete one
+    listings = [0]
+    real = FileIndex.list
+
+    async def counted(self, job):
+        listings[0] += 1
+        return await real(self, job)
+
+    monkeypatch.setattr(FileIndex, "list", counted)
+    async with tc.Engine(config) as engine:
+        listings[0] = 0
+        await engine.store.writer.become()
+        assert listings[0] == 1
+        assert [s.step for s in await engine.statuses()] == [1, 2, 3]
+
+
+async def test_a_first_pass_judges_a_long_history_off_the_event_loop(make_config, shm_dir, monkeypatch):
+    """Failed on the old code: a writer's first pass judged every checkpoint on the event loop (10,000: 0.1 s of
+    judging, and 2.6 s more for the kept set). Now a listing from `LONG` checkpoints on is judged in a thread."""
+    import threading
+
+    from tiered_ckpt.lifecycle import retention
+    from tiered_ckpt.lifecycle.rules import Rules
+
+    monkeypatch.setattr(retention, "LONG", 16, raising=False)
+    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 2}, {"keep_last": 2, "keep_every": 10}])
+    async with tc.Engine(config) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        await fill(engine, range(10, 410, 10))
+    judged: list[tuple[int, bool]] = []  # (how many, on the event loop's thread)
+    real = Rules.judge
+
+    def recorded(self, complete):
+        judged.append((len(complete), threading.current_thread() is threading.main_thread()))
+        return real(self, complete)
+
+    monkeypatch.setattr(Rules, "judge", recorded)
+    async with tc.Engine(config) as engine:  # a new writer: its first pass looks at the whole history
+        await (await engine.save(500, state_of(5.0))).wait()
+        assert any(n > 16 for n, _ in judged) and not [n for n, on_loop in judged if n > 16 and on_loop], judged
+        assert [s.step for s in await engine.statuses() if "disk" in s.complete][-3:] == [390, 400, 500]

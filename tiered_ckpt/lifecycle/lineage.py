@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from ..errors import TierError
 from ..gc_pause import automatic_gc_paused
 from ..layout import committed_key, index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
 from ..manifest import Manifest
-from ..storage.index import Index
+from ..storage.index import CheckpointStatus, Index
 from ..storage.tier_io import TierIO
 
 log = logging.getLogger(__name__)
@@ -102,10 +102,13 @@ async def read_manifest(io: TierIO, tier: str, copy: Copy) -> Manifest:
         copy.job, copy.step, source, incarnation=copy.incarnation))
 
 
-async def relist(io: TierIO, index: Index, job: str, session: str) -> list[int]:
+async def relist(io: TierIO, index: Index, job: str, session: str,
+                 statuses: Sequence[CheckpointStatus] | None = None) -> list[int]:
     """Put back into the index the checkpoints of this lineage that it forgot: committed copies, whole on some
-    tier, of steps it neither lists nor buries. A writer does this once, at its start; returns those steps."""
-    statuses = await index.list(job)
+    tier, of steps it neither lists nor buries. A writer does this once, at its start; returns those steps.
+    `statuses`: the index's listing, when the caller made one just before (listed once, not once per use)."""
+    if statuses is None:
+        statuses = await index.list(job)
     listed = {s.step for s in statuses if "index" not in s.failed}
     buried = await index.buried(job)
     found: dict[int, tuple[Copy, Manifest, list[str]]] = {}

@@ -91,14 +91,16 @@ class Removal:
                 raise CheckpointExists(f"job {self.job!r} step {step} became complete elsewhere meanwhile")
             await self.forget(status)
 
-    async def drop_incomplete_after(self, step: int) -> None:
+    async def drop_incomplete_after(self, step: int, statuses: Sequence[CheckpointStatus] | None = None) -> None:
         """A writer starting from `step`: remove incomplete checkpoints newer than it, leftovers of the crashed
-        run that the resumed run would otherwise save over."""
-        try:
-            statuses = await self.index.list(self.job)
-        except IndexUnavailable as e:
-            log.warning("%s: leftovers of the crashed run are not cleaned up now", e)
-            return
+        run that the resumed run would otherwise save over. `statuses`: the index's listing, when the caller made
+        one just before."""
+        if statuses is None:
+            try:
+                statuses = await self.index.list(self.job)
+            except IndexUnavailable as e:
+                log.warning("%s: leftovers of the crashed run are not cleaned up now", e)
+                return
         busy = self.busy.steps()
         for s in statuses:
             if s.step > step and not s.is_complete and s.step not in busy:

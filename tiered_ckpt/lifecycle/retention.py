@@ -11,10 +11,12 @@ itself is lifecycle/removal.py's.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, TypeVar
 
 from ..errors import TieredCkptError
+from ..gc_pause import automatic_gc_paused
 from ..manifest import Manifest
 from ..storage.index import CheckpointStatus, Index, listing_range
 from . import lineage
@@ -22,8 +24,10 @@ from .busy import BusySteps
 from .removal import Removal
 from .rules import Listed, Rules, Verdict
 
+LONG = 512  # checkpoints from which a pass judges them in a thread (`_judged`)
 SCAN_EVERY = 16  # a tier itself is listed at its first pass and every 16th (its listing grows with its history)
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -69,21 +73,26 @@ class Retention:
                 def busy() -> set[int]:  # asked again before each removal: a load may have begun meanwhile
                     return self.busy.steps(finishing_on=tier, finishing=finishing)
 
-                verdict = rules.judge([(s.step, s.metadata) for s in statuses if tier in s.complete])
-                oldest_last = verdict.oldest_last
+                def judge() -> tuple[Verdict, list[CheckpointStatus]]:
+                    verdict = rules.judge([(s.step, s.metadata) for s in statuses if tier in s.complete])
+                    oldest, kept = verdict.oldest_last, verdict.kept
+                    # older than the keep_last window, complete or not, and kept by no rule
+                    return verdict, [] if oldest is None else [
+                        s for s in statuses if tier in s.tiers and s.step < oldest and s.step not in kept]
+
+                verdict, older = await self._judged(len(statuses), judge)
                 spared: set[int] = set()  # older than the keep_last window yet still there after this pass
                 dropped: set[int] = set()
-                if oldest_last is not None:
-                    for s in statuses:  # older than the keep_last window, complete or not, and kept by no rule
-                        if tier in s.tiers and s.step < oldest_last and s.step not in verdict.kept:
-                            await self.busy.no_load_picking()
-                            if s.step in busy():
-                                self._deferred.add(tier)  # look again once that save or load is done (revisit)
-                                spared.add(s.step)
-                            else:
-                                await self.removal.drop_tier(s, tier)
-                                dropped.add(s.step)
-                self._remember(tier, rules, verdict, [s for s in statuses if s.step not in dropped], spared)
+                for s in older:
+                    await self.busy.no_load_picking()
+                    if s.step in busy():
+                        self._deferred.add(tier)  # look again once that save or load is done (revisit)
+                        spared.add(s.step)
+                    else:
+                        await self.removal.drop_tier(s, tier)
+                        dropped.add(s.step)
+                await self._judged(len(statuses), lambda: self._remember(
+                    tier, rules, verdict, [s for s in statuses if s.step not in dropped], spared))
                 if self._scan_due(tier) or forgot or tier in self._strays:
                     whole = statuses if full or forgot else await self.index.list(self.job)
                     if await self._converge(tier, rules, whole, busy):
@@ -94,6 +103,18 @@ class Retention:
                 self._floor.pop(tier, None)  # the next pass looks at the whole history again
                 log.warning("retention on tier %s did not finish (the next save tries again): %s: %s", tier,
                             type(e).__name__, e)
+
+    async def _judged(self, size: int, work: Callable[[], T]) -> T:
+        """`work` on a listing of `size` checkpoints: in a thread (automatic collection paused) when it is long, as
+        a first pass's over the whole history is (ten thousand statuses judged and sorted: ~0.1 s), so nothing per
+        checkpoint runs on the event loop; inline when it is a window's few."""
+        if size < LONG:
+            return work()
+
+        def paused() -> T:
+            with automatic_gc_paused():
+                return work()
+        return await self.removal.io.run_blocking(paused)
 
     async def _window(self, tier: str, finishing: set[int]) -> tuple[list[CheckpointStatus], bool]:
         """What this pass judges: at the first pass (or after one that failed), every checkpoint the index lists;
@@ -152,22 +173,31 @@ class Retention:
         of them older than the keep_last window go. Manifests are read newest first only as far as keep_last
         needs, and beyond that only where keep_best or keep_every could keep the step. True when the tier still
         holds such steps afterwards (kept, or spared as busy): the next pass looks at the tier again."""
-        io, by_step = self.removal.io, {s.step: s for s in statuses if "index" not in s.failed}
+        io = self.removal.io
         copies = await lineage.scan(io, tier, self.job, self.index.identity)
-        unlisted = sorted(not_kept_here(copies, by_step, tier, io.names), reverse=True)
+
+        def compare() -> tuple[dict[int, CheckpointStatus], list[int], dict[int, Listed]]:
+            by_step = {s.step: s for s in statuses if "index" not in s.failed}
+            unlisted = sorted(not_kept_here(copies, by_step, tier, io.names), reverse=True)
+            found = {s.step: (s.step, s.metadata) for s in statuses if tier in s.complete} if unlisted else {}
+            return by_step, unlisted, found
+
+        by_step, unlisted, found = await self._judged(max(len(statuses), len(copies)), compare)
         if not unlisted:
             return False
         assert rules.keep_last is not None
-        found: dict[int, Listed] = {s.step: (s.step, s.metadata) for s in statuses if tier in s.complete}
+        ordered = await self._judged(len(found), lambda: sorted(found))  # found's steps: one bisect counts newer ones
         for st in unlisted:  # newest first
             if st in by_step:
                 continue
-            if len([k for k in found if k > st]) >= rules.keep_last and not rules.may_keep_old(st):
+            if len(ordered) - bisect.bisect_right(ordered, st) >= rules.keep_last and not rules.may_keep_old(st):
                 continue
             manifest = await self._whole(tier, copies[st])
             if manifest is not None:
+                if st not in found:
+                    bisect.insort(ordered, st)
                 found[st] = (st, manifest.metadata)
-        verdict = rules.judge(list(found.values()))
+        verdict = await self._judged(len(found), lambda: rules.judge(list(found.values())))
         oldest_last = verdict.oldest_last
         left = False
         for st in unlisted:
@@ -209,18 +239,22 @@ class Retention:
         if one was retired (the caller tries again then)."""
         async with self._lock:
             statuses = await self.index.list(self.job)
-            by_step = {s.step: s for s in statuses if "index" not in s.failed}
-            busy = self.busy.steps() | {finishing}
             copies = await lineage.scan(self.removal.io, tier, self.job, self.index.identity)
-            listed = [(s.step, s.metadata) for s in statuses if tier in s.complete]
-            newest = max([*(st for st, _ in listed), *[st for st in copies if st not in by_step and st < finishing]],
-                         default=None)
-            # here also the copies a renamed tier left (not_kept_here spares them): a full tier fails every save
-            unlisted = [st for st in copies if st not in by_step or tier not in by_step[st].tiers]
-            verdict = self.rules.get(tier, Rules(None)).judge(listed)
+
+            def order() -> tuple[dict[int, CheckpointStatus], int | None, list[int]]:
+                by_step = {s.step: s for s in statuses if "index" not in s.failed}
+                listed = [(s.step, s.metadata) for s in statuses if tier in s.complete]
+                newest = max([*(st for st, _ in listed),
+                              *[st for st in copies if st not in by_step and st < finishing]], default=None)
+                # here also the copies a renamed tier left (not_kept_here spares them): a full tier fails every save
+                unlisted = [st for st in copies if st not in by_step or tier not in by_step[st].tiers]
+                verdict = self.rules.get(tier, Rules(None)).judge(listed)
+                return by_step, newest, verdict.retire_order({*(st for st, _ in listed), *unlisted})
+
+            by_step, newest, retire_order = await self._judged(max(len(statuses), len(copies)), order)
             await self.busy.no_load_picking()
-            busy = self.busy.steps() | {finishing}  # asked again: a load may have begun during the scan
-            for st in verdict.retire_order({*(st for st, _ in listed), *unlisted}):
+            busy = self.busy.steps() | {finishing}  # asked after the scan: a load may have begun during it
+            for st in retire_order:
                 if st == newest or st in busy or st > finishing:
                     continue
                 log.warning("tier %s is full: retiring step %d early (its retention rules cannot hold there) to make "

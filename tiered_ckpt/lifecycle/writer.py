@@ -123,16 +123,16 @@ class Writer:
         relisted: list[int] = []
         try:
             await self.removal.finish_burials()
-            relisted = await lineage.relist(self.removal.io, self.index, self.job, self.coordinator.session)
-            statuses = await self.index.list(self.job)
-            complete = [s.step for s in statuses if s.is_complete]
+            statuses = await self.index.list(self.job)  # listed once for the three (each lists the whole history)
+            relisted = await lineage.relist(self.removal.io, self.index, self.job, self.coordinator.session, statuses)
+            complete = [s.step for s in statuses if s.is_complete] + relisted  # (relisted: complete, on known tiers)
             unknown = {t for s in statuses for t in s.tiers} - set(self.removal.io.names)
             if unknown:
                 log.warning("job %r: the index lists checkpoints on tier(s) %s, which this config does not have (a "
                             "tier renamed or removed?): retention and gc leave their copies on this config's tiers "
                             "alone; a tier renamed is read again under its earlier name", self.job,
                             ", ".join(sorted(unknown)))
-            await self.removal.drop_incomplete_after(max(complete, default=-1))
+            await self.removal.drop_incomplete_after(max(complete, default=-1), statuses)
         except (TieredCkptError, OSError) as e:  # cleaning up must never fail a save
             log.warning("leftovers of an earlier run were not removed: %s: %s", type(e).__name__, e)
         return relisted

@@ -52,6 +52,8 @@ from ...gc_pause import automatic_gc_paused
 from ...layout import STEP_DIR, parse_step_dir, step_dir
 from ..files import check_creatable, fsync_dir, locked_elsewhere, make_folders
 from .base import CheckpointStatus, CommitState, TierState
+from . import file_summary
+from .file_summary import SUMMARY, StatusSummary, settled, stamp_of, trusted
 from ..tiers.base import folder_stamp as _stamp, racy_ns as _racy  # (module names: tests replace them)
 
 T = TypeVar("T")
@@ -66,6 +68,7 @@ class FileIndex:
         self.identity = f"file://{os.path.realpath(self.root)}"  # written into each manifest
         self._leases: dict[str, int] = {}  # job → the open, locked writer.lock
         self._names = StepNames()  # each job folder's step folders, sorted: read again only once it changed
+        self._summary = StatusSummary()  # settled checkpoints' statuses, by step folder (file_summary.py)
         self._cleaning: set[str] = set()  # jobs whose lease attach() took (a cleaner's, not a writer's)
         self.waiting_for_cleaner = False  # a fence is waiting for a cleaner (gc, delete) to release the lease
 
@@ -255,30 +258,66 @@ class FileIndex:
         return await self._io(read)
 
     def _list_sync(self, job: str) -> list[CheckpointStatus]:
+        """Every step folder's status. From `file_summary.LISTED_FROM` steps on, a settled one is taken from the
+        summary while its folders are unchanged (two stats), and the summary is written again once enough were
+        read fresh: a listing of ten thousand checkpoints took 0.44 s of CPU, each folder listed and two records
+        read."""
         base = self.root / job
         where = str(base)
         with automatic_gc_paused():  # ten thousand statuses, in a thread: a collection there stalls the loop too
-            return [status for n in self._names.get(base) if (status := self._status_sync(where, n)) is not None]
+            names = self._names.get(base)
+            if len(names) < file_summary.LISTED_FROM:
+                return [status for n in names if (status := self._status_sync(where, n)) is not None]
+            summary = self._summary
+            known = summary.entries(where)
+            out = []
+            for n in names:
+                read_at = time.time_ns()  # before the stats: a change after them changes the stamp
+                stamp = stamp_of(f"{where}/{n}")
+                if stamp is None:
+                    continue  # removed meanwhile
+                hit = known.get(n)
+                if hit is not None and hit[0] == stamp:
+                    out.append(hit[1])
+                    continue
+                status, markers = self._read_status(where, n)
+                if status is None:
+                    continue
+                if settled(status) and not markers and trusted(stamp, read_at):
+                    summary.put(where, n, stamp, status)
+                elif hit is not None:
+                    summary.drop(where, n)
+                out.append(status)
+            with self._names.changing(base, SUMMARY, added=True):  # (not a step's name: the names stay as they are)
+                summary.save_if_stale(where, set(names))
+            return out
 
     def _status_sync(self, base: str, name: str) -> CheckpointStatus | None:
         """The status of step folder `name` in job folder `base`; None when it promises nothing (killed before
         `begin` landed). Paths as strings: a listing reads ten thousand of these, and pathlib's objects cost more
         than the reads."""
+        return self._read_status(base, name)[0]
+
+    def _read_status(self, base: str, name: str) -> tuple[CheckpointStatus | None, bool]:
+        """`_status_sync`, and whether the folder holds a failed/ or skipped/ folder (such a status is not kept
+        in the summary: a marker added there later changes only that folder; one of a complete tier, listed as
+        nothing, may stand beside one of a tier no longer targeted, which is listed)."""
         step = parse_step_dir(name)
         if step is None:
-            return None
+            return None, False
         d = f"{base}/{name}"
         try:
             held = set(os.listdir(d))  # one listing says which records exist: none is looked for in vain
         except (FileNotFoundError, NotADirectoryError):
-            return None
+            return None, False
+        markers = "failed" in held or "skipped" in held
         failures = [p.name.rsplit(".", 2) for p in _entries(Path(d, "failed"))] if "failed" in held else []
         unreadable = ""
         try:
             record = _read_begun(f"{d}/begun")
         except FileNotFoundError:
             if not failures:
-                return None  # killed before `begin` landed: nothing was promised
+                return None, markers  # killed before `begin` landed: nothing was promised
             record = {"tiers": sorted({name for name, _, _ in failures})}  # a rank failed before begin
         except (IntegrityError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             log.warning("index %s: the record of step %d cannot be read (%s); listed as incomplete", self.root,
@@ -302,7 +341,8 @@ class FileIndex:
         info = _read_info(f"{d}/info") if "info" in held else {}
         return CheckpointStatus(step, tuple(record["tiers"]), complete, failed, record.get("created", 0.0),
                                 nbytes=info.get("nbytes"), metadata=info.get("metadata") or {}, skipped=skipped,
-                                folder=folder if isinstance(folder := info.get("folder"), str) and folder else None)
+                                folder=folder if isinstance(folder := info.get("folder"), str) and folder else None), \
+            markers
 
     async def jobs(self) -> list[str]:
         """The jobs with a checkpoint folder here, sorted."""

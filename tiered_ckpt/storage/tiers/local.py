@@ -315,9 +315,7 @@ class LocalTier(FileTier):
                     continue
                 path = self._path(prefix + name)
                 if path.is_dir():
-                    for dirpath, _, files in os.walk(path):
-                        keys += [key for f in files if not f.startswith(TMP)
-                                 and (key := os.path.relpath(os.path.join(dirpath, f), self.root)) >= start]
+                    keys += [key for key in self._keys_under(path) if key >= start]
                 elif prefix + name >= start:
                     keys.append(prefix + name)
             return sorted(keys)
@@ -345,17 +343,40 @@ class LocalTier(FileTier):
 
     async def list(self, prefix: str) -> list[str]:
         def walk() -> list[str]:
-            keys = []
             base = self._path(prefix.rstrip("/")) if prefix else self.root
             start = base if base.is_dir() else base.parent
-            for dirpath, _, files in os.walk(start):
-                for f in files:
-                    if not f.startswith(TMP):
-                        key = os.path.relpath(os.path.join(dirpath, f), self.root)
-                        if key.startswith(prefix):
-                            keys.append(key)
+            keys = [key for key in self._keys_under(start) if key.startswith(prefix)]
             return sorted(keys)
         return await self.run_blocking(walk)
+
+    def _keys_under(self, folder: Path) -> Iterator[str]:
+        """The keys of the files below `folder` (a folder of this tier), temp files left out, in no order; what
+        os.walk would find (a link to a folder is not followed nor listed; a folder that cannot be read is passed
+        over). Each folder's part of the key is cut once from its path, not worked out per file, and the walk is
+        one scandir per folder: os.path.relpath per file, and os.walk's join and islink per folder, were most of
+        the CPU of listing a tier that keeps ten thousand checkpoints (40,000 files in 80,000 folders)."""
+        root = str(self.root)
+        below = root if root.endswith("/") else root + "/"
+        stack = [str(folder)]
+        while stack:
+            path = stack.pop()
+            rel = path[len(below):] if path.startswith(below) else "" if path == root else os.path.relpath(path, root)
+            head = rel + "/" if rel else ""
+            try:
+                entries = os.scandir(path)
+            except OSError:
+                continue
+            with entries:
+                for entry in entries:
+                    try:
+                        is_dir = entry.is_dir()
+                    except OSError:
+                        is_dir = False
+                    if is_dir:
+                        if not entry.is_symlink():
+                            stack.append(entry.path)
+                    elif not entry.name.startswith(TMP):
+                        yield head + entry.name
 
     async def usage(self, prefix: str) -> dict[str, int]:
         def walk() -> dict[str, int]:
