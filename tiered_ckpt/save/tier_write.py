@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Awaitable, Callable
 
 from ..errors import IndexUnavailable, TierError, TierFull
 from ..layout import committed_key, manifest_key, rank_prefix
@@ -42,6 +42,9 @@ class TierWrite:
         self.marked = False  # this rank marked its parts durable: another rank's marker may complete the tier
         self.settled = asyncio.Event()  # marked durable, or done with the tier whatever happened
         self.error: BaseException | None = None  # this save's error on the tier, reported by remove_failed
+        # called once the tier committed, before the handle says so (the memory tier's: the save is handed to the
+        # agent then, so that whoever waits for the memory tier knows the rest is in the agent's hands)
+        self.before_done: Callable[[], Awaitable[None]] | None = None
 
     async def run(self) -> None:
         """Take the turn, then write; skip the tier when a newer save superseded this one there."""
@@ -118,6 +121,8 @@ class TierWrite:
         self.handle.settled(tier)
         if self.error is None:
             await self.retention.apply(tier, finishing=self.step)
+            if self.before_done is not None:
+                await self.before_done()
             self.handle.set_done(tier)
 
     async def _commit(self) -> None:
