@@ -1,5 +1,5 @@
 """A trainer for the agent tests: saves steps 1 and 2 with [engine] agent = "on", prints "committed 1" once step 1
-is complete everywhere, then "host 2" once step 2 is committed on the memory tier (the agent has it then), and
+is complete everywhere, waits for a line on stdin, then "host 2" once step 2 is committed on the memory tier (the agent has it then), and
 (with `kill`) SIGKILLs itself right there, before its disk copy is done."""
 import asyncio
 import os
@@ -15,6 +15,7 @@ async def main(config: str, mode: str) -> None:
     async with tc.Engine.from_toml(config) as engine:
         await (await engine.save(1, {"w": torch.full((3 * 2**20,), 1.0)})).wait()
         print("committed 1", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)  # the test holds the disk's writes meanwhile
         handle = await engine.save(2, {"w": torch.arange(3 * 2**20, dtype=torch.float32)})
         await handle.wait("host")
         print("host 2", flush=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import ConfigError
 
 FOLDER_ENV = "TIERED_CKPT_AGENT_DIR"  # another folder (tests: one per test, so agents never meet)
+IDLE_ENV = "TIERED_CKPT_AGENT_IDLE"  # seconds an agent the engine starts waits idle before it exits
 
 
 def agent_folder() -> Path:

@@ -5,15 +5,19 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+from pathlib import Path
 
 from ..agent.client import agent_status, spawn_detached
-from ..agent.folder import agent_folder, make_folder
+from ..agent.folder import IDLE_ENV, agent_folder, make_folder
 from ..agent.server import IDLE_SECONDS, run_agent
 from .commands import EXIT_OK
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
     folder = agent_folder()
+    if args.idle is None and os.environ.get(IDLE_ENV):
+        args.idle = float(os.environ[IDLE_ENV])
     if args.action == "status":
         return _status(folder, args.json)
     if args.detach:  # the engine's launcher: the agent in its own session, then back at once
@@ -23,7 +27,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return run_agent(folder, IDLE_SECONDS if args.idle is None else args.idle)
 
 
-def _status(folder, as_json: bool) -> int:
+def _status(folder: Path, as_json: bool) -> int:
     status = asyncio.run(agent_status(folder))
     if as_json:
         print(json.dumps({"folder": str(folder), "running": status is not None, **(status or {})}))

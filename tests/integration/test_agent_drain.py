@@ -1,0 +1,80 @@
+"""The node agent ([engine] agent = "on") finishes a save whose trainer died right after its memory-tier commit:
+the disk copy completes and commits with no restart, and after the memory is wiped a fresh engine loads the step
+from disk, bit-exact. Real processes: the trainer, and the agent it starts."""
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiered_ckpt as tc
+from tiered_ckpt.testing.configs import faults, stack_dict, write_toml
+
+HERE = Path(__file__).parent
+pytestmark = pytest.mark.slow
+
+
+def agent_pid(folder: Path) -> int | None:
+    try:
+        return int((folder / "agent.lock").read_text() or 0) or None
+    except FileNotFoundError:
+        return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+async def test_a_trainer_killed_after_its_memory_commit_still_gets_its_disk_copy(tmp_path, shm_dir, monkeypatch):
+    folder = tmp_path / "agent"
+    monkeypatch.setenv("TIERED_CKPT_AGENT_DIR", str(folder))
+    monkeypatch.setenv("TIERED_CKPT_AGENT_IDLE", "1")
+    raw = stack_dict(tmp_path, {"kind": "memory", "capacity": "1GiB", "keep_last": 2}, "faulty", shm=shm_dir,
+                     job="agent", part_size="1MiB", agent="on")
+    config = write_toml(tmp_path / "agent.toml", raw)
+    control = faults(tc.load_config(config))
+    proc = subprocess.Popen([sys.executable, str(HERE / "agent_saver.py"), str(config), "kill"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "committed 1"
+        control.inject("stall", ops=["write"])  # the disk copy of step 2 is held until the trainer is dead
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "host 2"
+        assert proc.wait(timeout=20) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+    pid = agent_pid(folder)
+    assert pid is not None and alive(pid)
+    async with tc.Engine.from_toml(config, role="reader") as engine:
+        listing = {c.step: c for c in [c async for c in engine.list()]}
+        assert listing[2].complete == {"host"}  # the trainer is gone, its disk copy not done
+        assert control.stalled() >= 1  # the agent is writing it
+        control.clear()
+        deadline = time.monotonic() + 15
+        while "disk" not in listing[2].complete:
+            assert time.monotonic() < deadline, listing[2]
+            await asyncio.sleep(0.1)
+            listing = {c.step: c for c in [c async for c in engine.list()]}
+    shutil.rmtree(shm_dir)  # a reboot: the memory tier is gone
+    out = {"w": torch.zeros(3 * 2**20)}
+    async with tc.Engine.from_toml(config) as engine:
+        info = await engine.load(out)
+    assert info.step == 2 and info.tier == "disk"
+    assert torch.equal(out["w"], torch.arange(3 * 2**20, dtype=torch.float32))
+    deadline = time.monotonic() + 10  # nothing to drain, nobody attached: the agent goes
+    while alive(pid):
+        assert time.monotonic() < deadline, "the agent did not exit when idle"
+        await asyncio.sleep(0.1)
+    assert not (folder / "agent.sock").exists()
