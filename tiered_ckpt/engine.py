@@ -117,6 +117,11 @@ class Engine:
         # one algorithm for every rank ("auto" could resolve differently where xxhash is missing on a rank)
         algorithm = await self.coordinator.broadcast_object(resolve_checksum(engine.checksum))
         self._agent = await self._agent_client() if engine.agent == "on" else None
+        if self._agent is not None and engine.role != "reader":  # an earlier trainer's drains (a dead agent's,
+            # adopted) finish before this engine's first save fences them out; a reader fences nothing
+            waited = await self._agent.settle(self.job)
+            if waited:
+                log.info("the node agent finished %d save(s) of job %s an earlier trainer left", waited, self.job)
         services = SaveServices(store.io, commit, retention, store.removal, self.pool, store.committed, algorithm,
                                 lost=store.lost, drainer=self._agent)
         self._saver = Saver(self.config, self.coordinator, self.planner, store.writer, store.busy, services,

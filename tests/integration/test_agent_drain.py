@@ -78,3 +78,78 @@ async def test_a_trainer_killed_after_its_memory_commit_still_gets_its_disk_copy
         assert time.monotonic() < deadline, "the agent did not exit when idle"
         await asyncio.sleep(0.1)
     assert not (folder / "agent.sock").exists()
+
+
+def journal(folder: Path) -> list[Path]:
+    return sorted((folder / "journal").glob("*.order")) if (folder / "journal").is_dir() else []
+
+
+def wait_for(predicate, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("next_agent", ["engine_open", "cli_after_a_newer_writer"])
+async def test_an_agent_killed_mid_drain_is_adopted_by_the_next(tmp_path, shm_dir, monkeypatch, next_agent):
+    """The trainer dies after its memory commit, then its agent dies (SIGKILL) mid-copy to disk: the order stays
+    in the agent's journal, nothing half-copied looks whole. The next agent, started by an engine's open, finishes
+    the disk copy before that engine goes on (bit-exact from disk after the memory is wiped); one started as
+    `tiered-ckpt agent` after a newer writer took the job's lease drops the order (fenced), commits nothing."""
+    folder = tmp_path / "agent"
+    monkeypatch.setenv("TIERED_CKPT_AGENT_DIR", str(folder))
+    monkeypatch.setenv("TIERED_CKPT_AGENT_IDLE", "1")
+    raw = stack_dict(tmp_path, {"kind": "memory", "capacity": "1GiB", "keep_last": 2}, "faulty", shm=shm_dir,
+                     job="agent", part_size="1MiB", agent="on")
+    config = write_toml(tmp_path / "agent.toml", raw)
+    control = faults(tc.load_config(config))
+    proc = subprocess.Popen([sys.executable, str(HERE / "agent_saver.py"), str(config), "kill"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "committed 1"
+        control.inject("stall", ops=["write"])
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "host 2"
+        assert proc.wait(timeout=20) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+    first = agent_pid(folder)
+    assert first is not None and alive(first)
+    wait_for(lambda: control.stalled() >= 1, 10, "the agent never wrote step 2 to disk")
+    assert len(journal(folder)) == 1  # accepted, not finished
+    os.kill(first, signal.SIGKILL)  # the agent this test's trainer started
+    wait_for(lambda: not alive(first), 10, "the agent did not die")
+    control.clear()
+    assert len(journal(folder)) == 1
+    async with tc.Engine.from_toml(config, role="reader", agent="off") as engine:  # agent off: starts none
+        listing = {c.step: c for c in [c async for c in engine.list()]}
+    assert listing[2].complete == {"host"} and "disk" not in listing[2].settled  # no half copy looks whole
+    if next_agent == "engine_open":
+        async with tc.Engine.from_toml(config) as engine:  # its open starts an agent, which adopts step 2
+            listing = {c.step: c for c in [c async for c in engine.list()]}
+        assert listing[2].complete == {"host", "disk"}
+        shutil.rmtree(shm_dir)  # a reboot: the memory tier is gone
+        out = {"w": torch.zeros(3 * 2**20)}
+        async with tc.Engine.from_toml(config, agent="off") as engine:
+            info = await engine.load(out)
+        assert info.step == 2 and info.tier == "disk"
+        assert torch.equal(out["w"], torch.arange(3 * 2**20, dtype=torch.float32))
+    else:
+        from tiered_ckpt.storage.index.file import FileIndex
+
+        newer = FileIndex(tmp_path / "index")  # a newer writer of the job came and went
+        await newer.fence("agent")
+        await newer.close()
+        cli = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "agent", "--idle", "0.5"], timeout=30,
+                             capture_output=True, text=True)
+        assert cli.returncode == 0, cli.stderr
+        assert "is not adopted" in cli.stderr and "a newer writer took it" in cli.stderr, cli.stderr
+        async with tc.Engine.from_toml(config, role="reader", agent="off") as engine:
+            listing = {c.step: c for c in [c async for c in engine.list()]}
+        assert listing[2].complete == {"host"}
+    assert journal(folder) == []
+    second = agent_pid(folder)
+    wait_for(lambda: second is None or not alive(second), 10, "the agent did not exit when idle")

@@ -7,6 +7,7 @@ for `outcome_timeout`, before every tier reported (the tiers it did not report a
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import itertools
 import logging
 import os
@@ -125,6 +126,19 @@ class AgentClient:
         self._channel: Channel | None = None
         self._reader: asyncio.Task[None] | None = None
         self._connecting = asyncio.Lock()
+        self._lock: tuple[str, int] | None = None  # the trainer's lock file, held while this client lives
+
+    def _alive(self) -> str:
+        """The path of a lock file this process holds while its engine is open: an agent that adopts a dead
+        agent's orders leaves this trainer's alone while it is held (the trainer writes them itself)."""
+        if self._lock is None:
+            folder = make_folder(self.folder) / "trainers"
+            folder.mkdir(mode=0o700, exist_ok=True)
+            path = folder / f"{os.getpid()}-{os.urandom(4).hex()}.lock"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a fresh name: nobody else holds it
+            self._lock = (str(path), fd)
+        return self._lock[0]
 
     async def hand_off(self, order: DrainOrder) -> AgentDrain:
         order = DrainOrder(**{**vars(order), "link": self.link})
@@ -146,7 +160,8 @@ class AgentClient:
         accepted = self._accepting[ident] = asyncio.get_running_loop().create_future()
         try:
             size = sum(len(b) for _, b in order.records) + 64 * len(order.keys)
-            await channel.send({"op": "drain", "id": ident, "order": order.to_wire()}, self.lease_fds(), size=size)
+            await channel.send({"op": "drain", "id": ident, "order": order.to_wire(), "trainer": self._alive()},
+                               self.lease_fds(), size=size)
             reply = await accepted
         except BaseException:
             self.drains.pop(ident, None)
@@ -203,8 +218,51 @@ class AgentClient:
             self._reader = None
         self._fail_all(error)
 
+    async def settle(self, job: str) -> int:
+        """Before this engine's first save: the drains of `job` an earlier trainer left are finished (`settle`)."""
+        return await settle(self.folder, job, self.link["index"], self.outcome_timeout)
+
     async def close(self) -> None:
         await self._drop(AgentUnavailable("the engine closed"))
+        if self._lock is not None:
+            path, fd = self._lock
+            self._lock = None
+            Path(path).unlink(missing_ok=True)
+            os.close(fd)
+
+
+def journal_pending(folder: Path) -> bool:
+    """Whether an earlier agent left orders in its journal (an agent that starts adopts them)."""
+    try:
+        return any(name.endswith(".order") for name in os.listdir(folder / "journal"))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+async def settle(folder: Path, job: str, index: str, timeout: float) -> int:
+    """At an engine's open, before its first save fences earlier incarnations out: wait (at most `timeout`) for
+    the agent to finish the drains of `job` an earlier trainer left, adopted from the journal of a dead agent
+    included (an agent is started for that when the journal holds orders and none runs). Returns how many it
+    waited for; 0 when no agent runs and the journal is empty."""
+    try:
+        channel = await connect(folder, start=journal_pending(folder), timeout=min(timeout, HANDOFF_TIMEOUT))
+    except AgentUnavailable:
+        if journal_pending(folder):
+            log.warning("the journal at %s holds saves to finish but no agent answered; see %s", folder,
+                        log_path(folder))
+        return 0
+    try:
+        await channel.send({"op": "settle", "job": job, "index": index})
+        reply, _ = await asyncio.wait_for(channel.recv(), timeout)
+        return int(reply.get("drains", 0))
+    except asyncio.TimeoutError:
+        log.warning("the agent at %s still drains saves of job %s an earlier trainer left after %gs; this engine "
+                    "goes on (its first save fences them out)", folder, job, timeout)
+        return 0
+    except ChannelClosed:
+        return 0
+    finally:
+        channel.close()
 
 
 async def agent_status(folder: Path, timeout: float = 5.0) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ new writer starts meanwhile (one that tries waits, as for a cleaner, once the tr
 are refused."""
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import time
@@ -17,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TierConfig, parse_config
-from ..errors import ConfigError
+from ..errors import ConfigError, Fenced
 from ..layout import incarnation_dir
 from ..save.commit import Committer
 from ..save.drain import DrainOrder
-from ..storage.index import Index, open_index
+from ..storage.index import Index, index_path, open_index
 from ..storage.index.file import CLEANER
 from ..storage.tier_io import TierIO
 
@@ -79,8 +80,7 @@ class Link:
         """The trainer's connection closed: a writer that starts now waits for the lease the agent holds (as for
         a cleaner's) instead of being refused."""
         self.attached = False
-        record = (f"{CLEANER} (tiered-ckpt agent pid {os.getpid()} on {socket.gethostname()} finishing saves of "
-                  f"session {self.order.session} since {time.strftime('%Y-%m-%d %H:%M:%S %z')})").encode()
+        record = agent_record(self.order.session).encode()
         for fd in self.lease_fds:
             try:
                 os.ftruncate(fd, 0)
@@ -97,6 +97,66 @@ class Link:
             for fd in self.lease_fds:
                 os.close(fd)  # the writer's lease goes with the last descriptor
             self.lease_fds = []
+
+
+def agent_record(session: str) -> str:
+    """The file index's lease record while the agent finishes a session's saves with no trainer attached: a
+    cleaner's (a writer that starts meanwhile waits for it), naming the session (an adopting agent checks it)."""
+    return (f"{CLEANER} (tiered-ckpt agent pid {os.getpid()} on {socket.gethostname()} finishing saves of "
+            f"session {session} since {time.strftime('%Y-%m-%d %H:%M:%S %z')})")
+
+
+def lease_path(order: DrainOrder) -> Path | None:
+    """The file index's writer lease of the order's job; None for another index."""
+    url = order.link["index"]
+    return index_path(url) / order.job / "writer.lock" if url.startswith("file://") else None
+
+
+def lease_record(order: DrainOrder, fds: list[int]) -> str | None:
+    """What the file index's writer lease says now (its holder: the writer's record), journaled with an order;
+    read through the passed lease (rank 0's) or from its file (the other ranks pass none). None: no file index."""
+    path = lease_path(order)
+    if path is None:
+        return None
+    try:
+        raw = os.pread(fds[0], 4096, 0) if fds else path.read_bytes()[:4096]
+    except OSError:
+        return None
+    return raw.decode(errors="replace").strip()
+
+
+def retake_lease(order: DrainOrder, journaled: str | None, held: int | None = None) -> list[int]:
+    """An adopting agent's fence on the file index, whose lease died with the agent that held it: take the job's
+    writer lease again, as a cleaner of the order's session. Refused (Fenced) when a process holds it (a newer
+    writer) or when it says anything but what it said when the order came or the agent's own record for that
+    session: a writer took it in between, so this order is a zombie's and must not commit. [] for a Redis index
+    (its fence is the epoch the order carries)."""
+    path = lease_path(order)
+    if path is None:
+        return []
+    if held is not None:  # this agent holds the lease already, for another rank of the same session
+        return [os.dup(held)]
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise Fenced(f"job {order.job!r}: no writer lease at {path}: step {order.step} is not finished") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            raise Fenced(f"job {order.job!r}: the writer lease {path} is held ({holder}): step {order.step} of "
+                         f"session {order.session} is not finished") from None
+        record = os.pread(fd, 4096, 0).decode(errors="replace").strip()  # read under the lock: no race
+        if record != journaled and f"finishing saves of session {order.session} " not in record:
+            raise Fenced(f"job {order.job!r}: the writer lease {path} says {record!r}, not what it said for session "
+                         f"{order.session} (a newer writer took it since): step {order.step} is not finished")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, agent_record(order.session).encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return [fd]
 
 
 def _tiers(tables: list[dict[str, Any]]) -> tuple[TierConfig, ...]:

@@ -5,7 +5,15 @@ connected for `idle` seconds.
 
 Messages (wire.py), each a map with "op": `hello` → {"op": "hello", "pid", "version"}; `drain` {"id", "order"}
 (+ the file index's lease) → `accepted` {"id"} or `refused` {"id", "error"}, then one `outcome` {"id", "outcome"}
-per tier and `drained` {"id"}; `status` → {"op": "status", "pid", "drains": [...], "clients"}.
+per tier and `drained` {"id"}; `status` → {"op": "status", "pid", "drains": [...], "clients"};
+`settle` {"job", "index"} → `settled` {"job", "drains"} once no drain of that job without its trainer is left
+(an engine asks at open, before its first save fences such drains out).
+
+Each accepted order is journaled first (journal.py) and forgotten once every tier of it settled; an agent that
+starts adopts what an earlier one left (`_adopt`): orders of trainers still alive are dropped (the trainer saw its
+agent go and writes those tiers itself), the others are drained again under the writer's fencing (the Redis
+epoch they carry; the file index's lease, taken again only if no newer writer took it since), each tier only if
+the index does not already say it settled.
 """
 from __future__ import annotations
 
@@ -16,13 +24,16 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError, Fenced
 from ..save.drain import DrainOrder, TierOutcome, drain_tier
+from ..storage.index.base import status_of
 from .folder import lock_path, make_folder, socket_path
-from .links import Link, link_key
+from .journal import Entry, Journal, trainer_alive
+from .links import Link, lease_record, link_key, retake_lease
 from .wire import Channel, ChannelClosed
 
 log = logging.getLogger(__name__)
@@ -55,6 +66,9 @@ class AgentServer:
         self._last_busy = time.monotonic()
         self._stop = asyncio.Event()
         self._lock_fd: int | None = None
+        self.journal = Journal(folder)
+        self._adopted: asyncio.Event | None = None  # set once the journal's orders were adopted (serve())
+        self._draining: dict[int, tuple[Link, asyncio.Task[None]]] = {}  # what `settle` waits for
 
     def claim(self) -> bool:
         """The folder's agent lock (one agent per folder); False when another agent holds it."""
@@ -86,7 +100,9 @@ class AgentServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        self._adopted = asyncio.Event()
         accepting = asyncio.create_task(self._accept(loop, listener))
+        adopting = asyncio.create_task(self._adopt())
         watching = asyncio.create_task(self._watch_idle())
         log.info("agent %d listening on %s", os.getpid(), path)
         try:
@@ -94,6 +110,7 @@ class AgentServer:
         finally:
             accepting.cancel()
             watching.cancel()
+            await asyncio.gather(adopting, return_exceptions=True)
             path.unlink(missing_ok=True)
             listener.close()
             for task in list(self._tasks):
@@ -119,7 +136,8 @@ class AgentServer:
     async def _watch_idle(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.idle / 4))
-            if self.clients or any(link.pending for link in self.links.values()):
+            adopting = self._adopted is not None and not self._adopted.is_set()
+            if self.clients or adopting or any(link.pending for link in self.links.values()):
                 self._last_busy = time.monotonic()
             elif time.monotonic() - self._last_busy >= self.idle:
                 self._stop.set()
@@ -136,6 +154,8 @@ class AgentServer:
                     await channel.send({"op": "hello", "pid": os.getpid(), "version": VERSION})
                 elif op == "status":
                     await channel.send(self.status())
+                elif op == "settle":
+                    await channel.send(await self._settle(str(message.get("job")), str(message.get("index"))))
                 elif op == "drain":
                     key = await self._drain(channel, message, fds)
                     if key is not None:
@@ -179,16 +199,30 @@ class AgentServer:
             return None
         link.attached = True
         link.pending += 1
+        try:  # on file before the trainer hears "accepted": an agent killed from here on loses nothing
+            entry = await self.journal.record(order, str(message.get("trainer") or ""), lease_record(order, link.lease_fds))
+        except OSError as e:
+            link.pending -= 1
+            await channel.send({"op": "refused", "id": ident, "error": f"the agent's journal: {e}"})
+            return key
+        await channel.send({"op": "accepted", "id": ident})
+        self._start(channel, link, key, order, ident, entry)
+        return key
+
+    def _start(self, channel: Channel | None, link: Link, key: tuple[Any, ...], order: DrainOrder, ident: Any,
+               entry: Path) -> None:
+        """Drain `order` (its link's `pending` counted already), reporting on `channel` while it is open."""
         self._next += 1
         number = self._next
         self.drains[number] = Drained(order.job, order.step, order.rank, sum(order.lengths),
                                       {t: "pending" for t in order.tiers})
-        await channel.send({"op": "accepted", "id": ident})
-        self._spawn(self._running, self._run(channel, link, key, order, ident, number))
-        return key
+        task = asyncio.create_task(self._run(channel, link, key, order, ident, number, entry))
+        self._running.add(task)
+        self._draining[number] = (link, task)
+        task.add_done_callback(lambda t: (self._running.discard(t), self._draining.pop(number, None)))
 
-    async def _run(self, channel: Channel, link: Link, key: tuple[Any, ...], order: DrainOrder, ident: Any,
-                   number: int) -> None:
+    async def _run(self, channel: Channel | None, link: Link, key: tuple[Any, ...], order: DrainOrder, ident: Any,
+                   number: int, entry: Path) -> None:
         async def one(tier: str) -> None:
             try:
                 outcome = await drain_tier(link.io, link.commit, order, tier)
@@ -202,6 +236,7 @@ class AgentServer:
 
         try:
             await asyncio.gather(*(one(t) for t in order.tiers))
+            Journal.done(entry)  # every tier settled (the index says how): nothing to adopt any more
             await self._tell(channel, {"op": "drained", "id": ident})
         finally:
             link.pending -= 1
@@ -209,8 +244,10 @@ class AgentServer:
             self.drains.pop(number, None)
             await self._close_if_done(key)
 
-    async def _tell(self, channel: Channel, message: dict[str, Any]) -> None:
+    async def _tell(self, channel: Channel | None, message: dict[str, Any]) -> None:
         """Report to the trainer if it is still there (a dead trainer's drain goes on all the same)."""
+        if channel is None:  # an adopted order: its trainer is gone
+            return
         try:
             await channel.send(message)
         except (ChannelClosed, OSError):
@@ -222,8 +259,88 @@ class AgentServer:
             del self.links[key]
             await link.close()
 
+    async def _adopt(self) -> None:
+        """Replay the journal an earlier agent left (killed mid-drain): every order whose trainer is gone is
+        drained again, under its writer's fencing, on the tiers the index does not already say settled."""
+        assert self._adopted is not None
+        try:
+            entries = await asyncio.to_thread(self.journal.pending)
+            for entry in entries:
+                await self._adopt_one(entry)
+            for trainer in {e.trainer for e in entries if e.trainer}:
+                if not trainer_alive(trainer):
+                    Path(trainer).unlink(missing_ok=True)  # a dead trainer's lock, once its orders are adopted
+        except Exception as e:  # a bug: said; what is left stays in the journal for the next agent
+            log.error("agent: adopting the journal failed: %s: %s", type(e).__name__, e)
+        finally:
+            self._adopted.set()
+
+    async def _adopt_one(self, entry: Entry) -> None:
+        order = entry.order
+        what = f"job {order.job} step {order.step} rank {order.rank} (session {order.session})"
+        if trainer_alive(entry.trainer):
+            log.info("agent: %s: its trainer is alive and writes tiers %s itself; not adopted", what,
+                     ", ".join(order.tiers))
+            Journal.done(entry.path)
+            return
+        key = link_key(order)
+        link = self.links.get(key)
+        if link is None:
+            fds: list[int] = []
+            try:
+                held = next((other.lease_fds[0] for other in self.links.values() if other.lease_fds
+                             and other.order.session == order.session and other.order.job == order.job
+                             and other.order.link["index"] == order.link["index"]), None)
+                fds = await asyncio.to_thread(retake_lease, order, entry.lease_record, held)
+                link = await Link.open(order, fds)
+            except (Fenced, ConfigError) as e:
+                for fd in fds:
+                    os.close(fd)
+                log.warning("agent: %s is not adopted: %s", what, e)
+                Journal.done(entry.path)
+                return
+            except Exception as e:
+                for fd in fds:
+                    os.close(fd)
+                log.error("agent: %s cannot be adopted now (%s: %s); the next agent tries again", what,
+                          type(e).__name__, e)
+                return
+            link.attached = False
+            self.links[key] = link
+        link.pending += 1  # held while the index is asked: another drain of the link may finish meanwhile
+        try:
+            status = await status_of(link.index, order.job, order.step)
+        except Exception as e:
+            link.pending -= 1
+            await self._close_if_done(key)
+            log.error("agent: %s cannot be adopted now: the index says %s: %s; the next agent tries again", what,
+                      type(e).__name__, e)
+            return
+        tiers = tuple(t for t in order.tiers if status is not None and t not in status.settled)
+        if not tiers:
+            link.pending -= 1
+            await self._close_if_done(key)
+            log.info("agent: %s: %s; nothing to adopt", what,
+                     "gone from the index" if status is None else f"settled on {', '.join(order.tiers)}")
+            Journal.done(entry.path)
+            return
+        log.info("agent: adopting %s: tiers %s", what, ", ".join(tiers))
+        self._start(None, link, key, replace(order, tiers=tiers), None, entry.path)
+
+    async def _settle(self, job: str, index: str) -> dict[str, Any]:
+        """Wait until no drain of `job` on `index` is left without its trainer (adopted ones included)."""
+        assert self._adopted is not None
+        await self._adopted.wait()
+        waiting = [task for link, task in self._draining.values()
+                   if link.order.job == job and link.order.link["index"] == index and not link.attached]
+        if waiting:
+            log.info("agent: job %s: a new engine waits for %d drain(s) of an earlier trainer", job, len(waiting))
+            await asyncio.gather(*waiting, return_exceptions=True)
+        return {"op": "settled", "job": job, "drains": len(waiting)}
+
     def status(self) -> dict[str, Any]:
         return {"op": "status", "pid": os.getpid(), "clients": self.clients, "idle_exit": self.idle,
+                "journal": len(list(self.journal.folder.glob("*.order"))) if self.journal.folder.is_dir() else 0,
                 "drains": [{"job": d.job, "step": d.step, "rank": d.rank, "nbytes": d.nbytes, "tiers": d.tiers,
                             "seconds": round(time.time() - d.since, 1)} for d in self.drains.values()]}
 
