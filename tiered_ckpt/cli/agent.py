@@ -37,7 +37,7 @@ def _status(folder: Path, as_json: bool) -> int:
         return EXIT_OK
     drains = status.get("drains", [])
     print(f"agent pid {status['pid']} at {folder}: {status['clients']} trainer(s) attached, "
-          f"{len(drains)} save(s) draining")
+          f"{len(drains)} save(s) draining, {status.get('journal', 0)} journaled")
     for d in sorted(drains, key=lambda d: (d["job"], d["step"], d["rank"])):
         for tier, state in sorted(d["tiers"].items()):
             print(f"  job {d['job']}  step {d['step']}  rank {d['rank']}  tier {tier}: {state} "
