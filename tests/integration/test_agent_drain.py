@@ -35,12 +35,17 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
-async def test_a_trainer_killed_after_its_memory_commit_still_gets_its_disk_copy(tmp_path, shm_dir, monkeypatch):
+@pytest.mark.parametrize("index", ["file", "redis"])
+async def test_a_trainer_killed_after_its_memory_commit_still_gets_its_disk_copy(tmp_path, shm_dir, monkeypatch,
+                                                                                redis_server, index):
+    """On a Redis index the agent commits under the writer's epoch (carried by the order), on the file index
+    under its lease (the descriptor passed along)."""
     folder = tmp_path / "agent"
     monkeypatch.setenv("TIERED_CKPT_AGENT_DIR", str(folder))
     monkeypatch.setenv("TIERED_CKPT_AGENT_IDLE", "1")
+    on_redis = {"index": redis_server().url} if index == "redis" else {}  # else the file index under tmp_path
     raw = stack_dict(tmp_path, {"kind": "memory", "capacity": "1GiB", "keep_last": 2}, "faulty", shm=shm_dir,
-                     job="agent", part_size="1MiB", agent="on")
+                     job="agent", part_size="1MiB", agent="on", **on_redis)
     config = write_toml(tmp_path / "agent.toml", raw)
     control = faults(tc.load_config(config))
     proc = subprocess.Popen([sys.executable, str(HERE / "agent_saver.py"), str(config), "kill"],
@@ -153,3 +158,57 @@ async def test_an_agent_killed_mid_drain_is_adopted_by_the_next(tmp_path, shm_di
     assert journal(folder) == []
     second = agent_pid(folder)
     wait_for(lambda: second is None or not alive(second), 10, "the agent did not exit when idle")
+
+
+async def test_a_hung_agent_fails_the_handoff_in_time_and_the_trainer_writes_the_save(tmp_path, shm_dir,
+                                                                                       monkeypatch, caplog):
+    """An agent stopped with SIGSTOP (its socket accepts, nothing answers): the save's handoff gives up after
+    HANDOFF_TIMEOUT with a warning naming the socket, the trainer writes the disk tier in-process, and the job goes
+    on: once the agent runs again, the next save is drained by an agent (that one, or, once it went idle, one
+    the engine starts)."""
+    from tiered_ckpt.agent.client import HANDOFF_TIMEOUT
+
+    folder = tmp_path / "agent"
+    monkeypatch.setenv("TIERED_CKPT_AGENT_DIR", str(folder))
+    monkeypatch.setenv("TIERED_CKPT_AGENT_IDLE", "1")
+    config = stack_dict(tmp_path, {"kind": "memory", "capacity": "1GiB", "keep_last": 2}, "local", shm=shm_dir,
+                        job="hung", part_size="1MiB", agent="on")
+    cli_log = open(tmp_path / "cli-agent.log", "wb")
+    agent = subprocess.Popen([sys.executable, "-m", "tiered_ckpt.cli", "agent", "--idle", "1"],
+                             stdout=cli_log, stderr=cli_log)
+    try:
+        wait_for(lambda: (folder / "agent.sock").exists(), 20, "the agent did not start")
+        os.kill(agent.pid, signal.SIGSTOP)
+        caplog.set_level("WARNING")
+        async with tc.Engine(tc.config.parse_config(config)) as engine:
+            began = time.monotonic()
+            handle = await engine.save(1, {"w": torch.full((2**20,), 1.0)})
+            await handle.wait("host")
+            blocked = time.monotonic() - began
+            await handle.wait()  # every tier, the disk written by the trainer
+            assert HANDOFF_TIMEOUT <= blocked < HANDOFF_TIMEOUT + 5, blocked
+            warned = [r.getMessage() for r in caplog.records if "did not accept step 1" in r.getMessage()]
+            assert warned and str(folder / "agent.sock") in warned[0] and "the trainer writes tier(s) disk" in \
+                warned[0], warned
+            os.kill(agent.pid, signal.SIGCONT)
+            caplog.clear()
+            handle = await engine.save(2, {"w": torch.full((2**20,), 2.0)})
+            await handle.wait()
+            assert not [r for r in caplog.records if "the trainer writes" in r.getMessage()]
+            listing = {c.step: c for c in [c async for c in engine.list()]}
+            assert listing[1].complete == listing[2].complete == {"host", "disk"}
+    finally:
+        if agent.poll() is None:
+            os.kill(agent.pid, signal.SIGCONT)
+        try:
+            assert agent.wait(timeout=15) == 0  # idle once the engine closed: it exits by itself
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+        cli_log.close()
+    last = agent_pid(folder)  # an agent the engine started for step 2, if that one had gone idle
+    wait_for(lambda: last is None or not alive(last), 10, "the agent did not exit when idle")
+    logs = (tmp_path / "cli-agent.log").read_text() + ((folder / "agent.log").read_text()
+                                                       if (folder / "agent.log").exists() else "")
+    assert "job hung step 2 rank 0 on tier disk: done" in logs and "step 1 rank 0" not in logs, logs
