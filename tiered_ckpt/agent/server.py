@@ -200,7 +200,8 @@ class AgentServer:
         link.attached = True
         link.pending += 1
         try:  # on file before the trainer hears "accepted": an agent killed from here on loses nothing
-            entry = await self.journal.record(order, str(message.get("trainer") or ""), lease_record(order, link.lease_fds))
+            trainer = str(message.get("trainer") or "")
+            entry = await self.journal.record(order, trainer, lease_record(order, link.lease_fds))
         except OSError as e:
             link.pending -= 1
             await channel.send({"op": "refused", "id": ident, "error": f"the agent's journal: {e}"})

@@ -230,8 +230,11 @@ def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None
             def mark(step: int) -> None:
                 if step == 2 * every:  # from the second save on: the first one plans and makes the buffers
                     marks["before"] = thread_cpu()
+                if variant == "tiered_ckpt_agent" and step >= 2 * every and marks.get("agent_cpu") is None:
+                    # the agent the first save started may still be starting: from the first save it serves
                     marks["agent"] = _agent_pid(agent_folder)
                     marks["agent_cpu"] = process_cpu(marks["agent"])
+                    marks["agent_from"] = step
 
             def save(step: int, state: dict[str, Any]) -> Any:
                 handles.append(ckpt.save(step, state, lazy=True))
@@ -244,7 +247,7 @@ def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None
         runs[variant].append(run)
         counted = len(run.save_calls) - 1
         if marks.get("agent_cpu") is not None and agent_after is not None:
-            agent_cpu.append((agent_after - marks["agent_cpu"]) / counted)
+            agent_cpu.append((agent_after - marks["agent_cpu"]) / (steps // every - marks["agent_from"] // every + 1))
         for h in handles[1:]:
             inner = h._handle
             for tier in inner.committed_on:
