@@ -88,6 +88,9 @@ class EngineConfig:
     # Prometheus metrics served on this port (+ LOCAL_RANK) at metrics_addr; 0: off (needs the extra `prometheus`)
     metrics_port: int = field(default=0, metadata=bounds(min=0, max=65535, why="0 turns the metrics server off"))
     metrics_addr: str = "0.0.0.0"  # the address the metrics server listens on ("127.0.0.1": this machine only)
+    # "on": once the memory tier (the staging buffer's files) committed a save, the node agent writes and commits the
+    # slower tiers, so they complete if the trainer dies (agent/); "off": the trainer writes every tier itself
+    agent: str = "off"
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,7 @@ def _check_host_memory(config: Config) -> None:
 
 ROLES = ("auto", "writer", "reader")
 ON_LOST = ("previous", "error", "fresh")
+AGENT_MODES = ("off", "on")
 
 
 def _check_engine(engine: EngineConfig, source: str | None) -> None:
@@ -283,6 +287,9 @@ def _check_engine(engine: EngineConfig, source: str | None) -> None:
                               f"/{db}", key="engine.index", file=source)
     if engine.on_lost not in ON_LOST:
         raise ConfigError(f"on_lost must be one of {', '.join(ON_LOST)}, got {engine.on_lost!r}", key="engine.on_lost",
+                          file=source)
+    if engine.agent not in AGENT_MODES:
+        raise ConfigError(f"agent must be one of {', '.join(AGENT_MODES)}, got {engine.agent!r}", key="engine.agent",
                           file=source)
     if engine.role not in ROLES:
         raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {engine.role!r}", key="engine.role", file=source)

@@ -16,6 +16,7 @@ import time
 from enum import Enum
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
+from .agent.client import AgentClient
 from .checksum import resolve as resolve_checksum
 from .config import Config, check_config, load_config
 from .distributed.coordinator import Coordinator
@@ -77,6 +78,7 @@ class Engine:
         self.planner = Planner(config.engine.part_size, self.coordinator)
         self.policy = SavePolicy.of(config.engine)  # should_save: when to save (save/policy.py)
         self._saver: Saver | None = None  # built at open(): they need the rank
+        self._agent: AgentClient | None = None  # [engine] agent = "on": the node agent's client
         self._loader: Loader | None = None
         self._state = EngineState.NEW
         self._closing: asyncio.Future[None] | None = None  # close()'s work, once begun (shared by every close())
@@ -114,8 +116,14 @@ class Engine:
                            index_timeout=engine.index_timeout)
         # one algorithm for every rank ("auto" could resolve differently where xxhash is missing on a rank)
         algorithm = await self.coordinator.broadcast_object(resolve_checksum(engine.checksum))
+        self._agent = await self._agent_client() if engine.agent == "on" else None
+        if self._agent is not None and engine.role != "reader":  # an earlier trainer's drains (a dead agent's,
+            # adopted) finish before this engine's first save fences them out; a reader fences nothing
+            waited = await self._agent.settle(self.job)
+            if waited:
+                log.info("the node agent finished %d save(s) of job %s an earlier trainer left", waited, self.job)
         services = SaveServices(store.io, commit, retention, store.removal, self.pool, store.committed, algorithm,
-                                lost=store.lost)
+                                lost=store.lost, drainer=self._agent)
         self._saver = Saver(self.config, self.coordinator, self.planner, store.writer, store.busy, services,
                             is_open=lambda: self._state is EngineState.OPEN)
         self._loader = Loader(store.io, store.catalog, self.coordinator, store.busy,
@@ -131,6 +139,35 @@ class Engine:
             await self.close(raise_errors=False)
             raise
         return self
+
+    async def _agent_client(self) -> AgentClient | None:
+        """[engine] agent = "on": the client of this machine's agent (started at the first handoff), which drains
+        the slower tiers once the memory tier committed a save; None when no memory tier is the staging buffer
+        (then there is nothing to hand over, and the trainer writes every tier as with agent = "off")."""
+        from .agent.folder import agent_folder
+        from .agent.links import supported_index, tier_tables
+
+        engine = self.config.engine
+        why = supported_index(engine.index)
+        if why:
+            raise ConfigError(f"{why}: set agent = \"off\"", key="engine.agent", file=self.config.source)
+        if self.pool.arena is None:
+            log.info("[engine] agent = \"on\" has nothing to drain: no memory tier is the staging buffer")
+            return None
+        node, num_nodes = await self.coordinator.node()
+        index = engine.index
+        if index.startswith("file://"):
+            index = "file://" + os.path.abspath(index.removeprefix("file://"))
+        link = {"index": index, "index_timeout": engine.index_timeout, "commit_timeout": engine.commit_timeout,
+                "tiers": tier_tables(list(self.config.tiers), os.getcwd()), "node": node, "num_nodes": num_nodes,
+                "io_threads": engine.io_threads, "background_nice": engine.background_nice}
+        index_obj, job = self.store.index, self.job
+
+        def lease_fds() -> list[int]:
+            fds = getattr(index_obj, "lease_fds", None)
+            return fds(job) if fds is not None else []
+        slowest = max((t.timeout * (t.retries + 1) for t in self.config.tiers), default=0.0)
+        return AgentClient(agent_folder(), link, lease_fds, outcome_timeout=engine.commit_timeout + 2 * slowest)
 
     async def _removing(self, tier: str, step: int) -> None:
         """A removal of `step` from `tier` starts (Removal's hook): the staging pool takes its buffer back, and
@@ -195,6 +232,8 @@ class Engine:
         assert saver is not None and loader is not None
         self.policy.disarm()
         await saver.wait_all()
+        if self._agent is not None:  # every save's outcomes are in: the agent lets this trainer's link go
+            await self._agent.close()
         if self._finishing is not None:  # the last save after SIGTERM (its caller may have cancelled): then the signal
             await self._finishing
         try:

@@ -76,6 +76,10 @@ class IntegrityError(TierError):
     """Bytes read back do not match the checksum or length in the manifest."""
 
 
+class AgentUnavailable(TieredCkptError, ConnectionError):
+    """The node agent did not take a save in time, or went away mid-drain: the trainer drains it in-process."""
+
+
 class IndexUnavailable(TieredCkptError, ConnectionError):
     """The index server cannot be reached; the message names it."""
 

@@ -24,7 +24,9 @@ def result(tmp_path_factory):
 
 
 def test_each_run_and_the_split_of_a_save_are_reported(result):
-    assert set(result["runs"]) == {"none", "tiered_ckpt", "dcp", "python"}
+    assert set(result["runs"]) == {"none", "tiered_ckpt", "tiered_ckpt_agent", "dcp", "python"}
+    assert result["agent"] is None and not result["runs"]["tiered_ckpt_agent"]  # --agent: a process, not here
+    assert set(result["durable"]["tiered_ckpt"]) == {"host", "disk"}
     assert [len(result["runs"][k]) for k in ("none", "tiered_ckpt", "python")] == [1, 1, 1] and not result["runs"]["dcp"]
     assert set(result["slowdown"]) == {"tiered_ckpt", "python"}
     b = result["breakdown"]
@@ -81,3 +83,20 @@ def test_the_yardstick_thread_ends_when_closed():
     background(3, {})
     background.close()
     assert not background._thread.is_alive()
+
+
+def test_the_report_compares_the_agent_run_and_gives_time_to_durable():
+    b = {"save_call": 0.002, "staged_wait": 0.0003, "step_after_save": 0.004, "per_save": 0.05, "split_share": 0.021}
+    text = loop_share.report({
+        "steps": 6, "every": 3, "state_bytes": 25 << 20, "calibrate_ms": 5.0,
+        "seconds": {"none": 1.0, "tiered_ckpt": 1.1, "tiered_ckpt_agent": 1.02},
+        "slowdown": {"tiered_ckpt": 0.1, "tiered_ckpt_agent": 0.02}, "breakdown": b,
+        "agent": {"breakdown": {**b, "step_after_save": 0.001, "split_share": 0.007},
+                  "background_cpu_per_save": {"event loop": (0.002, 0.0)}, "agent_cpu_per_save": 0.012},
+        "durable": {"tiered_ckpt": {"host": 0.02, "disk": 0.09}, "tiered_ckpt_agent": {"host": 0.03, "disk": 0.15}},
+        "background_cpu_per_save": {"event loop": (0.004, 0.0)}, "runs": {}})
+    for row in ("agent on (the disk tier drained by the node agent) | 1.02 | 2.0%", "| agent off | agent on |",
+                "the step after a save, beyond the other steps | 4.00 | 1.00 |", "| 2.1% | 0.7% |",
+                "trainer thread CPU: event loop (user + system) | 4.0 | 2.0 |", "the agent process's CPU | | 12.0 |",
+                "time to durable, tiered_ckpt_agent (save() to the tier committed, medians, ms): disk 150, host 30"):
+        assert row in text, row

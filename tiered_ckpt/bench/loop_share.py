@@ -7,7 +7,15 @@ The last run is the yardstick for the others: the training thread runs Python be
 Python another thread runs meanwhile (the engine's event loop, its pipelines, the index) holds the GIL that the
 training thread then waits for. The report splits tiered_ckpt's cost per save into the `save()` call, the wait
 for the lazy copy and the slower step after a save, and gives the CPU each group of the engine's threads used
-per save (Linux)."""
+per save (Linux).
+
+`--agent` adds a run with `[engine] agent = "on"` beside the in-process one, in the same interleaving: the
+trainer commits the memory tier and hands the disk tier to a node agent (a process of its own, in a private
+folder started for this run). Both runs report their time to durable per tier (save() to the tier committed,
+medians over the saves the tier committed) and, for the agent run, the agent process's CPU per save.
+
+    python -m tiered_ckpt.bench.loop_share [--steps 60] [--every 3] [--repeats 3] [--agent] [--no-dcp] [--json]
+"""
 from __future__ import annotations
 
 import os
@@ -166,9 +174,29 @@ def _thread_group(name: str) -> str:
     return ""
 
 
+def process_cpu(pid: int | None) -> float | None:
+    """A process's CPU seconds, user and system (Linux /proc; None when it is gone or unknown)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _agent_pid(folder: Path) -> int | None:
+    try:
+        return int((folder / "agent.lock").read_text() or 0) or None
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None = None, shm: str = "/dev/shm",
-            dcp: bool = True, calibrate_ms: float = 10.0) -> dict[str, Any]:
-    """Interleaved runs A B C D (no checkpoint, tiered_ckpt, DCP, background Python), `repeats` times."""
+            dcp: bool = True, calibrate_ms: float = 10.0, agent: bool = False) -> dict[str, Any]:
+    """Interleaved runs A B (B') C D (no checkpoint, tiered_ckpt, with `agent` tiered_ckpt with the node agent,
+    DCP, background Python), `repeats` times."""
     if every < 1 or steps < 2 * every:
         raise ValueError(f"steps ({steps}) must be at least twice every ({every}): the split of a save's cost "
                          f"needs two saves (the first one plans and makes the buffers)")
@@ -180,34 +208,69 @@ def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None
     config = parse_config({"engine": {"job": "loop", "index": f"file://{work}/index"},
                            "tiers": [{"name": "host", "kind": "memory", "path": str(shm_dir), "keep_last": 2},
                                      {"name": "disk", "kind": "local", "path": str(work / "disk"), "keep_last": 2}]})
-    runs: dict[str, list[Run]] = {"none": [], "tiered_ckpt": [], "dcp": [], "python": []}
-    cpu: dict[str, list[tuple[float, float]]] = {}  # per thread group: (user, system) per save, one per repeat
+    runs: dict[str, list[Run]] = {"none": [], "tiered_ckpt": [], "tiered_ckpt_agent": [], "dcp": [], "python": []}
+    # per variant, per thread group: (user, system) per save, one per repeat
+    cpu: dict[str, dict[str, list[tuple[float, float]]]] = {"tiered_ckpt": {}, "tiered_ckpt_agent": {}}
+    durable: dict[str, dict[str, list[float]]] = {"tiered_ckpt": {}, "tiered_ckpt_agent": {}}  # tier → seconds
+    agent_cpu: list[float] = []  # the agent process's CPU per save, one per repeat
+    agent_folder = work / "agent"  # a private agent for these runs (0700), gone when idle
+    saved_env = {k: os.environ.get(k) for k in ("TIERED_CKPT_AGENT_DIR", "TIERED_CKPT_AGENT_IDLE")}
+    if agent:
+        agent_folder.mkdir(mode=0o700)
+        os.environ.update(TIERED_CKPT_AGENT_DIR=str(agent_folder), TIERED_CKPT_AGENT_IDLE="60")
+
+    def tiered(r: int, variant: str) -> None:
+        engine = {"job": f"loop{r}{variant}"}
+        if variant == "tiered_ckpt_agent":
+            engine["agent"] = "on"
+        handles: list[Any] = []
+        with Checkpointer(config.replace_engine(**engine)) as ckpt:
+            marks: dict[str, Any] = {}
+
+            def mark(step: int) -> None:
+                if step == 2 * every:  # from the second save on: the first one plans and makes the buffers
+                    marks["before"] = thread_cpu()
+                if variant == "tiered_ckpt_agent" and step >= 2 * every and marks.get("agent_cpu") is None:
+                    # the agent the first save started may still be starting: from the first save it serves
+                    marks["agent"] = _agent_pid(agent_folder)
+                    marks["agent_cpu"] = process_cpu(marks["agent"])
+                    marks["agent_from"] = step
+
+            def save(step: int, state: dict[str, Any]) -> Any:
+                handles.append(ckpt.save(step, state, lazy=True))
+                return handles[-1]
+
+            run = _train(steps, every, save, mark)
+            ckpt.wait_all()  # the last save's background work counts too
+            after, before = thread_cpu(), marks["before"]
+            agent_after = process_cpu(marks.get("agent"))
+        runs[variant].append(run)
+        counted = len(run.save_calls) - 1
+        if marks.get("agent_cpu") is not None and agent_after is not None:
+            agent_cpu.append((agent_after - marks["agent_cpu"]) / (steps // every - marks["agent_from"] // every + 1))
+        for h in handles[1:]:
+            inner = h._handle
+            for tier in inner.committed_on:
+                if tier in inner.durable_at:
+                    durable[variant].setdefault(tier, []).append(inner.durable_at[tier])
+        groups: dict[str, list[float]] = {}
+        for tid, (name, user, system) in after.items():
+            group = _thread_group(name)
+            if group:
+                _, u0, s0 = before.get(tid, (name, 0.0, 0.0))
+                g = groups.setdefault(group, [0.0, 0.0])
+                g[0] += user - u0
+                g[1] += system - s0
+        for group, (user, system) in groups.items():
+            cpu[variant].setdefault(group, []).append((user / counted, system / counted))
+
     try:
         _train(5, every, None)  # warm up the allocator and the kernels
         for r in range(repeats):
             runs["none"].append(_train(steps, every, None))
-            with Checkpointer(config.replace_engine(job=f"loop{r}")) as ckpt:
-                marks: dict[str, Any] = {}
-
-                def mark(step: int) -> None:
-                    if step == 2 * every:  # from the second save on: the first one plans and makes the buffers
-                        marks["before"] = thread_cpu()
-
-                run = _train(steps, every, lambda s, st: ckpt.save(s, st, lazy=True), mark)
-                ckpt.wait_all()  # the last save's background work counts too
-                after, before = thread_cpu(), marks["before"]
-            runs["tiered_ckpt"].append(run)
-            counted = len(run.save_calls) - 1
-            groups: dict[str, list[float]] = {}
-            for tid, (name, user, system) in after.items():
-                group = _thread_group(name)
-                if group:
-                    _, u0, s0 = before.get(tid, (name, 0.0, 0.0))
-                    g = groups.setdefault(group, [0.0, 0.0])
-                    g[0] += user - u0
-                    g[1] += system - s0
-            for group, (user, system) in groups.items():
-                cpu.setdefault(group, []).append((user / counted, system / counted))
+            tiered(r, "tiered_ckpt")
+            if agent:
+                tiered(r, "tiered_ckpt_agent")
             if dcp:
                 import torch.distributed.checkpoint as dcp_
 
@@ -223,6 +286,21 @@ def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None
                 finally:
                     background.close()
     finally:
+        if agent:  # the private agent goes now, not after its idle time (it drains nothing any more)
+            pid = _agent_pid(agent_folder)
+            if pid is not None and process_cpu(pid) is not None:
+                import signal
+
+                os.kill(pid, signal.SIGTERM)
+                for _ in range(100):
+                    if process_cpu(pid) is None or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+                        break
+                    time.sleep(0.05)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
     saves = steps // every
@@ -237,25 +315,37 @@ def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None
         return statistics.median(statistics.median(r.steps_after_save) - statistics.median(r.other_steps)
                                  for r in runs[name])
 
-    tiered = runs["tiered_ckpt"]
-    breakdown = {
-        "save_call": statistics.median(x for r in tiered for x in r.save_calls[1:]),  # (the first one plans)
-        "staged_wait": statistics.median(x for r in tiered for x in r.staged_waits),
-        "step_after_save": step_after("tiered_ckpt"),
-        "per_save": per_save_cost("tiered_ckpt"),
-        "step": statistics.median(statistics.median(r.other_steps) for r in tiered),
-    }
-    # the split's share of the loop: steadier than the whole runs' ratio, whose runs the machine's drift moves
-    breakdown["split_share"] = (breakdown["save_call"] + breakdown["step_after_save"]) / (every * breakdown["step"])
-    return {"steps": steps, "every": every, "state_bytes": nbytes, "calibrate_ms": calibrate_ms,
+    def breakdown_of(name: str) -> dict[str, float]:
+        tiered = runs[name]
+        b = {
+            "save_call": statistics.median(x for r in tiered for x in r.save_calls[1:]),  # (the first one plans)
+            "staged_wait": statistics.median(x for r in tiered for x in r.staged_waits),
+            "step_after_save": step_after(name),
+            "per_save": per_save_cost(name),
+            "step": statistics.median(statistics.median(r.other_steps) for r in tiered),
+        }
+        # the split's share of the loop: steadier than the whole runs' ratio, whose runs the machine's drift moves
+        b["split_share"] = (b["save_call"] + b["step_after_save"]) / (every * b["step"])
+        return b
+
+    def cpu_of(name: str) -> dict[str, tuple[float, float]]:
+        return {g: (statistics.median(u for u, _ in v), statistics.median(s for _, s in v))
+                for g, v in sorted(cpu[name].items())}
+
+    breakdown = breakdown_of("tiered_ckpt")
+    return {"agent": {"breakdown": breakdown_of("tiered_ckpt_agent"), "background_cpu_per_save": cpu_of(
+                "tiered_ckpt_agent"), "agent_cpu_per_save": statistics.median(agent_cpu) if agent_cpu else None}
+            if agent else None,
+            "durable": {name: {t: statistics.median(v) for t, v in tiers.items()} for name, tiers in durable.items()
+                        if tiers},
+            "steps": steps, "every": every, "state_bytes": nbytes, "calibrate_ms": calibrate_ms,
             "seconds": {k: statistics.median(r.seconds for r in v) for k, v in runs.items() if v},
             "slowdown": {k: statistics.median(a.seconds / b.seconds - 1 for a, b in zip(v, runs["none"]))
                          for k, v in runs.items() if v and k != "none"},
             "breakdown": breakdown,
             "python_per_save": per_save_cost("python") if runs["python"] else None,
             "python_step_after": step_after("python") if runs["python"] else None,
-            "background_cpu_per_save": {g: (statistics.median(u for u, _ in v), statistics.median(s for _, s in v))
-                                        for g, v in sorted(cpu.items())},
+            "background_cpu_per_save": cpu_of("tiered_ckpt"),
             "runs": {k: [r.seconds for r in v] for k, v in runs.items()}}
 
 
@@ -264,7 +354,9 @@ def report(r: dict[str, Any]) -> str:
              f"state with AdamW), a save every {r['every']} steps; interleaved runs, slowdown = median of the "
              f"runs' ratios to the run without checkpoints beside them", "",
              "| run | seconds | slowdown |", "|---|---:|---:|", f"| no checkpoint | {r['seconds']['none']:.2f} | |"]
-    labels = (("tiered_ckpt", "tiered_ckpt, lazy saves (memory + disk)"), ("dcp", "DCP save, synchronous"),
+    labels = (("tiered_ckpt", "tiered_ckpt, lazy saves (memory + disk)"),
+              ("tiered_ckpt_agent", "tiered_ckpt, lazy saves, agent on (the disk tier drained by the node agent)"),
+              ("dcp", "DCP save, synchronous"),
               ("python", f"no checkpoint; {r['calibrate_ms']:g} ms of pure Python on a background thread at each save"))
     for name, label in labels:
         if name in r["slowdown"]:
@@ -286,10 +378,53 @@ def report(r: dict[str, Any]) -> str:
         lines += ["", "the engine's threads, CPU per save from the second save on (ms):", "", "| threads | user | system |",
                   "|---|---:|---:|"]
         lines += [f"| {g} | {1000 * u:.1f} | {1000 * s:.1f} |" for g, (u, s) in r["background_cpu_per_save"].items()]
+    a = r.get("agent")
+    if a:
+        b2 = a["breakdown"]
+        lines += ["", "agent off vs on, per save (ms, medians):", "", "| where | agent off | agent on |",
+                  "|---|---:|---:|"]
+        for key, label in (("save_call", "`save()` returns"), ("staged_wait", "waiting for the lazy copy"),
+                           ("step_after_save", "the step after a save, beyond the other steps"),
+                           ("per_save", "all the loop lost per save")):
+            lines.append(f"| {label} | {1000 * b[key]:.2f} | {1000 * b2[key]:.2f} |")
+        lines.append(f"| the share of the loop by the split | {100 * b['split_share']:.1f}% | "
+                     f"{100 * b2['split_share']:.1f}% |")
+        off, on = r["background_cpu_per_save"], a["background_cpu_per_save"]
+        for g in sorted(set(off) | set(on)):
+            u_off, s_off = off.get(g, (0.0, 0.0))
+            u_on, s_on = on.get(g, (0.0, 0.0))
+            lines.append(f"| trainer thread CPU: {g} (user + system) | {1000 * (u_off + s_off):.1f} | "
+                         f"{1000 * (u_on + s_on):.1f} |")
+        if a.get("agent_cpu_per_save") is not None:
+            lines.append(f"| the agent process's CPU | | {1000 * a['agent_cpu_per_save']:.1f} |")
+    for name, tiers in r.get("durable", {}).items():
+        lines.append("")
+        lines.append(f"time to durable, {name} (save() to the tier committed, medians, ms): " +
+                     ", ".join(f"{t} {1000 * v:.0f}" for t, v in sorted(tiers.items())))
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
     import warnings
+
+    parser = argparse.ArgumentParser(prog="python -m tiered_ckpt.bench.loop_share",
+                                     description="the training loop's share taken by checkpointing (module docstring)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps per run (default 60)")
+    parser.add_argument("--every", type=int, default=3, help="a save every this many steps (default 3)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every run (default 3)")
+    parser.add_argument("--agent", action="store_true", help="also a run with [engine] agent = \"on\"")
+    parser.add_argument("--no-dcp", action="store_true", help="leave the DCP run out")
+    parser.add_argument("--calibrate-ms", type=float, default=10.0,
+                        help="ms of background Python per save point in the yardstick run (0: no such run)")
+    parser.add_argument("--json", action="store_true", help="the figures as JSON instead of the report")
+    args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
-    print(report(measure()))
+    result = measure(args.steps, args.every, args.repeats, dcp=not args.no_dcp, calibrate_ms=args.calibrate_ms,
+                     agent=args.agent)
+    print(json.dumps(result, indent=1) if args.json else report(result))
+
+
+if __name__ == "__main__":
+    main()

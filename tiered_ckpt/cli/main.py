@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
                       "(it is lost), and folders this index does not list; never what a live process holds")
     free.add_argument("--dry-run", action="store_true", help="print what would be freed; change nothing")
     free.add_argument("-y", "--yes", action="store_true", help="do not ask (it asks only when stdin is a terminal)")
+    agent = sub.add_parser("agent", help="the node agent that drains saves to the slower tiers (`agent`: run it "
+                                         "in the foreground; `agent status`: what it drains; docs/operations.md)")
+    agent.add_argument("action", nargs="?", choices=["run", "status"], default="run")
+    agent.add_argument("--idle", type=float, default=None, metavar="SECONDS",
+                       help="exit after this long with nothing to drain and no trainer attached (default 10)")
+    agent.add_argument("--json", action="store_true", help="status as one JSON document")
+    agent.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)  # the engine's launcher
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND", title="subcommands")
     check = config_sub.add_parser("check", help="validate a tier stack TOML")
@@ -114,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, rest: list[str]) -> int:
     if args.command == "config":
         return config_check(args.file)
+    if args.command == "agent":  # no config, no index: the agent learns each job's from the trainers
+        from .agent import cmd_agent  # noqa: the CLI module, not the package
+
+        return cmd_agent(args)
     if args.command == "bench":
         from ..bench.run import add_arguments, run_bench
 

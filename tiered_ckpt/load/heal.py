@@ -17,11 +17,13 @@ still lists the checkpoint complete on that tier (another process's retention ma
 from __future__ import annotations
 
 import logging
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from ..errors import TieredCkptError, TierNotFound
-from ..layout import committed_key, manifest_key, parse_key, rank_meta_key
+from ..layout import PartKey, committed_key, manifest_key, parse_key, rank_meta_key
+from ..lifecycle.copy_commit import CopyThenCommit, RankCopy
 from ..manifest import Manifest
 from ..storage.index import Index
 from ..storage.tier_io import TierIO
@@ -122,39 +124,57 @@ async def _repair(io: TierIO, manifest: Manifest, order: Sequence[str], holdings
     report.bytes[tier] = report.bytes.get(tier, 0) + len(buf)
 
 
+class _VerifiedParts:
+    """A saved rank's parts read from `sources`, each verified before it is lent (a fresh buffer per part)."""
+
+    def __init__(self, io: TierIO, manifest: Manifest, rank: int, sources: Sequence[str]):
+        self.io, self.manifest, self.rank, self.sources = io, manifest, rank, sources
+
+    @asynccontextmanager
+    async def part(self, p: int) -> AsyncIterator[memoryview]:
+        buf = bytearray(self.manifest.part_length(self.rank, p))
+        await self.io.read_verified(part_read(self.manifest, self.rank, p, [memoryview(buf)]), self.sources,
+                                    ReadLog(), budgeted=False)
+        yield memoryview(buf)
+
+
 async def _copy_rank(io: TierIO, index: Index, manifest: Manifest, rank: int, tier: str, sources: Sequence[str],
                      report: HealReport) -> None:
-    """Rank `rank`'s copy on `tier`, from `sources`. A copy that cannot be finished (the tier full, a source
-    gone, the checkpoint retired meanwhile) takes back what it wrote: _unwrite."""
+    """Rank `rank`'s copy on `tier`, from `sources` (lifecycle/copy_commit.py: parts, record, check, then the
+    manifest and committed marker as the commit). A copy that cannot be finished (the tier full, a source gone,
+    the checkpoint retired meanwhile) takes back what it wrote: _unwrite."""
     job, step, inc = manifest.job, manifest.step, manifest.incarnation
-    written: list[str] = []  # this rank's keys written on the tier (the one being written, too)
-    healed = (0, 0)
-    try:
-        for p in range(len(manifest.ranks[rank].checksums)):
-            buf = bytearray(manifest.part_length(rank, p))
-            part = part_read(manifest, rank, p, [memoryview(buf)])
-            await io.read_verified(part, sources, ReadLog(), budgeted=False)
-            written.append(part.key)
-            await io.write(tier, part.key, memoryview(buf), f"heal part {p} of rank {rank}, step {step}")
-            healed = (healed[0] + 1, healed[1] + len(buf))
+    n = len(manifest.ranks[rank].checksums)
+    keys = tuple(PartKey(job, step, rank, p, inc).path for p in range(n))
+    lengths = tuple(manifest.part_length(rank, p) for p in range(n))
+    record = rank_meta_key(job, step, rank, inc)
+
+    async def still_complete() -> None:
         if not await _still_complete(index, manifest, tier):  # retention (another process's) removed it meanwhile
             raise TierNotFound(f"step {step} is no longer complete on the tier in the index: its healed parts are "
                                f"removed", tier=tier)
-        record = rank_meta_key(job, step, rank, inc)
-        data = await _record(io, sources, record, lambda: index.get_rank_meta(job, step, rank))
-        written.append(record)
-        await io.write(tier, record, memoryview(data))
+
+    async def records() -> list[tuple[str, bytes]]:
+        return [(record, await _record(io, sources, record, lambda: index.get_rank_meta(job, step, rank)))]
+
+    async def commit() -> None:
         if io.file_tier(tier) is not None or rank == 0:  # a node's own copy needs them; the ring, one copy
             # shared by the ranks of the copy: never taken back (a write that fails leaves the one before)
             await io.write(tier, manifest_key(job, step, inc),
                            memoryview(await _record(io, sources, manifest_key(job, step, inc),
                                                     lambda: index.get_manifest(job, step))))
             await io.write(tier, committed_key(job, step, inc), memoryview(b""))
+
+    copy = CopyThenCommit(io, RankCopy(tier, step, rank, keys, lengths), _VerifiedParts(io, manifest, rank, sources),
+                          records, commit, what="heal", lend_per_attempt=False, concurrent=False,
+                          before_records=still_complete)
+    try:
+        await copy.run()
     except BaseException:
-        await _unwrite(io, tier, written, step)
+        await _unwrite(io, tier, copy.written, step)
         raise
-    report.parts[tier] = report.parts.get(tier, 0) + healed[0]
-    report.bytes[tier] = report.bytes.get(tier, 0) + healed[1]
+    report.parts[tier] = report.parts.get(tier, 0) + n
+    report.bytes[tier] = report.bytes.get(tier, 0) + sum(lengths)
 
 
 async def _unwrite(io: TierIO, tier: str, keys: Sequence[str], step: int) -> None:

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..errors import TieredCkptError, TierError
 from ..lifecycle.removal import Removal
 from ..lifecycle.retention import Retention
 from ..release import release_off_loop
@@ -19,6 +20,7 @@ from ..state import FlatState
 from ..storage.tier_io import TierIO
 from .commit import Committer
 from .copy import stage
+from .drain import DrainOrder, Drainer, TierOutcome
 from .early import EarlyCopies, Launch
 from .handle import SaveHandle
 from .plan import Plan
@@ -47,6 +49,8 @@ class SaveServices:
     committed: set[int]  # steps complete somewhere, as far as this process knows (a save adds its own)
     checksum: str = "crc32c"  # the parts' checksum algorithm for new checkpoints (checksum.resolve)
     lost: set[int] = field(default_factory=set)  # checkpoints a load found lost: the next save removes them
+    # [engine] agent = "on": who drains the slower tiers once the memory tier committed (agent/client.py)
+    drainer: Drainer | None = None
 
 
 class SaveJob:
@@ -68,6 +72,15 @@ class SaveJob:
         self.writes = {t: TierWrite(t, io, commit, services.retention, services.committed, self.source, self.records,
                                     handle) for t in tiers}
         self.task: asyncio.Task[None] | None = None
+        first = self.source.files_tier
+        # tiers the agent drains: all but the memory tier whose files the staging buffer is, handed over once that
+        # tier committed (before its handle resolves); none without an agent or such a memory tier
+        self.handed = [t for t in tiers if t != first] if first is not None and services.drainer is not None else []
+        self._handoff: asyncio.Task[None] | None = None
+        self._accepted = asyncio.Event()
+        if self.handed:
+            assert first is not None
+            self.writes[first].before_done = self._hand_off
 
     def start(self) -> None:
         """Stage (in a thread) and persist in the background; `handle.staged()` resolves after the copy."""
@@ -126,7 +139,14 @@ class SaveJob:
                 for tier, error in zip(self.tiers, failed):
                     handle.set_done(tier, error)
                 return
-            await asyncio.gather(*(self._persist(t) for t in self.tiers))
+            if self.handed:
+                await self._persist(self.tiers[self.tiers.index(self.source.files_tier)])
+                if self._handoff is not None:
+                    await self._handoff
+                else:  # the memory tier did not commit: the trainer writes the rest from its buffer
+                    await asyncio.gather(*(self.writes[t].run() for t in self.handed))
+            else:
+                await asyncio.gather(*(self._persist(t) for t in self.tiers))
             for write in self.writes.values():
                 await write.remove_failed()
             await self.source.finish()
@@ -150,3 +170,49 @@ class SaveJob:
         if first is not None and tier != first:
             await self.writes[first].settled.wait()
         await self.writes[tier].run()
+
+    # -- the agent (save/drain.py) ---------------------------------------------------------------------------
+    async def _hand_off(self) -> None:
+        """The memory tier committed: hand the slower tiers to the agent, and wait until it accepted them (or
+        refused: the trainer then writes them); their outcomes come back in the background."""
+        self._handoff = asyncio.create_task(self._drain_elsewhere())
+        await self._accepted.wait()
+
+    async def _drain_elsewhere(self) -> None:
+        assert self.services.drainer is not None
+        pending = list(self.handed)
+        try:
+            try:
+                drain = await self.services.drainer.hand_off(await self._order())
+            finally:
+                self._accepted.set()
+            async for outcome in drain.outcomes():
+                pending.remove(outcome.tier)
+                await self._settle(outcome)
+        except TieredCkptError as e:
+            log.warning("step %d: %s; the trainer writes tier(s) %s itself", self.step, e, ", ".join(pending))
+        await asyncio.gather(*(self.writes[t].run() for t in pending))
+
+    async def _order(self) -> DrainOrder:
+        commit, records, source = self.services.commit, self.records, self.source
+        copy = self.writes[self.handed[0]].rank_copy()
+        assert source.files_tier is not None
+        return DrainOrder(commit.job, self.step, self.plan.rank,
+                          commit.world_size, commit.session, commit.incarnation, commit.index.epoch,
+                          tuple(self.handed), source.files_tier, copy.keys, copy.lengths,
+                          tuple(await records.part_sums()), records.algorithm, records.chunk_size,
+                          tuple(await records.blobs()))
+
+    async def _settle(self, outcome: TierOutcome) -> None:
+        """A tier the agent drained settled: the handle learns it, and retention runs here, as after a write."""
+        tier, handle = outcome.tier, self.handle
+        self.source.settled_all(tier, ok=outcome.state == "done")
+        handle.settled(tier)
+        if outcome.state == "skipped":
+            handle.set_skipped(tier, outcome.newer if outcome.newer is not None else self.step)
+        elif outcome.state == "done":
+            self.services.committed.add(self.step)
+            await self.services.retention.apply(tier, finishing=self.step)
+            handle.set_done(tier)
+        else:
+            handle.set_done(tier, TierError(f"step {self.step}, drained by the agent: {outcome.error}", tier=tier))

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Awaitable, Callable
 
-from ..errors import IndexUnavailable, TierError, TierFull, TierNotFound
+from ..errors import IndexUnavailable, TierError, TierFull
 from ..layout import committed_key, manifest_key, rank_prefix
+from ..lifecycle.copy_commit import CopyThenCommit, RankCopy
 from ..lifecycle.retention import Retention
 from ..storage.tier_io import TierIO
 from .commit import Committer, Superseded
@@ -41,6 +42,9 @@ class TierWrite:
         self.marked = False  # this rank marked its parts durable: another rank's marker may complete the tier
         self.settled = asyncio.Event()  # marked durable, or done with the tier whatever happened
         self.error: BaseException | None = None  # this save's error on the tier, reported by remove_failed
+        # called once the tier committed, before the handle says so (the memory tier's: the save is handed to the
+        # agent then, so that whoever waits for the memory tier knows the rest is in the agent's hands)
+        self.before_done: Callable[[], Awaitable[None]] | None = None
 
     async def run(self) -> None:
         """Take the turn, then write; skip the tier when a newer save superseded this one there."""
@@ -86,33 +90,22 @@ class TierWrite:
         self.handle.settled(self.tier)
         self.handle.set_skipped(self.tier, newer)
 
+    def rank_copy(self) -> RankCopy:
+        """This rank's copy onto this tier, as data (lifecycle/copy_commit.py)."""
+        plan, source = self.source.plan, self.source
+        return RankCopy(self.tier, self.step, plan.rank, tuple(source.key(p) for p in range(plan.num_parts)),
+                        tuple(b - a for a, b in map(plan.part_range, range(plan.num_parts))))
+
     async def _write(self, give_turn: Callable[[], None]) -> None:
         tier, source = self.tier, self.source
         in_place = tier == source.files_tier  # the staging buffer is this tier's own files
+        copy = CopyThenCommit(self.io, self.rank_copy(), source, self.records.blobs, self._commit,
+                              make_room=lambda: self.retention.make_room(tier, finishing=self.step),
+                              settled=lambda p, ok: source.settled(p, tier, ok), after_records=give_turn)
         try:
             if in_place:
                 await self._publish_staged()
-            else:
-                await self._write_parts()
-            blobs = await self.records.blobs()
-            for key, data in blobs:
-                await self.io.write(tier, key, memoryview(data))
-            give_turn()
-            written = [source.key(p) for p in range(source.plan.num_parts)] + [key for key, _ in blobs]
-            gone = await self.io.missing(tier, written)
-            if gone:  # e.g. a cache that restarted empty mid-save: never commit what is no longer there
-                raise TierNotFound(f"step {self.step}: {len(gone)} value(s) vanished before the commit, "
-                                   f"first {gone[0]}", tier=tier)
-            try:
-                await self.commit.mark_durable(self.step, tier)
-            except IndexUnavailable:  # the commit may have run before the connection failed: keep the parts
-                self.marked = True
-                raise
-            self.marked = True
-            self.settled.set()
-            await self.commit.wait_complete(self.step, tier)
-            self.committed.add(self.step)  # saving this step again is refused from now on
-            await self._mark_committed_on_tier()
+            await copy.run(parts_present=in_place)
             if in_place:
                 await source.retain()  # the buffer stays with the tier's checkpoint
         except Superseded as e:  # another rank skipped the tier for this step while this rank wrote it
@@ -128,7 +121,23 @@ class TierWrite:
         self.handle.settled(tier)
         if self.error is None:
             await self.retention.apply(tier, finishing=self.step)
+            if self.before_done is not None:
+                await self.before_done()
             self.handle.set_done(tier)
+
+    async def _commit(self) -> None:
+        """The save's commit on this tier: this rank's durable marker, the wait for every rank's (the last marker
+        commits), then the committed marker beside the copy."""
+        try:
+            await self.commit.mark_durable(self.step, self.tier)
+        except IndexUnavailable:  # the commit may have run before the connection failed: keep the parts
+            self.marked = True
+            raise
+        self.marked = True
+        self.settled.set()
+        await self.commit.wait_complete(self.step, self.tier)
+        self.committed.add(self.step)  # saving this step again is refused from now on
+        await self._mark_committed_on_tier()
 
     async def _mark_committed_on_tier(self) -> None:
         """Rank 0 leaves a marker beside the copy: the tier then knows by itself that this copy was committed,
@@ -142,33 +151,6 @@ class TierWrite:
         except TierError as e:
             log.warning("step %d is committed on tier %s, but its marker there was not written: %s", self.step,
                         self.tier, e)
-
-    async def _write_parts(self) -> None:
-        """Every part; on a full tier, retention retires the tier's oldest checkpoint (never the newest complete
-        one) and the parts that did not fit are written again, until they fit or nothing is left to retire."""
-        source, plan = self.source, self.source.plan
-        todo = list(range(plan.num_parts))
-
-        async def write_part(p: int) -> None:
-            a, b = plan.part_range(p)
-            await self.io.write_from(self.tier, source.key(p), b - a, lambda: source.part(p),
-                                     f"write part {p} of step {self.step}")
-
-        while True:
-            results = await asyncio.gather(*(write_part(p) for p in todo), return_exceptions=True)
-            failed = [(p, r) for p, r in zip(todo, results) if isinstance(r, BaseException)]
-            for p, r in zip(todo, results):
-                if not isinstance(r, BaseException):
-                    source.settled(p, self.tier, True)
-            full = bool(failed) and all(isinstance(r, TierFull) for _, r in failed)
-            if full and await self.retention.make_room(self.tier, finishing=self.step):
-                todo = [p for p, _ in failed]
-                continue
-            for p, _ in failed:
-                source.settled(p, self.tier, False)
-            if failed:
-                raise failed[0][1]
-            return
 
     async def _publish_staged(self) -> None:
         """The parts are already this tier's files: a rename each puts them under their keys. Past the tier's

@@ -136,6 +136,12 @@ class FileIndex:
             return True
         return False
 
+    def lease_fds(self, job: str) -> list[int]:
+        """The open writer-lease file of `job` this index holds (fence), for the node agent: the lock is the file
+        index's only fence, and a process holding a copy of the descriptor holds the lock (agent/links.py)."""
+        fd = self._leases.get(job)
+        return [fd] if fd is not None and job not in self._cleaning else []
+
     async def detach(self, job: str) -> None:
         """The cleaner is done: release the lease attach() took (a writer's lease stays until close)."""
         if job in self._cleaning:

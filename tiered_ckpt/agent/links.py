@@ -1,0 +1,180 @@
+"""What the agent opens for one trainer rank's saves: its tiers (a TierIO of its own, built from the config tables
+the trainer sent) and the index, fenced as the writer is.
+
+Fencing by proxy: the agent commits only what the writer itself could. On a Redis index every write checks the
+writer's epoch (sent with each save): a newer writer fences the agent's commits as it fences the zombie's. The file
+index has no epochs: its fence is the writer's lease, an exclusive flock; the trainer passes its open lease file
+along (SCM_RIGHTS), so the lock stays held, by the agent, until the agent's drains of that session are done: no
+new writer starts meanwhile (one that tries waits, as for a cleaner, once the trainer is gone). Other index kinds
+are refused."""
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import TierConfig, parse_config
+from ..errors import ConfigError, Fenced
+from ..layout import incarnation_dir
+from ..save.commit import Committer
+from ..save.drain import DrainOrder
+from ..storage.index import Index, index_path, open_index
+from ..storage.index.file import CLEANER
+from ..storage.tier_io import TierIO
+
+
+def link_key(order: DrainOrder) -> tuple[Any, ...]:
+    link = order.link
+    return (link["index"], order.job, order.rank, order.session, repr(link["tiers"]))
+
+
+def supported_index(url: str) -> str | None:
+    """Why the agent cannot commit under this index's fencing, or None when it can."""
+    if url.startswith("file://") or url.startswith("redis"):
+        return None
+    return f"index {url.split('://')[0]}:// has no fencing the agent can act under"
+
+
+@dataclass
+class Link:
+    """One trainer rank's session, as the agent drains it."""
+
+    order: DrainOrder  # the first save handed over: the job's side is the same for each
+    io: TierIO
+    index: Index
+    commit: Committer
+    lease_fds: list[int] = field(default_factory=list)
+    pending: int = 0  # drains running
+    attached: bool = True  # the trainer's connection is open
+
+    @classmethod
+    async def open(cls, order: DrainOrder, fds: list[int]) -> "Link":
+        link = order.link
+        why = supported_index(link["index"])
+        if why:
+            raise ConfigError(why, key="engine.agent")
+        configs = _tiers(link["tiers"])
+        io = TierIO(configs, link.get("io_threads", 4), background_nice=link.get("background_nice", 0))
+        index = open_index(link["index"], timeout=link["index_timeout"])
+        try:
+            await io.open(rank=order.rank, world_size=order.world_size, node=link["node"], num_nodes=link["num_nodes"])
+            await index.open()
+        except BaseException:
+            io.shutdown()
+            raise
+        index.epoch = order.epoch  # the writer's: a newer writer's fence refuses these commits too
+        commit = Committer(index, order.job, rank=order.rank, world_size=order.world_size, session=order.session,
+                           timeout=link["commit_timeout"], index_timeout=link["index_timeout"])
+        if commit.incarnation != order.incarnation:
+            await index.close()
+            await io.close()
+            raise ConfigError(f"the agent's index {index.identity} is not the trainer's (its folder would be "
+                              f"{commit.incarnation}, not {order.incarnation})", key="engine.index")
+        return cls(order, io, index, commit, list(fds))
+
+    def trainer_gone(self) -> None:
+        """The trainer's connection closed: a writer that starts now waits for the lease the agent holds (as for
+        a cleaner's) instead of being refused."""
+        self.attached = False
+        record = agent_record(self.order.session).encode()
+        for fd in self.lease_fds:
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, record, 0)
+            except OSError:
+                pass
+
+    async def close(self) -> None:
+        try:
+            await self.commit.close()
+            await self.index.close()
+            await self.io.close()
+        finally:
+            for fd in self.lease_fds:
+                os.close(fd)  # the writer's lease goes with the last descriptor
+            self.lease_fds = []
+
+
+def agent_record(session: str) -> str:
+    """The file index's lease record while the agent finishes a session's saves with no trainer attached: a
+    cleaner's (a writer that starts meanwhile waits for it), naming the session (an adopting agent checks it)."""
+    return (f"{CLEANER} (tiered-ckpt agent pid {os.getpid()} on {socket.gethostname()} finishing saves of "
+            f"session {session} since {time.strftime('%Y-%m-%d %H:%M:%S %z')})")
+
+
+def lease_path(order: DrainOrder) -> Path | None:
+    """The file index's writer lease of the order's job; None for another index."""
+    url = order.link["index"]
+    return index_path(url) / order.job / "writer.lock" if url.startswith("file://") else None
+
+
+def lease_record(order: DrainOrder, fds: list[int]) -> str | None:
+    """What the file index's writer lease says now (its holder: the writer's record), journaled with an order;
+    read through the passed lease (rank 0's) or from its file (the other ranks pass none). None: no file index."""
+    path = lease_path(order)
+    if path is None:
+        return None
+    try:
+        raw = os.pread(fds[0], 4096, 0) if fds else path.read_bytes()[:4096]
+    except OSError:
+        return None
+    return raw.decode(errors="replace").strip()
+
+
+def retake_lease(order: DrainOrder, journaled: str | None, held: int | None = None) -> list[int]:
+    """An adopting agent's fence on the file index, whose lease died with the agent that held it: take the job's
+    writer lease again, as a cleaner of the order's session. Refused (Fenced) when a process holds it (a newer
+    writer) or when it says anything but what it said when the order came or the agent's own record for that
+    session: a writer took it in between, so this order is a zombie's and must not commit. [] for a Redis index
+    (its fence is the epoch the order carries)."""
+    path = lease_path(order)
+    if path is None:
+        return []
+    if held is not None:  # this agent holds the lease already, for another rank of the same session
+        return [os.dup(held)]
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise Fenced(f"job {order.job!r}: no writer lease at {path}: step {order.step} is not finished") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            raise Fenced(f"job {order.job!r}: the writer lease {path} is held ({holder}): step {order.step} of "
+                         f"session {order.session} is not finished") from None
+        record = os.pread(fd, 4096, 0).decode(errors="replace").strip()  # read under the lock: no race
+        if record != journaled and f"finishing saves of session {order.session} " not in record:
+            raise Fenced(f"job {order.job!r}: the writer lease {path} says {record!r}, not what it said for session "
+                         f"{order.session} (a newer writer took it since): step {order.step} is not finished")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, agent_record(order.session).encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return [fd]
+
+
+def _tiers(tables: list[dict[str, Any]]) -> tuple[TierConfig, ...]:
+    """The trainer's tiers, rebuilt and checked as a config file's are (a minimal engine table beside them)."""
+    return parse_config({"engine": {}, "tiers": [dict(t) for t in tables]}, source="<the trainer's handoff>").tiers
+
+
+def tier_tables(configs: list[TierConfig], cwd: str) -> list[dict[str, Any]]:
+    """The tiers as config tables, relative paths made absolute from the trainer's folder (the agent's differs)."""
+    out = []
+    for t in configs:
+        table = {k: v for k, v in vars(t).items() if k != "options" and v is not None}
+        options = vars(t.options) if t.options is not None else {}
+        for k, v in options.items():
+            if v is None:
+                continue
+            if k == "path" and isinstance(v, str) and not os.path.isabs(v):
+                v = str(Path(cwd) / v)
+            table[k] = v
+        out.append(table)
+    return out
