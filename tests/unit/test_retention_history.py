@@ -187,3 +187,51 @@ async def test_a_first_pass_judges_a_long_history_off_the_event_loop(make_config
         await (await engine.save(500, state_of(5.0))).wait()
         assert any(n > 16 for n, _ in judged) and not [n for n, on_loop in judged if n > 16 and on_loop], judged
         assert [s.step for s in await engine.statuses() if "disk" in s.complete][-3:] == [390, 400, 500]
+
+
+def counting(method, listed):
+    """`method` (an index's list or list_range) adding the checkpoints it returns to listed[0]."""
+    async def counted(self, *args, **kwargs):
+        found = await method(self, *args, **kwargs)
+        listed[0] += len(found)
+        return found
+    return counted
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+async def test_a_full_tier_makes_room_reading_the_records_of_what_it_holds(make_config, shm_dir, kind,
+                                                                          redis_server, monkeypatch):
+    """Failed on the old code: a tier with room for two states (it retires one to make room at every save, as a
+    small memory tier does) listed the whole index at each retirement: over a thousand records per save here, the
+    job's history. Now it reads the records of the steps the tier holds, asked for by name."""
+    from tiered_ckpt.lifecycle.retention import Retention
+
+    url = f"file://{shm_dir}/index" if kind == "file" else redis_server().url
+    config = make_config(index=url, tiers=[{"keep_last": 2},
+                                                   {"capacity": "520KiB", "keep_last": 3, "keep_every": 10}])
+    async with tc.Engine(config) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        index, job = engine.store.index, engine.store.job
+        for old in range(10, 10 * (HISTORY + 1), 10):  # the history, kept on another tier (an archive's)
+            await index.begin(job, old, ["archive"], {"nbytes": 1, "metadata": {}})
+            assert await index.mark_durable(job, old, "archive", 0, 1, "filled")
+        step = 10 * (HISTORY + 1)
+        for n in range(4):
+            await (await engine.save(step + n, state_of(float(n)))).wait()
+        made_room, listed = [], [0]  # checkpoints the index listed during each make_room
+        real, kind_of = Retention.make_room, type(index)
+        for name in ("list", "list_range"):
+            monkeypatch.setattr(kind_of, name, counting(getattr(kind_of, name), listed))
+
+        async def counted(self, tier, *, finishing):
+            before = listed[0]
+            retired = await real(self, tier, finishing=finishing)
+            made_room.append(listed[0] - before)
+            return retired
+
+        monkeypatch.setattr(Retention, "make_room", counted)
+        for n in range(4, 7):
+            await (await engine.save(step + n, state_of(float(n)))).wait()
+        assert made_room and max(made_room) < 10, made_room  # the two or three steps the tier holds
+        on_disk = [s.step for s in await engine.statuses() if "disk" in s.complete and s.step > step - 10]
+        assert on_disk[-1] == step + 6 and len(on_disk) <= 2, on_disk

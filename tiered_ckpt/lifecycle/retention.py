@@ -19,6 +19,7 @@ from ..errors import TieredCkptError
 from ..gc_pause import automatic_gc_paused
 from ..manifest import Manifest
 from ..storage.index import CheckpointStatus, Index, listing_range
+from ..storage.index.base import NO_STEP
 from . import lineage
 from .busy import BusySteps
 from .removal import Removal
@@ -236,10 +237,12 @@ class Retention:
         no rule keeps, then what only keep_last keeps, then keep_every's, each oldest first, and the best ones
         last, worst first (rules.Verdict.retire_order). Copies the index does not list count as kept by no rule
         (nothing of them is known without reading their manifests, and a crash's leftovers are among them). True
-        if one was retired (the caller tries again then)."""
+        if one was retired (the caller tries again then). What it judges is what the tier holds: its listing, and
+        the index's records of those steps asked for by name, never the job's whole history (a memory tier that
+        makes room at every save holds a few checkpoints of the ten thousand an S3 tier keeps)."""
         async with self._lock:
-            statuses = await self.index.list(self.job)
             copies = await lineage.scan(self.removal.io, tier, self.job, self.index.identity)
+            statuses = await listing_range(self.index, self.job, NO_STEP, also=sorted(copies))
 
             def order() -> tuple[dict[int, CheckpointStatus], int | None, list[int]]:
                 by_step = {s.step: s for s in statuses if "index" not in s.failed}
