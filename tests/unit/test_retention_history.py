@@ -134,32 +134,41 @@ def test_a_verdict_makes_its_kept_steps_once():
     assert len(verdict.kept) == 3333 + 1  # every third step (3 ... 9,999), and the newest two (9,999 and 10,000)
 
 
-async def test_a_writer_lists_the_whole_index_once_to_clean_up_at_its_start(make_config, shm_dir, monkeypatch):
-    """Failed on the old code: a writer's start listed the whole history three times (to relist what the index
-    forgot, to find the newest complete step, to remove newer incomplete ones); now once, for the three. Its
-    work is kept: a checkpoint the index forgot is listed again, an incomplete newer one is removed."""
+async def test_a_writer_reads_no_whole_listing_to_clean_up_at_its_start(make_config, shm_dir, monkeypatch):
+    """Failed on the old code: a writer's start listed the whole index (three times before an earlier fix, then
+    once) and every key of every tier (a walk of the whole history). Now it lists neither: the index's newest
+    records back to its newest complete one, its step numbers against each tier's step folders, and the keys of the
+    one step the index forgot. Its work is kept: that step is listed again, an incomplete newer one removed."""
     from tiered_ckpt.storage.index.file import FileIndex
+    from tiered_ckpt.storage.tiers.local import LocalTier
 
-    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 5}, {"keep_last": 5}])
+    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 50}, {"keep_last": 50}])
     async with tc.Engine(config) as engine:
-        for step in (1, 2, 3):
+        for step in range(1, 31):
             await (await engine.save(step, state_of(float(step)))).wait()
         index, job = engine.store.index, engine.store.job
         await index.delete(job, 2)  # forgotten by the index: still whole on the tiers
-        await index.begin(job, 9, ["disk"])  # a crashed run's incomplete checkpoint, newer than every complete one
-    listings = [0]
-    real = FileIndex.list
+        await index.begin(job, 99, ["disk"])  # a crashed run's incomplete checkpoint, newer than every complete one
+    listings, keys = [0], [0]
+    real_list, real_keys = FileIndex.list, LocalTier.list
 
     async def counted(self, job):
         listings[0] += 1
-        return await real(self, job)
+        return await real_list(self, job)
+
+    async def counted_keys(self, prefix):
+        found = await real_keys(self, prefix)
+        keys[0] += len(found)
+        return found
 
     monkeypatch.setattr(FileIndex, "list", counted)
+    monkeypatch.setattr(LocalTier, "list", counted_keys)
     async with tc.Engine(config) as engine:
-        listings[0] = 0
+        listings[0] = keys[0] = 0
         await engine.store.writer.become()
-        assert listings[0] == 1
-        assert [s.step for s in await engine.statuses()] == [1, 2, 3]
+        assert listings[0] == 0
+        assert keys[0] < 30, keys[0]  # step 2's keys on each tier (14), not the 30 steps' (over 400)
+        assert [s.step for s in await engine.statuses()] == list(range(1, 31))
 
 
 async def test_a_first_pass_judges_a_long_history_off_the_event_loop(make_config, shm_dir, monkeypatch):

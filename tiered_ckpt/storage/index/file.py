@@ -259,6 +259,11 @@ class FileIndex:
             return [status for n in sorted(chosen) if (status := self._status_sync(base, n)) is not None]
         return await self._io(read)
 
+    async def steps(self, job: str) -> list[int]:
+        """The step folders' numbers, from the job folder's sorted names (one listing, read again only once the
+        folder changed): no step folder is read."""
+        return await self._io(lambda: [int(n[len(STEP_DIR):]) for n in self._names.get(self.root / job)])
+
     def _list_sync(self, job: str) -> list[CheckpointStatus]:
         """Every step folder's status. From `file_summary.LISTED_FROM` steps on, a settled one is taken from the
         summary while its folders are unchanged (two stats), and the summary is written again once enough were

@@ -371,6 +371,15 @@ class RedisIndex:
         names, summaries = await self._call("listing", read)
         return await self._statuses_of(job, names, summaries)
 
+    async def steps(self, job: str) -> list[int]:
+        """The job's sorted set of steps, one round trip; no summary is read (many are parsed in a thread)."""
+        assert self._client is not None
+        steps_key = self._k(job, "steps")
+        names = await self._call("listing", lambda: self._client.zrange(steps_key, 0, -1))
+        if len(names) > IN_THREAD:
+            return await asyncio.to_thread(lambda: [int(n) for n in names])
+        return [int(n) for n in names]
+
     async def list_range(self, job: str, first: int = 0, *, newest: int | None = None, oldest: int | None = None,
                          also: Sequence[int] = ()) -> list[CheckpointStatus]:
         """The checkpoints of step >= `first` (with `newest`, only that many of the newest of them; with `oldest`,
