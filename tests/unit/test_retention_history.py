@@ -136,7 +136,8 @@ def test_a_verdict_makes_its_kept_steps_once():
 
 async def test_a_writer_reads_no_whole_listing_to_clean_up_at_its_start(make_config, shm_dir, monkeypatch):
     """Failed on the old code: a writer's start listed the whole index (three times before an earlier fix, then
-    once) and every key of every tier (a walk of the whole history). Now it lists neither: the index's newest
+    once) and every key of every tier (a walk of the whole history), and retention's first pass walked each tier
+    again. Now neither lists them: the index's newest
     records back to its newest complete one, its step numbers against each tier's step folders, and the keys of the
     one step the index forgot. Its work is kept: that step is listed again, an incomplete newer one removed."""
     from tiered_ckpt.storage.index.file import FileIndex
@@ -169,6 +170,9 @@ async def test_a_writer_reads_no_whole_listing_to_clean_up_at_its_start(make_con
         assert listings[0] == 0
         assert keys[0] < 30, keys[0]  # step 2's keys on each tier (14), not the 30 steps' (over 400)
         assert [s.step for s in await engine.statuses()] == list(range(1, 31))
+        keys[0] = 0
+        await (await engine.save(31, state_of(31.0))).wait()  # retention's first pass looks at each tier itself
+        assert keys[0] < 30, keys[0]  # by its step folders' names: no step's keys (the old code walked all 31)
 
 
 async def test_a_first_pass_judges_a_long_history_off_the_event_loop(make_config, shm_dir, monkeypatch):

@@ -98,7 +98,7 @@ def copies_of(keys: Iterable[str], job: str, identity: str, first: int | None = 
 FEW = 64  # steps unknown to the index from which a tier is listed whole rather than step folder by step folder
 
 
-async def _unknown_copies(io: TierIO, tier: str, job: str, identity: str, known: set[int]) -> dict[int, list[Copy]]:
+async def copies_beyond(io: TierIO, tier: str, job: str, identity: str, known: set[int]) -> dict[int, list[Copy]]:
     """The copies on `tier` of steps not in `known`: the tier's step folders' names first (one listing of a folder,
     compared in a thread), then the keys of those steps alone (or the whole tier's, when there are many: an index
     restarted empty)."""
@@ -137,7 +137,7 @@ async def relist(io: TierIO, index: Index, job: str, session: str, listed: Itera
     found: dict[int, tuple[Copy, Manifest, list[str]]] = {}
     for tier in io.names:
         try:
-            copies = await _unknown_copies(io, tier, job, index.identity, known)
+            copies = await copies_beyond(io, tier, job, index.identity, known)
         except TierError as e:
             log.warning("tier %s cannot be listed to find checkpoints the index forgot: %s", tier, e)
             continue

@@ -175,7 +175,10 @@ class Retention:
         needs, and beyond that only where keep_best or keep_every could keep the step. True when the tier still
         holds such steps afterwards (kept, or spared as busy): the next pass looks at the tier again."""
         io = self.removal.io
-        copies = await lineage.scan(io, tier, self.job, self.index.identity)
+        # the tier's step folders against the steps the index keeps there: only the others' keys are listed
+        kept_here = await self._judged(len(statuses), lambda: {s.step for s in statuses if tier in s.tiers
+                                                                and "index" not in s.failed})
+        copies = await lineage.copies_beyond(io, tier, self.job, self.index.identity, kept_here)
 
         def compare() -> tuple[dict[int, CheckpointStatus], list[int], dict[int, Listed]]:
             by_step = {s.step: s for s in statuses if "index" not in s.failed}
