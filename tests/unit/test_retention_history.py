@@ -134,32 +134,45 @@ def test_a_verdict_makes_its_kept_steps_once():
     assert len(verdict.kept) == 3333 + 1  # every third step (3 ... 9,999), and the newest two (9,999 and 10,000)
 
 
-async def test_a_writer_lists_the_whole_index_once_to_clean_up_at_its_start(make_config, shm_dir, monkeypatch):
-    """Failed on the old code: a writer's start listed the whole history three times (to relist what the index
-    forgot, to find the newest complete step, to remove newer incomplete ones); now once, for the three. Its
-    work is kept: a checkpoint the index forgot is listed again, an incomplete newer one is removed."""
+async def test_a_writer_reads_no_whole_listing_to_clean_up_at_its_start(make_config, shm_dir, monkeypatch):
+    """Failed on the old code: a writer's start listed the whole index (three times before an earlier fix, then
+    once) and every key of every tier (a walk of the whole history), and retention's first pass walked each tier
+    again. Now neither lists them: the index's newest
+    records back to its newest complete one, its step numbers against each tier's step folders, and the keys of the
+    one step the index forgot. Its work is kept: that step is listed again, an incomplete newer one removed."""
     from tiered_ckpt.storage.index.file import FileIndex
+    from tiered_ckpt.storage.tiers.local import LocalTier
 
-    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 5}, {"keep_last": 5}])
+    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 50}, {"keep_last": 50}])
     async with tc.Engine(config) as engine:
-        for step in (1, 2, 3):
+        for step in range(1, 31):
             await (await engine.save(step, state_of(float(step)))).wait()
         index, job = engine.store.index, engine.store.job
         await index.delete(job, 2)  # forgotten by the index: still whole on the tiers
-        await index.begin(job, 9, ["disk"])  # a crashed run's incomplete checkpoint, newer than every complete one
-    listings = [0]
-    real = FileIndex.list
+        await index.begin(job, 99, ["disk"])  # a crashed run's incomplete checkpoint, newer than every complete one
+    listings, keys = [0], [0]
+    real_list, real_keys = FileIndex.list, LocalTier.list
 
     async def counted(self, job):
         listings[0] += 1
-        return await real(self, job)
+        return await real_list(self, job)
+
+    async def counted_keys(self, prefix):
+        found = await real_keys(self, prefix)
+        keys[0] += len(found)
+        return found
 
     monkeypatch.setattr(FileIndex, "list", counted)
+    monkeypatch.setattr(LocalTier, "list", counted_keys)
     async with tc.Engine(config) as engine:
-        listings[0] = 0
+        listings[0] = keys[0] = 0
         await engine.store.writer.become()
-        assert listings[0] == 1
-        assert [s.step for s in await engine.statuses()] == [1, 2, 3]
+        assert listings[0] == 0
+        assert keys[0] < 30, keys[0]  # step 2's keys on each tier (14), not the 30 steps' (over 400)
+        assert [s.step for s in await engine.statuses()] == list(range(1, 31))
+        keys[0] = 0
+        await (await engine.save(31, state_of(31.0))).wait()  # retention's first pass looks at each tier itself
+        assert keys[0] < 30, keys[0]  # by its step folders' names: no step's keys (the old code walked all 31)
 
 
 async def test_a_first_pass_judges_a_long_history_off_the_event_loop(make_config, shm_dir, monkeypatch):
@@ -187,3 +200,51 @@ async def test_a_first_pass_judges_a_long_history_off_the_event_loop(make_config
         await (await engine.save(500, state_of(5.0))).wait()
         assert any(n > 16 for n, _ in judged) and not [n for n, on_loop in judged if n > 16 and on_loop], judged
         assert [s.step for s in await engine.statuses() if "disk" in s.complete][-3:] == [390, 400, 500]
+
+
+def counting(method, listed):
+    """`method` (an index's list or list_range) adding the checkpoints it returns to listed[0]."""
+    async def counted(self, *args, **kwargs):
+        found = await method(self, *args, **kwargs)
+        listed[0] += len(found)
+        return found
+    return counted
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+async def test_a_full_tier_makes_room_reading_the_records_of_what_it_holds(make_config, shm_dir, kind,
+                                                                          redis_server, monkeypatch):
+    """Failed on the old code: a tier with room for two states (it retires one to make room at every save, as a
+    small memory tier does) listed the whole index at each retirement: over a thousand records per save here, the
+    job's history. Now it reads the records of the steps the tier holds, asked for by name."""
+    from tiered_ckpt.lifecycle.retention import Retention
+
+    url = f"file://{shm_dir}/index" if kind == "file" else redis_server().url
+    config = make_config(index=url, tiers=[{"keep_last": 2},
+                                                   {"capacity": "520KiB", "keep_last": 3, "keep_every": 10}])
+    async with tc.Engine(config) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        index, job = engine.store.index, engine.store.job
+        for old in range(10, 10 * (HISTORY + 1), 10):  # the history, kept on another tier (an archive's)
+            await index.begin(job, old, ["archive"], {"nbytes": 1, "metadata": {}})
+            assert await index.mark_durable(job, old, "archive", 0, 1, "filled")
+        step = 10 * (HISTORY + 1)
+        for n in range(4):
+            await (await engine.save(step + n, state_of(float(n)))).wait()
+        made_room, listed = [], [0]  # checkpoints the index listed during each make_room
+        real, kind_of = Retention.make_room, type(index)
+        for name in ("list", "list_range"):
+            monkeypatch.setattr(kind_of, name, counting(getattr(kind_of, name), listed))
+
+        async def counted(self, tier, *, finishing):
+            before = listed[0]
+            retired = await real(self, tier, finishing=finishing)
+            made_room.append(listed[0] - before)
+            return retired
+
+        monkeypatch.setattr(Retention, "make_room", counted)
+        for n in range(4, 7):
+            await (await engine.save(step + n, state_of(float(n)))).wait()
+        assert made_room and max(made_room) < 10, made_room  # the two or three steps the tier holds
+        on_disk = [s.step for s in await engine.statuses() if "disk" in s.complete and s.step > step - 10]
+        assert on_disk[-1] == step + 6 and len(on_disk) <= 2, on_disk

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from ..errors import TierError
 from ..gc_pause import automatic_gc_paused
-from ..layout import committed_key, index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
+from ..layout import (committed_key, index_dir, job_prefix, manifest_key, parse_key, parse_step_dir, rank_meta_key,
+                      step_prefix)
 from ..manifest import Manifest
-from ..storage.index import CheckpointStatus, Index
+from ..storage.index import Index, step_numbers
 from ..storage.tier_io import TierIO
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,30 @@ def copies_of(keys: Iterable[str], job: str, identity: str, first: int | None = 
     return out
 
 
+FEW = 64  # steps unknown to the index from which a tier is listed whole rather than step folder by step folder
+
+
+async def copies_beyond(io: TierIO, tier: str, job: str, identity: str, known: set[int]) -> dict[int, list[Copy]]:
+    """The copies on `tier` of steps not in `known`: the tier's step folders' names first (one listing of a folder,
+    compared in a thread), then the keys of those steps alone (or the whole tier's, when there are many: an index
+    restarted empty)."""
+    names = await io.list_names(tier, job_prefix(job))
+
+    def unknown() -> list[int]:
+        with automatic_gc_paused():
+            return [st for n in names if (st := parse_step_dir(n)) is not None and st not in known]
+    steps = await io.run_blocking(unknown)
+    if not steps:
+        return {}
+    if len(steps) > FEW:
+        copies = await scan(io, tier, job, identity)
+        return {st: c for st, c in copies.items() if st not in known}
+    keys: list[str] = []
+    for st in steps:
+        keys += await io.list(tier, step_prefix(job, st))
+    return await scan(io, tier, job, identity, keys)
+
+
 async def read_manifest(io: TierIO, tier: str, copy: Copy) -> Manifest:
     """The copy's manifest, checked to be the one its key says (job, step, folder); IntegrityError if not."""
     data = await io.read(tier, copy.manifest)
@@ -102,25 +127,21 @@ async def read_manifest(io: TierIO, tier: str, copy: Copy) -> Manifest:
         copy.job, copy.step, source, incarnation=copy.incarnation))
 
 
-async def relist(io: TierIO, index: Index, job: str, session: str,
-                 statuses: Sequence[CheckpointStatus] | None = None) -> list[int]:
+async def relist(io: TierIO, index: Index, job: str, session: str, listed: Iterable[int] | None = None) -> list[int]:
     """Put back into the index the checkpoints of this lineage that it forgot: committed copies, whole on some
     tier, of steps it neither lists nor buries. A writer does this once, at its start; returns those steps.
-    `statuses`: the index's listing, when the caller made one just before (listed once, not once per use)."""
-    if statuses is None:
-        statuses = await index.list(job)
-    listed = {s.step for s in statuses if "index" not in s.failed}
-    buried = await index.buried(job)
+    `listed`: the steps the index holds records of, when the caller has them. What is compared is step numbers
+    (the index's, a tier's step folders' names): only the folders of steps the index does not hold are listed and
+    read, so a start costs the same however many checkpoints both agree on."""
+    known = set(await step_numbers(index, job) if listed is None else listed) | await index.buried(job)
     found: dict[int, tuple[Copy, Manifest, list[str]]] = {}
     for tier in io.names:
         try:
-            copies = await scan(io, tier, job, index.identity)
+            copies = await copies_beyond(io, tier, job, index.identity, known)
         except TierError as e:
             log.warning("tier %s cannot be listed to find checkpoints the index forgot: %s", tier, e)
             continue
         for step, candidates in copies.items():
-            if step in listed or step in buried:
-                continue
             for copy in candidates:
                 if step in found and found[step][0].incarnation != copy.incarnation:
                     continue

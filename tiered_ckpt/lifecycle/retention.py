@@ -19,6 +19,7 @@ from ..errors import TieredCkptError
 from ..gc_pause import automatic_gc_paused
 from ..manifest import Manifest
 from ..storage.index import CheckpointStatus, Index, listing_range
+from ..storage.index.base import NO_STEP
 from . import lineage
 from .busy import BusySteps
 from .removal import Removal
@@ -174,7 +175,10 @@ class Retention:
         needs, and beyond that only where keep_best or keep_every could keep the step. True when the tier still
         holds such steps afterwards (kept, or spared as busy): the next pass looks at the tier again."""
         io = self.removal.io
-        copies = await lineage.scan(io, tier, self.job, self.index.identity)
+        # the tier's step folders against the steps the index keeps there: only the others' keys are listed
+        kept_here = await self._judged(len(statuses), lambda: {s.step for s in statuses if tier in s.tiers
+                                                                and "index" not in s.failed})
+        copies = await lineage.copies_beyond(io, tier, self.job, self.index.identity, kept_here)
 
         def compare() -> tuple[dict[int, CheckpointStatus], list[int], dict[int, Listed]]:
             by_step = {s.step: s for s in statuses if "index" not in s.failed}
@@ -236,10 +240,12 @@ class Retention:
         no rule keeps, then what only keep_last keeps, then keep_every's, each oldest first, and the best ones
         last, worst first (rules.Verdict.retire_order). Copies the index does not list count as kept by no rule
         (nothing of them is known without reading their manifests, and a crash's leftovers are among them). True
-        if one was retired (the caller tries again then)."""
+        if one was retired (the caller tries again then). What it judges is what the tier holds: its listing, and
+        the index's records of those steps asked for by name, never the job's whole history (a memory tier that
+        makes room at every save holds a few checkpoints of the ten thousand an S3 tier keeps)."""
         async with self._lock:
-            statuses = await self.index.list(self.job)
             copies = await lineage.scan(self.removal.io, tier, self.job, self.index.identity)
+            statuses = await listing_range(self.index, self.job, NO_STEP, also=sorted(copies))
 
             def order() -> tuple[dict[int, CheckpointStatus], int | None, list[int]]:
                 by_step = {s.step: s for s in statuses if "index" not in s.failed}

@@ -19,7 +19,7 @@ from ..distributed.coordinator import Coordinator
 from ..errors import IndexUnavailable, TierError, TierFull, TieredCkptError
 from ..layout import probe_key
 from ..storage.files import cannot_write
-from ..storage.index import Index
+from ..storage.index import CheckpointStatus, Index, listing_range
 from . import lineage
 from .removal import Removal
 
@@ -27,6 +27,22 @@ log = logging.getLogger(__name__)
 
 
 PROBE_TIMEOUT = 20.0  # seconds a writer's probe of one tier may take (no retries): well inside collective_timeout
+
+
+FIRST_LOOK = 16  # the newest records a writer's start reads first; eight times more at each look further back
+
+
+async def newest_through_complete(index: Index, job: str) -> list[CheckpointStatus]:
+    """The index's newest checkpoints back to its newest complete one (all of them when none is complete), oldest
+    first: what a crashed run may have left unfinished above the checkpoint a resumed run starts from. Read from
+    the newest end, wider at each look, so it costs the few records a crash leaves, not the history."""
+    count = FIRST_LOOK
+    while True:
+        recent = await listing_range(index, job, newest=count)
+        if len(recent) < count or any(s.is_complete for s in recent):
+            newest = max((s.step for s in recent if s.is_complete), default=None)
+            return recent if newest is None else [s for s in recent if s.step >= newest]
+        count *= 8
 
 
 class Writer:
@@ -119,20 +135,22 @@ class Writer:
 
     async def _clean_leftovers(self) -> list[int]:
         """Finish removals a crash cut short, list again what the index forgot (returned), and remove incomplete
-        checkpoints newer than the newest complete one (a crashed run's, which this run would save over)."""
+        checkpoints newer than the newest complete one (a crashed run's, which this run would save over). None of
+        it reads the whole history: the index's newest records back to its newest complete one, and its step
+        numbers against each tier's step folders (lifecycle/lineage.relist)."""
         relisted: list[int] = []
         try:
             await self.removal.finish_burials()
-            statuses = await self.index.list(self.job)  # listed once for the three (each lists the whole history)
-            relisted = await lineage.relist(self.removal.io, self.index, self.job, self.coordinator.session, statuses)
-            complete = [s.step for s in statuses if s.is_complete] + relisted  # (relisted: complete, on known tiers)
-            unknown = {t for s in statuses for t in s.tiers} - set(self.removal.io.names)
+            recent = await newest_through_complete(self.index, self.job)
+            relisted = await lineage.relist(self.removal.io, self.index, self.job, self.coordinator.session)
+            complete = [s.step for s in recent if s.is_complete] + relisted  # (relisted: complete, on known tiers)
+            unknown = {t for s in recent for t in s.tiers} - set(self.removal.io.names)
             if unknown:
                 log.warning("job %r: the index lists checkpoints on tier(s) %s, which this config does not have (a "
                             "tier renamed or removed?): retention and gc leave their copies on this config's tiers "
                             "alone; a tier renamed is read again under its earlier name", self.job,
                             ", ".join(sorted(unknown)))
-            await self.removal.drop_incomplete_after(max(complete, default=-1), statuses)
+            await self.removal.drop_incomplete_after(max(complete, default=-1), recent)
         except (TieredCkptError, OSError) as e:  # cleaning up must never fail a save
             log.warning("leftovers of an earlier run were not removed: %s: %s", type(e).__name__, e)
         return relisted

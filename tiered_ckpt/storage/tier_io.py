@@ -165,6 +165,11 @@ class TierIO:
         return await self._pipelines[tier].attempt(lambda: self._drivers[tier].list_from(prefix, start),
                                                    f"list {prefix} from {start}")
 
+    async def list_names(self, tier: str, prefix: str) -> list[str]:
+        """The names directly under folder `prefix`, sorted (Tier.list_names)."""
+        return await self._pipelines[tier].attempt(lambda: self._drivers[tier].list_names(prefix),
+                                                   f"list the names in {prefix}")
+
     async def delete(self, tier: str, prefix: str) -> None:
         await self._pipelines[tier].attempt(lambda: self._drivers[tier].delete(prefix), f"delete {prefix}")
 

@@ -197,6 +197,10 @@ class FaultyTier(LocalTier):
         await self._before("list", [prefix])
         return await super().list_from(prefix, start)
 
+    async def list_names(self, prefix: str) -> list[str]:
+        await self._before("list", [prefix])
+        return await super().list_names(prefix)
+
     async def missing(self, keys: Sequence[str]) -> list[str]:
         await self._before("missing", keys)
         return await super().missing(keys)

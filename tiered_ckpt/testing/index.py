@@ -66,6 +66,11 @@ class IndexConformance:
         assert [s.step for s in await index.list_range(JOB, 31, also=[4, 5, 30])] == [4, 30, 100, 250]
         assert [s.step for s in await index.list_range(JOB, newest=1, also=[7, 250])] == [7, 250]
         assert [s.step for s in await index.list_range(JOB, 8, newest=10)] == [30, 100, 250]
+        assert [s.step for s in await index.list_range(JOB, oldest=2)] == [4, 7]  # from the other end
+        assert [s.step for s in await index.list_range(JOB, 5, oldest=2, also=[250])] == [7, 30, 250]
+        assert [s.step for s in await index.list_range(JOB, newest=3, oldest=1)] == [30]
+        assert await index.list_range(JOB, 30, oldest=2) == [s for s in whole if s.step in (30, 100)]
+        assert await index.list_range(JOB, oldest=0) == []
         assert await index.list_range(JOB, 251) == [] and await index.list_range("nobody") == []
         await index.delete(JOB, 100)
         assert [s.step for s in await index.list_range(JOB, 30, also=[100])] == [30, 250]

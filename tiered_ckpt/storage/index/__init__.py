@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ...config import REDIS_SCHEMES, index_path
 from ...errors import ConfigError
-from .base import CheckpointStatus, CommitState, Index, listing_range, rank_metas, status_of
+from .base import CheckpointStatus, CommitState, Index, listing_range, rank_metas, status_of, step_numbers
 
 
 def open_index(url: str, *, timeout: float = 10.0) -> Index:
@@ -22,4 +22,5 @@ def open_index(url: str, *, timeout: float = 10.0) -> Index:
                       key="engine.index")
 
 
-__all__ = ["CheckpointStatus", "CommitState", "Index", "listing_range", "open_index", "rank_metas", "status_of"]
+__all__ = ["CheckpointStatus", "CommitState", "Index", "listing_range", "open_index", "rank_metas", "status_of",
+           "step_numbers"]

@@ -247,21 +247,28 @@ class FileIndex:
     async def list(self, job: str) -> list[CheckpointStatus]:
         return await self._io(self._list_sync, job)
 
-    async def list_range(self, job: str, first: int = 0, *, newest: int | None = None,
+    async def list_range(self, job: str, first: int = 0, *, newest: int | None = None, oldest: int | None = None,
                          also: Sequence[int] = ()) -> list[CheckpointStatus]:
-        """The checkpoints of step >= `first` (with `newest`, only that many of the newest of them), and those of
-        `also` that exist, oldest first. The job folder's names are read and sorted (one listing, in C: step
+        """The checkpoints of step >= `first` (with `newest`, only that many of the newest of them; with `oldest`,
+        that many of the oldest), and those of `also` that exist, oldest first. The job folder's names are read and sorted (one listing, in C: step
         folders' names are fixed-width, so their order is the steps'); only the folders asked for are read."""
         def read() -> list[CheckpointStatus]:
             names = self._names.get(self.root / job)
             lo = bisect.bisect_left(names, step_dir(max(first, 0)))
             window = names[lo:] if newest is None else names[max(lo, len(names) - max(newest, 0)):]
+            if oldest is not None:
+                window = window[:max(oldest, 0)]
             chosen = set(window)
             chosen.update(step_dir(step) for step in also)  # read from their folders, whatever the cached names
             # say (a folder another process made within the file system's time granularity may be missing there)
             base = str(self.root / job)
             return [status for n in sorted(chosen) if (status := self._status_sync(base, n)) is not None]
         return await self._io(read)
+
+    async def steps(self, job: str) -> list[int]:
+        """The step folders' numbers, from the job folder's sorted names (one listing, read again only once the
+        folder changed): no step folder is read."""
+        return await self._io(lambda: [int(n[len(STEP_DIR):]) for n in self._names.get(self.root / job)])
 
     def _list_sync(self, job: str) -> list[CheckpointStatus]:
         """Every step folder's status. From `file_summary.LISTED_FROM` steps on, a settled one is taken from the

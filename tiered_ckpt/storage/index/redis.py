@@ -371,10 +371,19 @@ class RedisIndex:
         names, summaries = await self._call("listing", read)
         return await self._statuses_of(job, names, summaries)
 
-    async def list_range(self, job: str, first: int = 0, *, newest: int | None = None,
+    async def steps(self, job: str) -> list[int]:
+        """The job's sorted set of steps, one round trip; no summary is read (many are parsed in a thread)."""
+        assert self._client is not None
+        steps_key = self._k(job, "steps")
+        names = await self._call("listing", lambda: self._client.zrange(steps_key, 0, -1))
+        if len(names) > IN_THREAD:
+            return await asyncio.to_thread(lambda: [int(n) for n in names])
+        return [int(n) for n in names]
+
+    async def list_range(self, job: str, first: int = 0, *, newest: int | None = None, oldest: int | None = None,
                          also: Sequence[int] = ()) -> list[CheckpointStatus]:
-        """The checkpoints of step >= `first` (with `newest`, only that many of the newest of them), and those of
-        `also` that exist, oldest first: two round trips (the steps from the sorted set by score, then their
+        """The checkpoints of step >= `first` (with `newest`, only that many of the newest of them; with `oldest`,
+        that many of the oldest), and those of `also` that exist, oldest first: two round trips (the steps from the sorted set by score, then their
         summaries), whatever the number of checkpoints the job keeps."""
         assert self._client is not None
         steps_key, list_key = self._k(job, "steps"), self._k(job, "list")
@@ -383,8 +392,10 @@ class RedisIndex:
 
         async def steps() -> Any:
             pipe = self._client.pipeline(transaction=False)
-            if newest is None:
+            if newest is None and oldest is None:
                 pipe.zrangebyscore(steps_key, first, "+inf")
+            elif newest is None:
+                pipe.zrangebyscore(steps_key, first, "+inf", start=0, num=max(oldest or 0, 0))
             else:
                 pipe.zrevrangebyscore(steps_key, "+inf", first, start=0, num=max(newest, 0))
             for step in wanted:
@@ -392,7 +403,9 @@ class RedisIndex:
             return await pipe.execute()
 
         found, *scores = await self._call("listing", steps)
-        names = sorted({*(found if newest is None or newest > 0 else []),
+        if newest is not None and oldest is not None:  # both: the oldest of the newest
+            found = sorted(found, key=int)[:max(oldest, 0)]
+        names = sorted({*(found if (newest is None or newest > 0) and (oldest is None or oldest > 0) else []),
                         *(str(st).encode() for st, score in zip(wanted, scores, strict=True) if score is not None)},
                        key=int)
         if not names:

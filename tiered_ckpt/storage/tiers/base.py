@@ -86,6 +86,12 @@ class Tier(ABC):
         filters `list`; a store that can start a listing part-way (a folder's sorted names) overrides it."""
         return [key for key in await self.list(prefix) if key >= start]
 
+    async def list_names(self, prefix: str) -> list[str]:
+        """The names directly under folder `prefix` (ending in "/"), sorted: a job's step folders, so that a writer
+        can compare them with the steps its index lists without listing every key of every step. The default
+        cuts them from `list`; a store that can list one level (a folder) overrides it."""
+        return sorted({key[len(prefix):].split("/", 1)[0] for key in await self.list(prefix)})
+
     async def missing(self, keys: Sequence[str]) -> list[str]:
         """Which of `keys` are no longer stored, checked just before a commit, so a checkpoint never becomes
         complete on a tier with parts already gone (a cache that restarted or evicted, a file removed by

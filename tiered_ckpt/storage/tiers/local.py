@@ -321,6 +321,13 @@ class LocalTier(FileTier):
             return sorted(keys)
         return await self.run_blocking(walk)
 
+    async def list_names(self, prefix: str) -> list[str]:
+        """The folder's sorted names (`_names_of`: listed again only once it changed), temp files left out."""
+        if not prefix.endswith("/"):
+            return await super().list_names(prefix)
+        return await self.run_blocking(
+            lambda: [n for n in self._names_of(prefix.rstrip("/")) if not n.startswith(TMP)])
+
     def _names_of(self, folder: str) -> list[str]:
         """`folder`'s names, sorted: from the last listing while the folder is unchanged since (a file system
         keeping times coarsely could hide a change made within the tick of that listing: `listing_trusted`)."""
