@@ -32,8 +32,8 @@ MUTANTS = {
     "pipeline-workers": ("tiered_ckpt/storage/pipeline.py", "self._workers = asyncio.Semaphore(workers)",
                          "self._workers = asyncio.Semaphore(10**6)", ["tests/unit/test_pipeline.py"]),
     "commit-before-records": (
-        "tiered_ckpt/save/tier_write.py", "            for key, data in blobs:\n",
-        "            await self.commit.mark_durable(self.step, tier)\n            for key, data in blobs:\n",
+        "tiered_ckpt/lifecycle/copy_commit.py", "        blobs = await self.records()\n",
+        "        await self.commit()\n        blobs = await self.records()\n",
         ["tests/integration/test_crash.py", "-k", "manifest"]),
     "unverified-bytes-reach-the-state": (
         "tiered_ckpt/storage/verified_read.py", "        if part.bounce:", "        if False:",
@@ -160,7 +160,8 @@ MUTANTS = {
         ["tests/tiers/test_file_tiers.py", "-k", "retry_beside"]),
     "retention-ignores-picking-loads": (  # a pass removed the step a load was still picking
         "tiered_ckpt/lifecycle/retention.py",
-        "                            await self.busy.no_load_picking()\n", "",
+        "                for s in older:\n                    await self.busy.no_load_picking()\n",
+        "                for s in older:\n",
         ["tests/unit/test_retention.py", "-k", "still_picking"]),
     "cancelled-check-keeps-buffer": (  # a save cancelled while its reused buffer is checked kept it held
         "tiered_ckpt/save/pool.py",
