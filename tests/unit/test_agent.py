@@ -107,3 +107,27 @@ def test_the_agent_key_is_checked(tmp_path):
                                                               "path": str(tmp_path)}]}, source="c.toml")
     assert e.value.key == "engine.agent" and e.value.file == "c.toml"
     assert parse_config({"tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path)}]}).engine.agent == "off"
+
+
+async def test_a_handoff_cancelled_by_its_time_limit_closes_its_connection(tmp_path):
+    """A hung agent (its socket accepts, nothing answers): the handoff's own time limit cancels `connect` while it
+    waits for hello. The socket must close then, or the agent, once it runs again, counts a client that never goes
+    and never exits idle (seen under load: an agent resumed after SIGSTOP lived on past its idle time)."""
+    folder = make_folder(tmp_path / "agent")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(socket_path(folder)))
+    listener.listen(4)
+    try:
+        # the error is kept, as a log record that names it keeps it (its traceback holds connect's frame)
+        with pytest.raises(asyncio.TimeoutError) as caught:
+            await asyncio.wait_for(connect(folder, start=False, timeout=30), 0.3)
+        conn, _ = listener.accept()  # what a resumed agent accepts from its backlog
+        with conn:
+            conn.settimeout(5)
+            data = b""
+            while chunk := conn.recv(4096):  # the hello, then end of file: the trainer's side is closed
+                data += chunk
+            assert data  # the hello was sent before the time limit hit
+        assert caught.value is not None
+    finally:
+        listener.close()

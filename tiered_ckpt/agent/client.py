@@ -68,8 +68,12 @@ async def connect(folder: Path, *, start: bool, timeout: float, idle: float | No
                 channel.close()
                 raise AgentUnavailable(f"the agent at {socket_path(folder)} answered {reply!r} to hello")
             return channel
-        except (FileNotFoundError, ConnectionRefusedError, ChannelClosed, asyncio.TimeoutError) as e:
+        except BaseException as e:
+            # closed whatever ended the attempt: a handoff cancelled by its own time limit must not leave the
+            # socket open (the agent, once it answers, would count a client that never goes and never idle out)
             sock.close()
+            if not isinstance(e, (FileNotFoundError, ConnectionRefusedError, ChannelClosed, asyncio.TimeoutError)):
+                raise
             if not start and not isinstance(e, asyncio.TimeoutError):
                 raise AgentUnavailable(f"no agent runs at {socket_path(folder)}") from None
             if time.monotonic() >= deadline:
