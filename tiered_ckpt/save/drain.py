@@ -121,13 +121,7 @@ async def drain_tier(io: TierIO, commit: Committer, order: DrainOrder, tier: str
         await commit.skip_tier(order.step, tier, newer)
         return TierOutcome(tier, "skipped", newer=newer)
     marked = False
-    given = False
-
-    def give_turn() -> None:
-        nonlocal given
-        if not given:
-            given = True
-            turns.give()
+    give_turn = turns.give_once()
 
     async def committed() -> None:
         nonlocal marked

@@ -65,13 +65,7 @@ class TierWrite:
             await self.commit.skip_tier(self.step, self.tier, newer)
             self._skip(newer)
             return
-        given = False
-
-        def give_turn() -> None:
-            nonlocal given
-            if not given:
-                given = True
-                turns.give()
+        give_turn = turns.give_once()
 
         try:
             try:

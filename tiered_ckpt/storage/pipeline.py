@@ -73,6 +73,18 @@ class SaveTurns:
                 self.give()  # the turn was handed over just as this waiter was cancelled: pass it on
             raise
 
+    def give_once(self) -> Callable[[], None]:
+        """`give`, callable any number of times by the save that took the turn: only the first call gives it (the
+        turn passes on after the records, and again in a `finally` that must not pass on a second turn)."""
+        given = False
+
+        def give() -> None:
+            nonlocal given
+            if not given:
+                given = True
+                self.give()
+        return give
+
     def give(self) -> None:
         while self._waiting:
             _, turn = self._waiting.popleft()
