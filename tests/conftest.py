@@ -22,14 +22,32 @@ from tiered_ckpt.config import parse_config
 # benchmark processes) are marked slow: `scripts/test.sh` runs the rest first, so a broken change fails in
 # about two minutes; `pytest -m "not slow"` is that quick subset alone.
 SLOW_FOLDERS = ("e2e", "multirank", "multinode")
-SLOW_MODULES = ("test_local_stack.py", "test_lightning.py", "test_redis_cluster.py", "test_redis_sentinel.py",
-                "test_bench_peers.py", "test_crash.py")
+SLOW_MODULES = ("test_local_stack.py", "test_hung_processes.py", "test_lightning.py", "test_redis_cluster.py",
+                "test_redis_sentinel.py", "test_bench_peers.py", "test_crash.py")
+
+
+AGENT_IDLE = "2"  # seconds a test session's agent waits idle before it exits (the default 10 s would linger)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # where the node agent is on: this process's tests (and the ranks and examples they start, which inherit
+    # the environment) share one agent folder of their own, never the user's, and its agent idles out quickly
+    if "TIERED_CKPT_AGENT_DIR" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="tiered_ckpt-agents-")
+        os.environ.update(TIERED_CKPT_AGENT_DIR=folder, TIERED_CKPT_AGENT_IDLE=AGENT_IDLE)
+        config._tiered_ckpt_agent_folder = folder  # type: ignore[attr-defined]
     config.addinivalue_line("markers", "slow: starts real processes (run after the quick subset; CI runs both)")
-    config.addinivalue_line("markers", "large_world: 16 real ranks on one machine, ~5 minutes on 2 cores; CI leaves "
-                            "it out to stay under 30 minutes (`scripts/test.sh -m large_world` runs it)")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """No agent outlives the session: the one this process's tests started is stopped, its folder removed."""
+    folder = getattr(config, "_tiered_ckpt_agent_folder", None)
+    if folder is None:
+        return
+    from tiered_ckpt.testing.agents import stop_agent
+
+    stop_agent(Path(folder))
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -116,12 +116,13 @@ class Engine:
                            index_timeout=engine.index_timeout)
         # one algorithm for every rank ("auto" could resolve differently where xxhash is missing on a rank)
         algorithm = await self.coordinator.broadcast_object(resolve_checksum(engine.checksum))
-        self._agent = await self._agent_client() if engine.agent == "on" else None
+        self._agent = await self._agent_client() if engine.agent != "off" else None
         if self._agent is not None and engine.role != "reader":  # an earlier trainer's drains (a dead agent's,
             # adopted) finish before this engine's first save fences them out; a reader fences nothing
             waited = await self._agent.settle(self.job)
             if waited:
                 log.info("the node agent finished %d save(s) of job %s an earlier trainer left", waited, self.job)
+            self._agent.warm()  # connected (the agent started) before the first save needs it
         services = SaveServices(store.io, commit, retention, store.removal, self.pool, store.committed, algorithm,
                                 lost=store.lost, drainer=self._agent)
         self._saver = Saver(self.config, self.coordinator, self.planner, store.writer, store.busy, services,
@@ -141,18 +142,23 @@ class Engine:
         return self
 
     async def _agent_client(self) -> AgentClient | None:
-        """[engine] agent = "on": the client of this machine's agent (started at the first handoff), which drains
-        the slower tiers once the memory tier committed a save; None when no memory tier is the staging buffer
-        (then there is nothing to hand over, and the trainer writes every tier as with agent = "off")."""
+        """[engine] agent = "auto" / "on": the client of this machine's agent (started at the open if none runs), which
+        drains the slower tiers once the memory tier committed a save; None when no memory tier is the staging
+        buffer (then there is nothing to hand over, and the trainer writes every tier as with agent = "off"), and
+        with "auto" where the index has no fencing the agent can act under."""
         from .agent.folder import agent_folder
         from .agent.links import supported_index, tier_tables
 
         engine = self.config.engine
         why = supported_index(engine.index)
+        if why and engine.agent == "auto":
+            log.info("the node agent is not used (%s): this trainer writes every tier itself", why)
+            return None
         if why:
             raise ConfigError(f"{why}: set agent = \"off\"", key="engine.agent", file=self.config.source)
         if self.pool.arena is None:
-            log.info("[engine] agent = \"on\" has nothing to drain: no memory tier is the staging buffer")
+            (log.info if engine.agent == "on" else log.debug)(
+                "[engine] agent = %r has nothing to drain: no memory tier is the staging buffer", engine.agent)
             return None
         node, num_nodes = await self.coordinator.node()
         index = engine.index

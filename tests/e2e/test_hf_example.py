@@ -150,6 +150,9 @@ def test_a_killed_ddp_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path
     killed, output = run(command(out, shm_dir, nproc=2), tmp_path / "killed.log",
                          lambda text: "saving step 10\n" in text)
     assert killed and resumed_from(output) is None
+    # the saves the killed run began (the kill lands at "saving step 10", or later where a loaded machine is slow
+    # to deliver it: a CI run saw step 17 first)
+    begun = {int(line.split()[-1]) for line in output.splitlines() if line.startswith("saving step ")}
     _, output = run(command(out, shm_dir, nproc=2), tmp_path / "resumed.log")
-    assert resumed_from(output) in (5, 10) and f"done: step {STEPS}" in output
+    assert resumed_from(output) in begun and resumed_from(output) >= 5 and f"done: step {STEPS}" in output
     assert_bit_equal(final_weights(out), final_weights(straight))

@@ -7,7 +7,9 @@ it saw at on_train_start (global step, epoch, weights) and at the end (weights, 
 made, and on rank 0 what ModelCheckpoint kept)."""
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -89,4 +91,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung run's stacks, for the test to print
     main()

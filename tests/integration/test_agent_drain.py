@@ -14,25 +14,27 @@ import pytest
 import torch
 
 import tiered_ckpt as tc
-from tiered_ckpt.testing.configs import faults, stack_dict, write_toml
+from tiered_ckpt.testing.agents import agent_pid, agent_running, alive, stop_agent
+from tiered_ckpt.testing.configs import faults, stack, stack_dict, write_toml
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
 
 
-def agent_pid(folder: Path) -> int | None:
-    try:
-        return int((folder / "agent.lock").read_text() or 0) or None
-    except FileNotFoundError:
-        return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+async def test_auto_uses_the_agent_where_a_memory_tier_stages_and_off_and_the_default_do_not(tmp_path, shm_dir,
+                                                                                            monkeypatch):
+    folder = tmp_path / "agent"
+    monkeypatch.setenv("TIERED_CKPT_AGENT_DIR", str(folder))
+    monkeypatch.setenv("TIERED_CKPT_AGENT_IDLE", "1")
+    memory = {"kind": "memory", "capacity": "1GiB", "keep_last": 2}
+    for agent, tiers, starts in (("off", (memory, "local"), False), (None, (memory, "local"), False),
+                                 ("auto", ("local",), False), ("auto", (memory, "local"), True)):
+        config = stack(tmp_path / str(agent) / str(len(tiers)), *tiers, shm=shm_dir, job="default", agent=agent)
+        async with tc.Engine(config) as engine:
+            await (await engine.save(1, {"w": torch.ones(1000)})).wait()
+            assert (await engine.status(1)).complete == {t.name for t in config.tiers}
+            assert agent_running(folder) == starts, (agent, tiers)
+    stop_agent(folder)
 
 
 @pytest.mark.parametrize("index", ["file", "redis"])
@@ -45,21 +47,10 @@ async def test_a_trainer_killed_after_its_memory_commit_still_gets_its_disk_copy
     monkeypatch.setenv("TIERED_CKPT_AGENT_IDLE", "1")
     on_redis = {"index": redis_server().url} if index == "redis" else {}  # else the file index under tmp_path
     raw = stack_dict(tmp_path, {"kind": "memory", "capacity": "1GiB", "keep_last": 2}, "faulty", shm=shm_dir,
-                     job="agent", part_size="1MiB", agent="on", **on_redis)
+                     job="agent", part_size="1MiB", agent="auto", **on_redis)
     config = write_toml(tmp_path / "agent.toml", raw)
     control = faults(tc.load_config(config))
-    proc = subprocess.Popen([sys.executable, str(HERE / "agent_saver.py"), str(config), "kill"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "committed 1"
-        control.inject("stall", ops=["write"])  # the disk copy of step 2 is held until the trainer is dead
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline().strip() == "host 2"
-        assert proc.wait(timeout=20) == -signal.SIGKILL
-    finally:
-        proc.kill()
-        proc.wait()
+    kill_the_trainer_once_step_2_is_on_memory(config, control)
     pid = agent_pid(folder)
     assert pid is not None and alive(pid)
     async with tc.Engine.from_toml(config, role="reader") as engine:
@@ -83,6 +74,23 @@ async def test_a_trainer_killed_after_its_memory_commit_still_gets_its_disk_copy
         assert time.monotonic() < deadline, "the agent did not exit when idle"
         await asyncio.sleep(0.1)
     assert not (folder / "agent.sock").exists()
+
+
+def kill_the_trainer_once_step_2_is_on_memory(config: Path, control) -> None:
+    """The trainer (agent_saver.py) commits step 1, then step 2 on the memory tier and is SIGKILLed, while the disk
+    copy of step 2 is held (`control`'s stall) until it is dead: the agent has that copy to finish."""
+    proc = subprocess.Popen([sys.executable, str(HERE / "agent_saver.py"), str(config), "kill"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "committed 1"
+        control.inject("stall", ops=["write"])
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "host 2"
+        assert proc.wait(timeout=20) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def journal(folder: Path) -> list[Path]:
@@ -109,18 +117,7 @@ async def test_an_agent_killed_mid_drain_is_adopted_by_the_next(tmp_path, shm_di
                      job="agent", part_size="1MiB", agent="on")
     config = write_toml(tmp_path / "agent.toml", raw)
     control = faults(tc.load_config(config))
-    proc = subprocess.Popen([sys.executable, str(HERE / "agent_saver.py"), str(config), "kill"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "committed 1"
-        control.inject("stall", ops=["write"])
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline().strip() == "host 2"
-        assert proc.wait(timeout=20) == -signal.SIGKILL
-    finally:
-        proc.kill()
-        proc.wait()
+    kill_the_trainer_once_step_2_is_on_memory(config, control)
     first = agent_pid(folder)
     assert first is not None and alive(first)
     wait_for(lambda: control.stalled() >= 1, 10, "the agent never wrote step 2 to disk")

@@ -228,7 +228,7 @@ async def test_verify_checks_that_a_parts_checksum_follows_from_its_chunk_digest
     wrong = lambda sums, algorithm: real(sums, algorithm) ^ 1  # noqa: E731
     monkeypatch.setattr(checksum, "of_chunk_digests", wrong)  # the save's part checksums, hashed after the copy
     monkeypatch.setattr(records, "of_chunk_digests", wrong)  # ... or while staging
-    async with tc.Engine(make_config()) as engine:
+    async with tc.Engine(make_config(agent="off")) as engine:  # (patched here: every tier written in this process)
         state = await saved(engine)
         monkeypatch.setattr(checksum, "of_chunk_digests", real)
         monkeypatch.setattr(records, "of_chunk_digests", real)

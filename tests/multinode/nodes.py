@@ -149,9 +149,15 @@ class Node:
         self.procs.append(proc)
         return proc
 
-    def kill(self) -> None:
+    def reboot(self) -> Node:
+        """Restart the machine: every process of it killed, its memory (/dev/shm) and its Redis gone, its disk kept."""
+        self.kill(wipe_disk=False)
+        return self.start()
+
+    def kill(self, *, wipe_disk: bool = True) -> None:
         """Lose the node: SIGKILL its init (the kernel kills the whole PID namespace) and holder, check that
-        nothing of it runs on, wipe its disk. Its tmpfs went with the mount namespace."""
+        nothing of it runs on, wipe its disk (unless `wipe_disk` is False: a reboot). Its tmpfs went with the
+        mount namespace."""
         if self.holder is None:
             return
         if self.holder.poll() is None:  # while unshare lives, its child init_pid cannot have been reused
@@ -170,8 +176,9 @@ class Node:
                 raise RuntimeError(f"{self.name}: processes {left} outlived the node")
             time.sleep(0.05)
         assert not _answers(self.ip, self.cluster.redis_port), f"{self.name}'s redis-server still answers"
-        shutil.rmtree(self.disk, ignore_errors=True)
-        self.disk.mkdir(parents=True)
+        if wipe_disk:
+            shutil.rmtree(self.disk, ignore_errors=True)
+            self.disk.mkdir(parents=True)
         self.holder, self.init_pid, self.pid_ns, self.procs = None, 0, "", []
 
 

@@ -42,9 +42,14 @@ def test_one_nodes_disk_full_degrades_the_disk_tier_and_training_goes_on(cluster
     faults.inject("full", hosts=["node1"])
     config = write_config(cluster, redis_server().url, disk_faults=cluster.root / "faults.json")
     ran = job(cluster, config=config, action="run", steps=[1, 2, 3, 4], progress=str(progress_of(cluster)))
-    for r in ran:
-        assert r["raised"] is None, r
-        assert r["outcomes"] == {str(s): {"committed": ["host", "peer"], "failed": ["disk"]} for s in (1, 2, 3, 4)}, r
+    for r in ran:  # a save may be superseded on peer or disk by a newer one while it waits its turn (saves 0.2 s
+        assert r["raised"] is None, r  # apart; a full disk's copy is handed back by the node agent): never the last
+        for step in ("1", "2", "3"):
+            outcome, skipped = r["outcomes"][step], set(r["skipped"].get(step, ()))
+            committed, failed = set(outcome["committed"]), set(outcome["failed"])
+            assert "host" in committed and committed <= {"host", "peer"} and failed <= {"disk"}, r
+            assert "peer" in committed | skipped and "disk" in failed | skipped, r
+        assert r["outcomes"]["4"] == {"committed": ["host", "peer"], "failed": ["disk"]}, r
     faults.clear()
     ran = job(cluster, config=config, action="run", steps=[5], progress=str(progress_of(cluster)))
     assert all(r["outcomes"] == {"5": {"committed": ["host", "peer", "disk"], "failed": []}} for r in ran), ran

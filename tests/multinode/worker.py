@@ -8,7 +8,13 @@ environment (RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR, ...) and
                    such step written to progress + ".<rank>"); run: save each of "steps" as a training loop does (no wait on
                    the handle, "interval" seconds apart, the step written to progress + ".<rank>"), then wait for
                    them all, and report each step's tiers committed and failed, and what save() raised;
-                   "fresh_ok" (load_save): an IncompleteCheckpoint (nothing to resume) starts fresh and saves}
+                   "fresh_ok" (load_save): an IncompleteCheckpoint (nothing to resume) starts fresh and saves;
+                   "agent_dir" (any action): the node agent's folder is agent_dir/<hostname> (one agent per node),
+                   idle "agent_idle" seconds; "faults": {hostname: TIERED_CKPT_FAULT} for the ranks of that node
+                   (tiered_ckpt/lifecycle/fault_points.py; the agent a rank starts inherits it); "also_tiers"
+                   (load): after the load, one more load per list of tiers, each reported under "also" by its
+                   tiers joined;
+                   "hard_exit": the rank exits without tearing down the process group (a peer may be dead)}
     RESULT  where to write this rank's JSON result
 
 A load also reports what its background heal rewrote (`healed`: parts per tier, after engine.wait_healed())
@@ -41,6 +47,14 @@ MODEL = 40_000        # "weight": 160 KB, "bias": 40 KB, replicated
 ROWS, COLS = 192, 256  # the sharded tensor, 192 KiB whatever the world (1, 2, 3, 4 or 6 ranks): 64 KiB a rank at 3
 
 
+def write_progress(prefix: str, step: int) -> None:
+    """Replace the rank's progress file whole (a test polls it; an in-place write can be read empty)."""
+    path = Path(f"{prefix}.{dist.get_rank()}")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(str(step))
+    os.replace(partial, path)
+
+
 def state(step: int | None, mesh: DeviceMesh) -> dict[str, Any]:
     """What save(step) holds; step=None: zeros of the same shapes (the target of a load)."""
     full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
@@ -59,13 +73,30 @@ def matches(loaded: dict[str, Any], expected: dict[str, Any]) -> bool:
     return all(same) and loaded["step"] == expected["step"]
 
 
+def node_env(spec: dict[str, Any]) -> None:
+    """This node's agent folder and fault points, from the spec (before the engine opens: read once)."""
+    host = socket.gethostname()
+    # one agent folder per node (where a config turns the agent on): the nodes share this tree, not their memory
+    agent_dir = spec.get("agent_dir") or str(Path(spec["config"]).parent / "agents")
+    os.environ["TIERED_CKPT_AGENT_DIR"] = f"{agent_dir}/{host}"
+    os.environ["TIERED_CKPT_AGENT_IDLE"] = str(spec.get("agent_idle", 2))
+    fault = spec.get("faults", {}).get(host)
+    if fault:
+        os.environ["TIERED_CKPT_FAULT"] = fault
+
+
 async def main(spec: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
     result: dict[str, Any] = {"action": spec["action"], "hostname": socket.gethostname()}
+    node_env(spec)
     async with tc.Engine.from_toml(spec["config"]) as engine:
         if spec["action"] == "save":
+            errors = {}
             for step in spec["steps"]:
-                await (await engine.save(step, state(step, mesh))).wait()
-            result["steps"] = spec["steps"]
+                handle = await engine.save(step, state(step, mesh))
+                await handle.wait()
+                if handle.errors:  # reported: a test that expects every tier written says which one was not
+                    errors[str(step)] = {tier: str(e) for tier, e in handle.errors.items()}
+            result["steps"], result["save_errors"] = spec["steps"], errors
             return result
         if spec["action"] == "train":
             step = spec["first"]
@@ -75,7 +106,7 @@ async def main(spec: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
                     await handle.wait()
                     if handle.errors:  # progress counts a step committed on every tier (one on node-local
                         raise tc.SaveError(step, handle.errors)  # tiers alone can be lost with the node)
-                    Path(f"{spec['progress']}.{dist.get_rank()}").write_text(str(step))
+                    write_progress(spec["progress"], step)
                     step += 1
             except Exception as e:  # a node died: the save in flight fails; say when
                 return {**result, "error": f"{type(e).__name__}: {e}", "ended": time.time()}
@@ -98,6 +129,19 @@ async def main(spec: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
                 healed[tier] = healed.get(tier, 0) + parts
         manifest = await engine.read_manifest(info.step)
         exact = matches(target, state(info.step, mesh))
+        also = {}
+        for tiers in spec.get("also_tiers", []):
+            again = state(None, mesh)
+            try:
+                more = await engine.load(again, tiers=tiers)
+            except Exception as e:
+                also[",".join(tiers)] = {"error": f"{type(e).__name__}: {e}", "exact": False}
+                continue
+            also[",".join(tiers)] = {"error": None, "step": more.step, "exact": matches(again, state(more.step, mesh)),
+                                     "bytes_by_tier": dict(more.bytes_by_tier),
+                                     "fallbacks": [f.tier for f in more.fallbacks]}
+        result["also"] = also
+        result["listing"] = {str(c.step): sorted(c.complete) async for c in engine.list()}
         saved = []
         for step in spec.get("steps", []):  # load_save: training goes on after the resume
             await (await engine.save(step, state(step, mesh))).wait()
@@ -119,11 +163,13 @@ async def run(engine: tc.Engine, spec: dict[str, Any], mesh: DeviceMesh) -> dict
             raised = f"{type(e).__name__}: {e}"
             break
         blocked.append(time.monotonic() - started)
-        Path(f"{spec['progress']}.{dist.get_rank()}").write_text(str(step))
+        write_progress(spec["progress"], step)
         await asyncio.sleep(spec.get("interval", 0.2))
     await engine.wait_all()
     outcomes = {h.step: {"committed": list(h.committed_on), "failed": sorted(h.errors)} for h in handles}
-    return {"outcomes": outcomes, "raised": raised, "blocked": max(blocked, default=0.0), "error": raised}
+    skipped = {h.step: sorted(h.skipped) for h in handles if h.skipped}  # tiers a newer save superseded it on
+    return {"outcomes": outcomes, "skipped": skipped, "raised": raised, "blocked": max(blocked, default=0.0),
+            "error": raised}
 
 
 if __name__ == "__main__":
@@ -135,4 +181,6 @@ if __name__ == "__main__":
     out.with_suffix(".tmp").replace(out)
     if result.get("error") and result["action"] == "train":
         os._exit(3)  # a peer is dead: tearing down the process group would wait for it
+    if json.loads(os.environ["SPEC"]).get("hard_exit"):
+        os._exit(0)
     dist.destroy_process_group()

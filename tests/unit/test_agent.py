@@ -1,6 +1,7 @@
 """The node agent's parts without a trainer: frames and descriptors over the socket, the folder's and the
 socket's modes, `status`, the idle exit, and the config key. The agent runs in this process (no spawn)."""
 import asyncio
+import contextlib
 import os
 import socket
 import stat
@@ -8,9 +9,9 @@ import stat
 import pytest
 
 from tiered_ckpt.agent.client import agent_status, connect
-from tiered_ckpt.agent.folder import make_folder, socket_path
+from tiered_ckpt.agent.folder import agent_folder, make_folder, socket_path
 from tiered_ckpt.agent.server import AgentServer
-from tiered_ckpt.agent.wire import Channel, ChannelClosed
+from tiered_ckpt.agent.wire import VERSION, Channel, ChannelClosed
 from tiered_ckpt.config import parse_config
 from tiered_ckpt.errors import AgentUnavailable, ConfigError
 from tiered_ckpt.save.drain import DrainOrder, TierOutcome
@@ -84,29 +85,55 @@ async def test_the_agent_serves_status_on_a_0600_socket_and_exits_when_idle(tmp_
     assert await agent_status(folder) is None
 
 
-async def test_a_bad_order_is_refused_and_the_agent_stays(tmp_path):
-    folder = tmp_path / "agent"
+@contextlib.asynccontextmanager
+async def agent_in_process(folder):
+    """An agent serving `folder` in this process (idle exit far off), stopped at the end."""
     server = AgentServer(folder, idle=30)
     assert server.claim()
     serving = asyncio.create_task(server.serve())
     try:
+        yield server
+    finally:
+        server._stop.set()
+        await asyncio.wait_for(serving, 5)
+
+
+async def test_a_bad_order_is_refused_and_the_agent_stays(tmp_path):
+    folder = tmp_path / "agent"
+    async with agent_in_process(folder):
         channel = await connect(folder, start=False, timeout=5)
         await channel.send({"op": "drain", "id": 1, "order": {"job": "j"}})
         reply, _ = await channel.recv()
         assert reply["op"] == "refused" and reply["id"] == 1 and "KeyError" in reply["error"]
         channel.close()
         assert (await agent_status(folder)) is not None
-    finally:
-        server._stop.set()
-        await asyncio.wait_for(serving, 5)
 
 
 def test_the_agent_key_is_checked(tmp_path):
-    with pytest.raises(ConfigError, match="agent must be one of off, on") as e:
+    with pytest.raises(ConfigError, match="agent must be one of auto, on, off") as e:
         parse_config({"engine": {"agent": "yes"}, "tiers": [{"name": "disk", "kind": "local",
                                                               "path": str(tmp_path)}]}, source="c.toml")
     assert e.value.key == "engine.agent" and e.value.file == "c.toml"
     assert parse_config({"tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path)}]}).engine.agent == "off"
+
+
+async def test_a_trainer_of_another_mount_namespace_is_refused(tmp_path):
+    """Its memory tier's files may not be those the agent sees (a folder named by $TIERED_CKPT_AGENT_DIR that
+    containers share): refused, so its trainer writes the tiers itself."""
+    folder = tmp_path / "agent"
+    async with agent_in_process(folder) as server:
+        channel = await connect(folder, start=False, timeout=5)
+        await channel.send({"op": "drain", "id": 1, "order": {"job": "j"}, "mounts": server.mounts + "-other"})
+        reply, _ = await channel.recv()
+        assert reply["op"] == "refused" and "another mount namespace" in reply["error"], reply
+        channel.close()
+
+
+def test_the_default_folder_is_one_per_user_and_mount_namespace(monkeypatch):
+    monkeypatch.delenv("TIERED_CKPT_AGENT_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    ns = os.stat("/proc/self/ns/mnt").st_ino
+    assert agent_folder().name == f"tiered_ckpt-agent-{os.getuid()}-{ns}"
 
 
 async def test_a_handoff_cancelled_by_its_time_limit_closes_its_connection(tmp_path):
@@ -131,3 +158,267 @@ async def test_a_handoff_cancelled_by_its_time_limit_closes_its_connection(tmp_p
         assert caught.value is not None
     finally:
         listener.close()
+
+
+async def test_an_agent_of_another_protocol_version_takes_no_save_but_answers_status_and_settle(tmp_path):
+    """An agent of an earlier release (it drained on other terms) answers hello with its version: the trainer hands
+    it nothing (AgentUnavailable: it writes the tiers itself) and does not connect to it again while its socket is
+    the same (each connection restarted that agent's idle clock: a trainer saving every few seconds kept it alive
+    for good); `agent status` and an engine's `settle` still talk to it. Before: both failed at hello, and every
+    handoff connected anew."""
+    from tiered_ckpt.agent.client import AgentClient, settle
+
+    folder = make_folder(tmp_path / "agent")
+    connections = []
+
+    async def old_agent(channel: Channel) -> None:
+        connections.append(channel)
+        try:
+            while True:
+                message, _ = await channel.recv()
+                if message["op"] == "hello":
+                    await channel.send({"op": "hello", "pid": 4242, "version": VERSION - 1})
+                elif message["op"] == "status":
+                    await channel.send({"op": "status", "pid": 4242, "clients": 0, "drains": []})
+                elif message["op"] == "settle":
+                    await channel.send({"op": "settled", "job": message["job"], "drains": 1})
+        except ChannelClosed:
+            pass
+        finally:
+            channel.close()
+
+    async def serve_old_agent() -> asyncio.Task:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(socket_path(folder)))
+        listener.listen(8)
+        listener.setblocking(False)
+
+        async def accept() -> None:
+            with listener:
+                while True:
+                    conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+                    asyncio.create_task(old_agent(Channel(conn)))
+        return asyncio.create_task(accept())
+
+    order = DrainOrder("j", 1, 0, 1, "s1", "ix/s1", 0, ("disk",), "host", ("k",), (1,), ((0, b""),), "crc32c", 0, ())
+    server = await serve_old_agent()
+    client = AgentClient(folder, {"index": "file:///x"}, lambda: [], handoff_timeout=5)
+    try:
+        status = await agent_status(folder)
+        assert status is not None and status["pid"] == 4242 and status["version"] == VERSION - 1
+        assert await settle(folder, "j", "file:///x", timeout=5) == 1
+        before = len(connections)
+        for _ in range(3):
+            with pytest.raises(AgentUnavailable, match=f"pid 4242.*protocol version {VERSION - 1}, this engine "
+                                                       f"{VERSION}"):
+                await client.hand_off(order)
+        assert len(connections) == before + 1  # one look at it, then left alone until its socket goes
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+        socket_path(folder).unlink(missing_ok=True)
+        server = await serve_old_agent()  # another agent
+        with pytest.raises(AgentUnavailable, match="protocol version"):
+            await client.hand_off(order)
+        assert len(connections) == before + 2
+    finally:
+        await client.close()
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+
+
+async def test_connections_of_another_protocol_version_do_not_keep_the_agent_from_its_idle_exit(tmp_path):
+    """A trainer of another release connects at each save, says hello with its version and goes: the agent answers,
+    refuses its handoffs, and exits once idle all the same. Before: every such connection restarted its idle
+    clock, so it never exited while that trainer ran."""
+    folder = tmp_path / "agent"
+    server = AgentServer(folder, idle=0.5)
+    assert server.claim()
+    serving = asyncio.create_task(server.serve())
+    other = {"op": "hello", "pid": os.getpid(), "version": VERSION + 1}
+    started = asyncio.get_running_loop().time()
+    while not socket_path(folder).exists():  # listening
+        await asyncio.sleep(0.01)
+    rounds = 0
+    try:
+        while not serving.done():
+            assert asyncio.get_running_loop().time() - started < 10, "the agent stayed, held by another version"
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                await asyncio.get_running_loop().sock_connect(sock, str(socket_path(folder)))
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                break  # the agent went
+            channel = Channel(sock)
+            try:
+                await channel.send(other)  # (an answer never comes from an agent that exits meanwhile)
+                reply, _ = await asyncio.wait_for(channel.recv(), 5)
+                assert reply["version"] == VERSION
+                await channel.send({"op": "drain", "id": 1, "order": {"job": "j"}})
+                reply, _ = await asyncio.wait_for(channel.recv(), 5)
+                assert reply["op"] == "refused"
+                refusal = reply["error"]
+            except (ChannelClosed, OSError, asyncio.TimeoutError):  # the agent went mid-conversation
+                break
+            finally:
+                channel.close()
+            rounds += 1
+            await asyncio.sleep(0.1)
+        await asyncio.wait_for(serving, 10)
+        assert rounds >= 3  # it exited while that trainer kept connecting
+        assert "protocol version" in refusal
+    finally:
+        server._stop.set()
+        await asyncio.wait_for(serving, 10)
+
+
+class _RecordingDrainer:
+    """A Drainer that notes, at each handoff, the tiers the index lists the step complete on, then refuses (the
+    trainer writes the slower tiers itself)."""
+
+    def __init__(self) -> None:
+        self.index = None
+        self.complete_at_handoff: list[set[str]] = []
+
+    async def hand_off(self, order):
+        from tiered_ckpt.storage.index import status_of
+
+        status = await status_of(self.index, order.job, order.step)
+        self.complete_at_handoff.append(set(status.complete) if status is not None else set())
+        raise AgentUnavailable("refused by the test")
+
+    async def settle(self, job: str) -> int:
+        return 0
+
+    def warm(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_save_is_handed_to_the_agent_before_the_memory_tier_commits(make_config, monkeypatch):
+    """The handoff comes before the memory tier's commit: else a trainer killed between that commit and the handoff
+    left the step on the memory tier alone, in nobody's hands (a reboot then lost it). Before: the handoff saw
+    the step complete on host."""
+    import torch
+
+    import tiered_ckpt as tc
+    from tiered_ckpt.engine import Engine
+
+    drainer = _RecordingDrainer()
+
+    async def agent_client(self):
+        drainer.index = self.store.index
+        return drainer
+
+    monkeypatch.setattr(Engine, "_agent_client", agent_client)
+    async with tc.Engine(make_config(agent="on")) as engine:
+        handle = await engine.save(1, {"w": torch.arange(1000, dtype=torch.float32)})
+        await handle.wait()  # the refused handoff: the trainer wrote the disk itself
+        assert set(handle.committed_on) == {"host", "disk"}
+    assert drainer.complete_at_handoff == [set()]
+
+
+async def test_the_agent_drains_only_what_the_memory_tier_committed(tmp_path):
+    """wait_for_source: an order handed over before the memory tier's commit is drained once the index says that
+    tier committed, and abandoned when its trainer went without marking its copy there, or the tier failed. An
+    abandonment is on record first: a marker that lands after it commits nothing."""
+    from tiered_ckpt.errors import RankFailed
+    from tiered_ckpt.save.commit import Committer
+    from tiered_ckpt.save.drain import wait_for_source
+    from tiered_ckpt.storage.index import status_of
+    from tiered_ckpt.storage.index.file import FileIndex
+
+    index = FileIndex(tmp_path / "index")
+    await index.open()
+    try:
+        index.epoch = await index.fence("j")
+        commit = Committer(index, "j", rank=0, world_size=2, session="s1", timeout=5)
+        other = Committer(index, "j", rank=1, world_size=2, session="s1", timeout=5)
+        order = DrainOrder("j", 3, 0, 2, "s1", commit.incarnation, index.epoch, ("disk",), "host", ("k",), (1,),
+                           ((0, b""),), "crc32c", 0, ())
+        await commit.begin(3, ["host", "disk"])
+        gone = await wait_for_source(commit, order, lambda: True, timeout=5)
+        assert gone is not None and "went before it marked step 3 durable on tier host" in gone
+        await commit.mark_durable(3, "host")  # markers that land late: the session's commit is over
+        with pytest.raises(RankFailed, match="abandoned by the node agent: the trainer went before"):
+            await other.mark_durable(3, "host")
+        status = await status_of(index, "j", 3)
+        assert status is not None and status.complete == frozenset() and "abandoned" in status.failed["host"]
+        await commit.begin(4, ["host", "disk"])
+        await commit.mark_durable(4, "host")  # this rank marked; the tier waits for rank 1
+        step4 = DrainOrder(**{**vars(order), "step": 4})
+        assert "did not commit step 4 within" in await wait_for_source(commit, step4, lambda: True, timeout=0.2)
+        with pytest.raises(RankFailed, match="abandoned"):
+            await other.mark_durable(4, "host")
+        await commit.begin(5, ["host", "disk"])
+        await commit.mark_durable(5, "host")
+        step5 = DrainOrder(**{**vars(order), "step": 5})
+        waiting = asyncio.create_task(wait_for_source(commit, step5, lambda: True, timeout=5))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await other.mark_durable(5, "host")  # the last marker commits the tier
+        assert await asyncio.wait_for(waiting, 5) is None
+        await commit.begin(6, ["host", "disk"])
+        await other.fail_tier(6, "host", OSError("disk gone"))
+        failed = await wait_for_source(commit, DrainOrder(**{**vars(order), "step": 6}), lambda: False, timeout=5)
+        assert failed is not None and "tier host failed step 6" in failed and "disk gone" in failed
+        # a trainer killed while its marker was on the way: the marker lands within the grace, the drain goes on
+        await commit.begin(7, ["host", "disk"])
+        late = asyncio.create_task(wait_for_source(commit, DrainOrder(**{**vars(order), "step": 7}), lambda: True,
+                                                   timeout=5))
+        await asyncio.sleep(0.2)
+        await commit.mark_durable(7, "host")
+        await other.mark_durable(7, "host")
+        assert await asyncio.wait_for(late, 5) is None
+    finally:
+        await index.close()
+
+
+async def test_a_new_engine_does_not_wait_for_a_drain_whose_memory_tier_can_no_longer_commit(tmp_path, shm_dir):
+    """A world of 2: rank 0 marked its memory copy of step 3 and handed the save over, then the job died before rank 1
+    marked its own. The agent holds the order, waiting for a commit only that dead session could make: a new engine's
+    `settle` does not wait for it (it would hold the open up to commit_timeout: 600 s by default), and the drain then
+    abandons the order, writing nothing."""
+    from tiered_ckpt.agent.client import settle
+    from tiered_ckpt.agent.links import tier_tables
+    from tiered_ckpt.save.commit import Committer
+    from tiered_ckpt.storage.index import status_of
+    from tiered_ckpt.storage.index.file import FileIndex
+    from tiered_ckpt.testing.configs import stack
+
+    config = stack(tmp_path, {"kind": "memory", "capacity": "64MiB", "keep_last": 2}, "local", shm=shm_dir, job="j")
+    index = FileIndex(tmp_path / "index")
+    await index.open()
+    folder = tmp_path / "agent"
+    server = AgentServer(folder, idle=30)
+    assert server.claim()
+    serving = asyncio.create_task(server.serve())
+    try:
+        epoch = index.epoch = await index.fence("j")
+        commit = Committer(index, "j", rank=0, world_size=2, session="s1", timeout=30)
+        await commit.begin(3, ["host", "disk"])
+        await commit.mark_durable(3, "host")
+        link = {"index": f"file://{tmp_path}/index", "index_timeout": 0.5, "commit_timeout": 300,
+                "tiers": tier_tables(list(config.tiers), str(tmp_path)), "node": 0, "num_nodes": 1}
+        order = DrainOrder("j", 3, 0, 2, "s1", commit.incarnation, epoch, ("disk",), "host", ("k",), (1,),
+                           ((0, b""),), "crc32c", 0, (), link)
+        channel = await connect(folder, start=False, timeout=5)
+        await channel.send({"op": "drain", "id": 1, "order": order.to_wire(), "trainer": ""})
+        reply, _ = await channel.recv()
+        assert reply == {"op": "accepted", "id": 1}
+        channel.close()  # the trainer is gone
+        assert await settle(folder, "j", link["index"], timeout=30) == 0  # before: 1, after the drain's full wait
+        # the commit never comes: the drain abandons the order now, not after its 300 s wait (its link, and with it
+        # the file index's lease, would hold the new writer's first save that long)
+        deadline = asyncio.get_running_loop().time() + 30
+        while (await agent_status(folder))["drains"]:
+            assert asyncio.get_running_loop().time() < deadline, "the drain still waits for the dead session's commit"
+            await asyncio.sleep(0.1)
+        assert not list((folder / "journal").glob("*.order"))
+        status = await status_of(index, "j", 3)
+        assert status is not None and status.complete == frozenset() and "disk" not in status.settled
+    finally:
+        server._stop.set()
+        await asyncio.wait_for(serving, 10)
+        await index.close()

@@ -129,7 +129,8 @@ def test_what_a_pause_keeps_is_old_when_it_ends():
 
 def test_a_pause_leaves_what_the_process_froze_frozen():
     """A process that froze its objects (before forking workers) keeps them frozen: the pause's objects are then
-    left young, as before."""
+    left young, as before. (Judged by this test's own frozen objects, which stay out of every generation, and a
+    count that does not grow: another thread of the process may free frozen objects of its own meanwhile.)"""
     assert gc.get_freeze_count() == 0
     frozen = [[] for _ in range(10)]
     gc.freeze()
@@ -137,7 +138,8 @@ def test_a_pause_leaves_what_the_process_froze_frozen():
         count = gc.get_freeze_count()
         with automatic_gc_paused():
             kept = [[i] for i in range(100)]
-        assert gc.get_freeze_count() == count
+        assert 0 < gc.get_freeze_count() <= count
+        assert not {id(f) for f in frozen} & (_ids(0) | _ids(1) | _ids(2))  # still frozen
         assert id(kept[0]) in _ids(0)
     finally:
         gc.unfreeze()

@@ -4,6 +4,7 @@ never for the whole history. Counted in checkpoint records read, on both indexes
 import pytest
 
 import tiered_ckpt as tc
+from tiered_ckpt.lifecycle import lineage
 from tiered_ckpt.storage.index import file as file_index
 from tiered_ckpt.storage.index import redis as redis_index
 
@@ -81,6 +82,8 @@ async def test_checkpoints_another_process_removed_from_the_window_make_the_pass
         for step in (4, 5):
             await (await engine.save(step, state_of(float(step)))).wait()
         assert [s.step for s in await engine.statuses()] == [4, 5]
+        # and the next writer's start compares every step of the index with the tiers again
+        assert await engine.store.index.get_note(engine.store.job, lineage.NOTE) == lineage.FORGOT
 
 
 @pytest.mark.parametrize("kind", ["file", "redis"])
@@ -134,12 +137,16 @@ def test_a_verdict_makes_its_kept_steps_once():
     assert len(verdict.kept) == 3333 + 1  # every third step (3 ... 9,999), and the newest two (9,999 and 10,000)
 
 
-async def test_a_writer_reads_no_whole_listing_to_clean_up_at_its_start(make_config, shm_dir, monkeypatch):
+@pytest.mark.parametrize("forgotten", ["newest", "middle"])
+async def test_a_writer_reads_no_whole_listing_to_clean_up_at_its_start(make_config, shm_dir, monkeypatch, forgotten):
     """Failed on the old code: a writer's start listed the whole index (three times before an earlier fix, then
     once) and every key of every tier (a walk of the whole history), and retention's first pass walked each tier
-    again. Now neither lists them: the index's newest
-    records back to its newest complete one, its step numbers against each tier's step folders, and the keys of the
-    one step the index forgot. Its work is kept: that step is listed again, an incomplete newer one removed."""
+    again. Now neither lists them: the index's newest records back to its newest complete one, and the keys of the
+    steps the index forgot. Where the index kept its history (the lineage note an earlier start left) only the
+    tiers' steps from its newest complete one on are compared: what a restore from an older snapshot loses
+    ("newest"); where retention found since that the index forgot a step it had listed ("middle"), every step
+    number of the index against each tier's step folders. Its work is kept either way: the steps forgotten are
+    listed again, an incomplete newer one removed."""
     from tiered_ckpt.storage.index.file import FileIndex
     from tiered_ckpt.storage.tiers.local import LocalTier
 
@@ -148,7 +155,11 @@ async def test_a_writer_reads_no_whole_listing_to_clean_up_at_its_start(make_con
         for step in range(1, 31):
             await (await engine.save(step, state_of(float(step)))).wait()
         index, job = engine.store.index, engine.store.job
-        await index.delete(job, 2)  # forgotten by the index: still whole on the tiers
+        assert await index.get_note(job, lineage.NOTE) == lineage.KEPT
+        for step in ([29, 30] if forgotten == "newest" else [2]):
+            await index.delete(job, step)  # forgotten by the index: still whole on the tiers
+        if forgotten == "middle":  # what retention's pass writes when the index no longer lists a step it kept
+            await index.put_note(job, lineage.NOTE, lineage.FORGOT)
         await index.begin(job, 99, ["disk"])  # a crashed run's incomplete checkpoint, newer than every complete one
     listings, keys = [0], [0]
     real_list, real_keys = FileIndex.list, LocalTier.list
@@ -168,8 +179,9 @@ async def test_a_writer_reads_no_whole_listing_to_clean_up_at_its_start(make_con
         listings[0] = keys[0] = 0
         await engine.store.writer.become()
         assert listings[0] == 0
-        assert keys[0] < 30, keys[0]  # step 2's keys on each tier (14), not the 30 steps' (over 400)
+        assert keys[0] < 30, keys[0]  # the forgotten steps' keys on each tier (7 a step), not the 30 steps' (over 400)
         assert [s.step for s in await engine.statuses()] == list(range(1, 31))
+        assert await engine.store.index.get_note(engine.store.job, lineage.NOTE) == lineage.KEPT
         keys[0] = 0
         await (await engine.save(31, state_of(31.0))).wait()  # retention's first pass looks at each tier itself
         assert keys[0] < 30, keys[0]  # by its step folders' names: no step's keys (the old code walked all 31)
@@ -248,3 +260,82 @@ async def test_a_full_tier_makes_room_reading_the_records_of_what_it_holds(make_
         assert made_room and max(made_room) < 10, made_room  # the two or three steps the tier holds
         on_disk = [s.step for s in await engine.statuses() if "disk" in s.complete and s.step > step - 10]
         assert on_disk[-1] == step + 6 and len(on_disk) <= 2, on_disk
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+async def test_a_new_writers_first_pass_judges_the_window_its_predecessor_left(make_config, shm_dir, kind,
+                                                                              redis_server, monkeypatch):
+    """Failed on the old code: a writer's first pass (a new process) listed every checkpoint the index holds on
+    each tier (over two thousand statuses here), as it did not know where the previous writer's passes had left
+    off. Now the previous passes left their place in the index (a note per tier), and the new writer's whole first
+    save reads a window: the newest records, each tier's keep_last window and its own step. A note of other rules
+    is not used: keep_last changed, that tier's first pass judges every checkpoint once."""
+    url = f"file://{shm_dir}/index" if kind == "file" else redis_server().url
+    tiers = [{"keep_last": 2}, {"keep_last": 2, "keep_every": 10}]
+    async with tc.Engine(make_config(index=url, tiers=tiers)) as engine:
+        await (await engine.save(1, state_of(1.0))).wait()
+        await fill(engine, range(10, 10 * (HISTORY + 1), 10))
+        step = 10 * (HISTORY + 1) + 1
+        for n in range(2):  # the first pass after the fill looks at everything (its first); the second leaves a note
+            await (await engine.save(step + n, state_of(float(n)))).wait()
+        kind_of = type(engine.store.index)
+    listed = [0]  # statuses the index returned (list and list_range)
+    for name in ("list", "list_range"):
+        monkeypatch.setattr(kind_of, name, counting(getattr(kind_of, name), listed))
+    async with tc.Engine(make_config(index=url, tiers=tiers)) as engine:  # a new writer: a new process's engine
+        listed[0] = 0  # (the engine's open lists the job once: not a save's)
+        await (await engine.save(step + 2, state_of(2.0))).wait()
+        assert listed[0] < 60, listed[0]
+        listing = await engine.statuses()
+        assert len([s for s in listing if "disk" in s.complete]) == HISTORY + 2  # keep_every's, and the newest two
+        assert [s.step for s in listing if "host" in s.complete] == [step + 1, step + 2]
+    tiers[1] = {**tiers[1], "keep_last": 3}  # other rules: the note of the disk tier is not used
+    async with tc.Engine(make_config(index=url, tiers=tiers)) as engine:
+        listed[0] = 0
+        await (await engine.save(step + 3, state_of(3.0))).wait()
+        assert listed[0] > HISTORY, listed[0]
+        assert [s.step for s in await engine.statuses() if "disk" in s.complete][-3:] == [step + 1, step + 2, step + 3]
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+async def test_a_resumed_writers_first_save_lists_no_tiers_job_folder(make_config, shm_dir, kind, redis_server,
+                                                                      monkeypatch):
+    """Failed on the old code: a new process's first save listed and sorted every step folder of the job on each
+    local tier (its start compares the steps from the index's newest complete one on, retention's first pass those
+    of its window: 10,000 step folders, 5-9 ms of CPU). Now it reads the newest names its predecessor kept. What
+    the tiers hold is still found: the two newest steps, forgotten by the index and written while the names could
+    not be kept (a crash between a step folder made and its names kept), are listed again. Agent off: with the
+    node agent, the agent makes the disk's step folders, so the trainer's kept names are stale and its first save
+    lists that folder again (not yet kept across the two processes)."""
+    from tiered_ckpt.storage.tiers import local
+
+    url = f"file://{shm_dir}/index" if kind == "file" else redis_server().url
+    config = make_config(index=url, agent="off", tiers=[{"keep_last": 2}, {"keep_last": 2, "keep_every": 1}])
+    async with tc.Engine(config) as engine:
+        for step in range(1, 31):
+            await (await engine.save(step, state_of(float(step)))).wait()
+        roots = [str(engine.store.io.file_tier(t).root) for t in engine.store.io.names]
+        job = engine.store.job
+    folders = {f"{root.rstrip('/')}/{job}" for root in roots}
+    listed = [0]
+    real = local.os.listdir
+
+    def counted(path):
+        listed[0] += str(path).rstrip("/") in folders
+        return real(path)
+
+    monkeypatch.setattr(local.os, "listdir", counted)
+    async with tc.Engine(config) as engine:  # the job restarted
+        listed[0] = 0
+        await (await engine.save(31, state_of(31.0))).wait()
+        assert listed[0] == 0, listed[0]
+        assert [s.step for s in await engine.statuses() if "disk" in s.complete] == list(range(1, 32))
+        monkeypatch.setattr(local, "_write_tail", lambda path, tail: (_ for _ in ()).throw(OSError("killed")))
+        for step in (32, 33):
+            await (await engine.save(step, state_of(float(step)))).wait()
+        for step in (32, 33):
+            await engine.store.index.delete(job, step)  # the index forgot them
+    monkeypatch.undo()
+    async with tc.Engine(config) as engine:
+        await (await engine.save(34, state_of(34.0))).wait()
+        assert [s.step for s in await engine.statuses() if "disk" in s.complete][-4:] == [31, 32, 33, 34]

@@ -239,8 +239,9 @@ async def test_a_full_tmpfs_stages_in_anonymous_memory_and_the_save_goes_on(make
 
 async def test_slower_tiers_start_once_the_staging_memory_tier_is_marked_durable(make_config, monkeypatch):
     """When the staging buffer is the memory tier's files, the disk writes start only after this rank marked
-    the memory tier durable: a file index's fsyncs would otherwise queue behind the disk's writeback."""
-    async with tc.Engine(make_config(role="writer")) as engine:  # the tiers' probe writes done at open
+    the memory tier durable: a file index's fsyncs would otherwise queue behind the disk's writeback. (The
+    trainer's own drain: with the node agent, the disk is written only once the memory tier committed.)"""
+    async with tc.Engine(make_config(role="writer", agent="off")) as engine:  # the tiers' probe writes done at open
         order = []
         real_mark, real_write = engine.store.index.mark_durable, engine.store.io.driver("disk").write
 

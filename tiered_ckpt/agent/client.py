@@ -1,6 +1,11 @@
 """The trainer's side of the agent: connect (starting the agent, detached, when none answers), hand a save off
 once the memory tier committed it, and learn each tier's outcome back, so that SaveHandle.wait() works as before.
 
+Only a handoff needs an agent of this release's protocol version (wire.VERSION): one of another version (after an
+upgrade, an old agent that still runs until its idle exit) is not handed anything, and the trainer does not
+connect to that agent again while its socket is the same (each connection would be one more chance to keep it
+alive); `settle` and `status` talk to an agent of any version.
+
 A handoff that no agent accepts within `handoff_timeout` (none starts, or one hangs) raises AgentUnavailable
 naming the folder, and the trainer drains that save in-process; so does an agent that goes away, or says nothing
 for `outcome_timeout`, before every tier reported (the tiers it did not report are written again in-process)."""
@@ -20,11 +25,12 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ..errors import AgentUnavailable
 from ..save.drain import DrainOrder, TierOutcome
-from .folder import FOLDER_ENV, log_path, make_folder, socket_path
-from .wire import Channel, ChannelClosed
+from .folder import FOLDER_ENV, log_path, make_folder, mount_namespace, socket_path
+from .wire import VERSION, Channel, ChannelClosed
 
 log = logging.getLogger(__name__)
 HANDOFF_TIMEOUT = 10.0  # seconds for an agent to answer (one started now included) and accept a save
+BYE_TIMEOUT = 5.0  # seconds an engine's close waits for the agent to let its links (and a file index's lease) go
 
 
 def start_agent(folder: Path, idle: float | None = None) -> None:
@@ -51,7 +57,8 @@ def spawn_detached(folder: Path, idle: float | None) -> None:
 
 
 async def connect(folder: Path, *, start: bool, timeout: float, idle: float | None = None) -> Channel:
-    """A channel to the folder's agent, after `hello`; with `start`, one is started when none answers."""
+    """A channel to the folder's agent, after `hello` (its answer in `channel.hello`: the agent's pid and protocol
+    version, which may differ from this one: see `check_version`); with `start`, one is started when none answers."""
     deadline = time.monotonic() + timeout
     started = False
     loop = asyncio.get_running_loop()
@@ -62,11 +69,12 @@ async def connect(folder: Path, *, start: bool, timeout: float, idle: float | No
             await asyncio.wait_for(loop.sock_connect(sock, str(socket_path(folder))),
                                    max(0.01, deadline - time.monotonic()))
             channel = Channel(sock)
-            await channel.send({"op": "hello", "pid": os.getpid()})
+            await channel.send({"op": "hello", "pid": os.getpid(), "version": VERSION})
             reply, _ = await asyncio.wait_for(channel.recv(), max(0.01, deadline - time.monotonic()))
             if reply.get("op") != "hello":
                 channel.close()
                 raise AgentUnavailable(f"the agent at {socket_path(folder)} answered {reply!r} to hello")
+            channel.hello = reply
             return channel
         except BaseException as e:
             # closed whatever ended the attempt: a handoff cancelled by its own time limit must not leave the
@@ -83,6 +91,25 @@ async def connect(folder: Path, *, start: bool, timeout: float, idle: float | No
                 started = True
                 await asyncio.to_thread(start_agent, folder, idle)
             await asyncio.sleep(0.05)
+
+
+def check_version(folder: Path, channel: Channel) -> None:
+    """AgentUnavailable unless the agent speaks this release's protocol version: a handoff's terms differ between
+    versions (an agent of an earlier release drains on other terms)."""
+    version, pid = channel.hello.get("version"), channel.hello.get("pid")
+    if version != VERSION:
+        raise AgentUnavailable(f"the agent at {socket_path(folder)} (pid {pid}) speaks protocol version {version}, "
+                               f"this engine {VERSION}: it exits once idle; until then this trainer writes its "
+                               f"tiers itself")
+
+
+def socket_identity(folder: Path) -> tuple[int, int, int] | None:
+    """Which agent's socket is there now (each agent binds a new one); None when there is none."""
+    try:
+        st = os.stat(socket_path(folder))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 class AgentDrain:
@@ -131,6 +158,24 @@ class AgentClient:
         self._reader: asyncio.Task[None] | None = None
         self._connecting = asyncio.Lock()
         self._lock: tuple[str, int] | None = None  # the trainer's lock file, held while this client lives
+        self._bye: asyncio.Future[None] | None = None  # the agent's answer to close()'s goodbye
+        # the socket of an agent of another protocol version, and what it said: not connected to again while it is
+        # the same socket (each connection would restart that agent's idle clock), so that it can exit
+        self._other_version: tuple[tuple[int, int, int], str] | None = None
+        self._warming: asyncio.Task[None] | None = None
+
+    def warm(self) -> None:
+        """At the engine's open: connect (starting the agent if none answers) in the background, so that the
+        first save's handoff, which the memory tier's commit waits for, does not wait for an agent to start (0.7 s
+        on a 2-core machine for one trainer, 3 s for three: a trainer killed a few steps after its first save lost
+        it). A failure here is only logged: the first handoff connects again."""
+        async def connect_now() -> None:
+            try:
+                await self._connected()
+            except Exception as e:
+                log.debug("the node agent at %s is not connected at open (%s: %s); the first save tries again",
+                          socket_path(self.folder), type(e).__name__, e)
+        self._warming = asyncio.create_task(connect_now())
 
     def _alive(self) -> str:
         """The path of a lock file this process holds while its engine is open: an agent that adopts a dead
@@ -164,7 +209,8 @@ class AgentClient:
         accepted = self._accepting[ident] = asyncio.get_running_loop().create_future()
         try:
             size = sum(len(b) for _, b in order.records) + 64 * len(order.keys)
-            await channel.send({"op": "drain", "id": ident, "order": order.to_wire(), "trainer": self._alive()},
+            await channel.send({"op": "drain", "id": ident, "order": order.to_wire(), "trainer": self._alive(),
+                                "mounts": mount_namespace()},
                                self.lease_fds(), size=size)
             reply = await accepted
         except BaseException:
@@ -180,7 +226,21 @@ class AgentClient:
     async def _connected(self) -> Channel:
         async with self._connecting:
             if self._channel is None:
-                self._channel = await connect(self.folder, start=True, timeout=self.handoff_timeout, idle=self.idle)
+                if self._other_version is not None:
+                    seen, why = self._other_version
+                    if socket_identity(self.folder) == seen:
+                        raise AgentUnavailable(why)
+                    self._other_version = None  # that agent went: the next one is started by this release
+                channel = await connect(self.folder, start=True, timeout=self.handoff_timeout, idle=self.idle)
+                try:
+                    check_version(self.folder, channel)
+                except AgentUnavailable as e:
+                    seen = socket_identity(self.folder)  # the socket just connected to
+                    channel.close()
+                    if seen is not None:
+                        self._other_version = (seen, str(e))
+                    raise
+                self._channel = channel
                 self._reader = asyncio.create_task(self._read(self._channel))
             return self._channel
 
@@ -191,7 +251,10 @@ class AgentClient:
                 for fd in fds:
                     os.close(fd)
                 ident = message.get("id")
-                if message.get("op") in ("accepted", "refused"):
+                if message.get("op") == "bye":
+                    if self._bye is not None and not self._bye.done():
+                        self._bye.set_result(None)
+                elif message.get("op") in ("accepted", "refused"):
                     future = self._accepting.get(ident)
                     if future is not None and not future.done():
                         future.set_result(message)
@@ -227,6 +290,22 @@ class AgentClient:
         return await settle(self.folder, job, self.link["index"], self.outcome_timeout)
 
     async def close(self) -> None:
+        """Say goodbye and wait (briefly) for the agent to let this trainer's links go: on the file index it holds
+        the writer's lease for them, which the next writer or a gc must be able to take once the engine closed."""
+        if self._warming is not None:
+            await self._warming  # (bounded by handoff_timeout; never raises)
+            self._warming = None
+        channel = self._channel
+        if channel is not None and not self.drains:
+            self._bye = asyncio.get_running_loop().create_future()
+            try:
+                await channel.send({"op": "bye"})
+                await asyncio.wait_for(self._bye, BYE_TIMEOUT)
+            except (asyncio.TimeoutError, ChannelClosed, OSError, AgentUnavailable) as e:
+                log.info("the agent at %s did not say goodbye (%s); it lets this trainer's links go when it sees "
+                         "the connection closed", socket_path(self.folder), type(e).__name__)
+            finally:
+                self._bye = None
         await self._drop(AgentUnavailable("the engine closed"))
         if self._lock is not None:
             path, fd = self._lock
@@ -258,6 +337,11 @@ async def settle(folder: Path, job: str, index: str, timeout: float) -> int:
     try:
         await channel.send({"op": "settle", "job": job, "index": index})
         reply, _ = await asyncio.wait_for(channel.recv(), timeout)
+        if reply.get("op") != "settled":  # an agent of another version that knows no `settle`: said, not waited
+            log.warning("the agent at %s (pid %s, protocol version %s) answered %r to settle: drains of job %s an "
+                        "earlier trainer left were not waited for (this engine's first save fences them out)",
+                        folder, channel.hello.get("pid"), channel.hello.get("version"), reply, job)
+            return 0
         return int(reply.get("drains", 0))
     except asyncio.TimeoutError:
         log.warning("the agent at %s still drains saves of job %s an earlier trainer left after %gs; this engine "
@@ -270,7 +354,8 @@ async def settle(folder: Path, job: str, index: str, timeout: float) -> int:
 
 
 async def agent_status(folder: Path, timeout: float = 5.0) -> dict[str, Any] | None:
-    """What the folder's agent drains (its `status` answer); None when no agent runs there."""
+    """What the folder's agent drains (its `status` answer, of whatever protocol version: "version" says which);
+    None when no agent runs there."""
     try:
         channel = await connect(folder, start=False, timeout=timeout)
     except AgentUnavailable:
@@ -278,6 +363,9 @@ async def agent_status(folder: Path, timeout: float = 5.0) -> dict[str, Any] | N
     try:
         await channel.send({"op": "status"})
         reply, _ = await asyncio.wait_for(channel.recv(), timeout)
-        return reply
+        if reply.get("op") != "status":
+            raise AgentUnavailable(f"the agent at {socket_path(folder)} (pid {channel.hello.get('pid')}, protocol "
+                                   f"version {channel.hello.get('version')}) answered {reply!r} to status")
+        return {**reply, "version": reply.get("version", channel.hello.get("version"))}
     finally:
         channel.close()

@@ -14,14 +14,25 @@ IDLE_ENV = "TIERED_CKPT_AGENT_IDLE"  # seconds an agent the engine starts waits 
 
 
 def agent_folder() -> Path:
-    """$TIERED_CKPT_AGENT_DIR, else $XDG_RUNTIME_DIR/tiered_ckpt-agent, else <tmp>/tiered_ckpt-agent-<uid>."""
+    """$TIERED_CKPT_AGENT_DIR, else $XDG_RUNTIME_DIR/tiered_ckpt-agent-<ns>, else <tmp>/tiered_ckpt-agent-<uid>-<ns>,
+    where <ns> names this process's mount namespace: the agent must see the memory tier's files the trainer sees,
+    and two containers that share /tmp (a bind mount) but not /dev/shm must not share an agent."""
     named = os.environ.get(FOLDER_ENV)
     if named:
         return Path(named)
+    ns = mount_namespace()
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
-        return Path(runtime) / "tiered_ckpt-agent"
-    return Path(tempfile.gettempdir()) / f"tiered_ckpt-agent-{os.getuid()}"
+        return Path(runtime) / f"tiered_ckpt-agent{ns}"
+    return Path(tempfile.gettempdir()) / f"tiered_ckpt-agent-{os.getuid()}{ns}"
+
+
+def mount_namespace() -> str:
+    """"-<inode>" of /proc/self/ns/mnt (processes that share it see the same files); "" where there is none."""
+    try:
+        return f"-{os.stat('/proc/self/ns/mnt').st_ino}"
+    except OSError:
+        return ""
 
 
 def make_folder(folder: Path) -> Path:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..config import TierConfig, parse_config
 from ..errors import ConfigError, Fenced
-from ..layout import incarnation_dir
+from ..lifecycle.host_memory import owned_by
 from ..save.commit import Committer
 from ..save.drain import DrainOrder
 from ..storage.index import Index, index_path, open_index
@@ -59,6 +59,10 @@ class Link:
             raise ConfigError(why, key="engine.agent")
         configs = _tiers(link["tiers"])
         io = TierIO(configs, link.get("io_threads", 4), background_nice=link.get("background_nice", 0))
+        for name in io:  # a file tier's capacity bounds the job's bytes, as in the trainer
+            tier = io.file_tier(name)
+            if tier is not None:
+                tier.count_only(owned_by(order.job))
         index = open_index(link["index"], timeout=link["index_timeout"])
         try:
             await io.open(rank=order.rank, world_size=order.world_size, node=link["node"], num_nodes=link["num_nodes"])

@@ -3,11 +3,24 @@ copy-then-commit per tier, save/drain.py), reports each tier's outcome back whil
 finishes the drain whether or not it still is. It exits once nothing is left to drain and no trainer has been
 connected for `idle` seconds.
 
-Messages (wire.py), each a map with "op": `hello` → {"op": "hello", "pid", "version"}; `drain` {"id", "order"}
-(+ the file index's lease) → `accepted` {"id"} or `refused` {"id", "error"}, then one `outcome` {"id", "outcome"}
-per tier and `drained` {"id"}; `status` → {"op": "status", "pid", "drains": [...], "clients"};
-`settle` {"job", "index"} → `settled` {"job", "drains"} once no drain of that job without its trainer is left
-(an engine asks at open, before its first save fences such drains out).
+Messages (wire.py), each a map with "op": `hello` {"pid", "version"} → {"op": "hello", "pid", "version"}; `drain`
+{"id", "order"} (+ the file index's lease) → `accepted` {"id"} or `refused` {"id", "error"}, then one `outcome`
+{"id", "outcome"} per tier and `drained` {"id"}; `status` → {"op": "status", "pid", "version", "drains": [...],
+"clients"}; `settle` {"job", "index"} → `settled` {"job", "drains"} once no drain of that job without its trainer
+is left (an engine asks at open, before its first save fences such drains out); `bye` → `bye` once the
+connection's links that drain nothing are closed (an engine's close: the file index's writer lease the agent held
+for them is free).
+
+Only `drain` needs the client's hello to name this agent's protocol version (it is refused otherwise); `status`
+and `settle` are answered whatever the version. A connection of another version (or with no hello) is not
+counted among the clients: it neither holds the agent nor restarts its idle clock, so trainers of another
+release, which connect and go at each save, cannot keep it from exiting.
+
+An order comes before the memory tier's commit (save/job.py hands it over right before this rank's durable marker
+there): it is drained once the index says that tier committed the step, and abandoned (each tier's outcome
+"abandoned", nothing written) when the tier fails or its trainer goes without having marked it (save/drain.py,
+`wait_for_source`), once the index recorded that the session's commit there is over (a marker landing later is
+refused); an order whose abandonment the index did not take stays in the journal for the next agent.
 
 Each accepted order is journaled first (journal.py) and forgotten once every tier of it settled; an agent that
 starts adopts what an earlier one left (`_adopt`): orders of trainers still alive are dropped (the trainer saw its
@@ -29,21 +42,23 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, Fenced
-from ..save.drain import DrainOrder, TierOutcome, drain_tier
+from ..lifecycle import fault_points
+from ..save.drain import AbandonNotRecorded, DrainOrder, TierOutcome, drain_tier, end_source_commit, wait_for_source
+from ..storage.index import CommitState
 from ..storage.index.base import status_of
-from .folder import lock_path, make_folder, socket_path
+from .folder import lock_path, make_folder, mount_namespace, socket_path
 from .journal import Entry, Journal, trainer_alive
 from .links import Link, lease_record, link_key, retake_lease
-from .wire import Channel, ChannelClosed
+from .wire import VERSION, Channel, ChannelClosed
 
 log = logging.getLogger(__name__)
-VERSION = 1
 IDLE_SECONDS = 10.0  # nothing to drain and no trainer attached this long: the agent exits
 
 
 @dataclass
 class Drained:
-    """One handed-off save as `agent status` shows it: per tier, "pending", "done", "failed" or "skipped"."""
+    """One handed-off save as `agent status` shows it: per tier, "pending", "done", "failed", "skipped" or
+    "abandoned" (the memory tier never committed it)."""
 
     job: str
     step: int
@@ -57,6 +72,7 @@ class AgentServer:
     def __init__(self, folder: Path, *, idle: float = IDLE_SECONDS):
         self.folder = folder
         self.idle = idle
+        self.mounts = mount_namespace()  # a trainer of another mount namespace is refused (its files may differ)
         self.links: dict[tuple[Any, ...], Link] = {}
         self.drains: dict[int, Drained] = {}
         self.clients = 0
@@ -69,6 +85,7 @@ class AgentServer:
         self.journal = Journal(folder)
         self._adopted: asyncio.Event | None = None  # set once the journal's orders were adopted (serve())
         self._draining: dict[int, tuple[Link, asyncio.Task[None]]] = {}  # what `settle` waits for
+        self._superseded: set[int] = set()  # drains a newer engine's settle gave up on (their commit never came)
 
     def claim(self) -> bool:
         """The folder's agent lock (one agent per folder); False when another agent holds it."""
@@ -144,7 +161,7 @@ class AgentServer:
                 return
 
     async def _client(self, channel: Channel) -> None:
-        self.clients += 1
+        counted = False  # a client of this version: it holds the agent while connected (IDLE: see the docstring)
         mine: set[tuple[Any, ...]] = set()
         try:
             while True:
@@ -152,14 +169,30 @@ class AgentServer:
                 op = message.get("op")
                 if op == "hello":
                     await channel.send({"op": "hello", "pid": os.getpid(), "version": VERSION})
+                    if message.get("version") == VERSION and not counted:
+                        counted = True
+                        self.clients += 1
                 elif op == "status":
                     await channel.send(self.status())
                 elif op == "settle":
                     await channel.send(await self._settle(str(message.get("job")), str(message.get("index"))))
+                elif op == "drain" and not counted:
+                    for fd in fds:
+                        os.close(fd)
+                    await channel.send({"op": "refused", "id": message.get("id"),
+                                        "error": f"the agent speaks protocol version {VERSION}; the handoff's hello "
+                                                 f"named none or another"})
                 elif op == "drain":
                     key = await self._drain(channel, message, fds)
                     if key is not None:
                         mine.add(key)
+                elif op == "bye":  # its engine closes: links that drain nothing let the writer's lease go now
+                    for key in mine:
+                        link = self.links.get(key)
+                        if link is not None:
+                            link.trainer_gone()
+                            await self._close_if_done(key)
+                    await channel.send({"op": "bye"})
                 else:
                     for fd in fds:
                         os.close(fd)
@@ -169,8 +202,9 @@ class AgentServer:
         except Exception as e:  # a bad frame: this client goes, the agent stays
             log.warning("agent: a client's connection failed: %s: %s", type(e).__name__, e)
         finally:
-            self.clients -= 1
-            self._last_busy = time.monotonic()
+            if counted:
+                self.clients -= 1
+                self._last_busy = time.monotonic()
             channel.close()
             for key in mine:
                 link = self.links.get(key)
@@ -181,6 +215,9 @@ class AgentServer:
     async def _drain(self, channel: Channel, message: dict[str, Any], fds: list[int]) -> tuple[Any, ...] | None:
         ident = message.get("id")
         try:
+            if message.get("mounts", self.mounts) != self.mounts:  # (a folder named by $TIERED_CKPT_AGENT_DIR)
+                raise ConfigError(f"the trainer runs in another mount namespace ({message['mounts']}, the agent "
+                                  f"{self.mounts}): its memory tier's files may not be the ones this agent sees")
             order = DrainOrder.from_wire(message["order"])
             key = link_key(order)
             link = self.links.get(key)
@@ -207,26 +244,32 @@ class AgentServer:
             await channel.send({"op": "refused", "id": ident, "error": f"the agent's journal: {e}"})
             return key
         await channel.send({"op": "accepted", "id": ident})
-        self._start(channel, link, key, order, ident, entry)
+        fault_points.reached("accepted", order.step)
+        self._start(channel, link, key, order, ident, entry, trainer)
         return key
 
     def _start(self, channel: Channel | None, link: Link, key: tuple[Any, ...], order: DrainOrder, ident: Any,
-               entry: Path) -> None:
-        """Drain `order` (its link's `pending` counted already), reporting on `channel` while it is open."""
+               entry: Path, trainer: str) -> None:
+        """Drain `order` (its link's `pending` counted already), reporting on `channel` while it is open.
+        `trainer`: the trainer's lock file (journal.py), held while it lives."""
         self._next += 1
         number = self._next
         self.drains[number] = Drained(order.job, order.step, order.rank, sum(order.lengths),
                                       {t: "pending" for t in order.tiers})
-        task = asyncio.create_task(self._run(channel, link, key, order, ident, number, entry))
+        task = asyncio.create_task(self._run(channel, link, key, order, ident, number, entry, trainer))
         self._running.add(task)
         self._draining[number] = (link, task)
         task.add_done_callback(lambda t: (self._running.discard(t), self._draining.pop(number, None)))
 
     async def _run(self, channel: Channel | None, link: Link, key: tuple[Any, ...], order: DrainOrder, ident: Any,
-                   number: int, entry: Path) -> None:
+                   number: int, entry: Path, trainer: str) -> None:
         async def one(tier: str) -> None:
             try:
-                outcome = await drain_tier(link.io, link.commit, order, tier)
+                file_tier = link.io.file_tier(tier)
+                if file_tier is not None:  # the trainer's retention removed some since: counted from the files
+                    await file_tier.recount()
+                outcome = await drain_tier(link.io, link.commit, order, tier,
+                                           hand_back=lambda: channel is not None and link.attached)
             except Exception as e:  # a bug: said, and reported as the tier's failure
                 log.error("agent: step %d on tier %s: %s: %s", order.step, tier, type(e).__name__, e)
                 outcome = TierOutcome(tier, "failed", error=f"{type(e).__name__}: {e}")
@@ -235,14 +278,47 @@ class AgentServer:
                      outcome.state, outcome.error)
             await self._tell(channel, {"op": "outcome", "id": ident, "outcome": outcome.to_wire()})
 
+        async def abandon(why: str) -> None:
+            log.warning("agent: job %s step %d rank %d: %s; nothing drained", order.job, order.step, order.rank, why)
+            for tier in order.tiers:
+                self.drains[number].tiers[tier] = "abandoned"
+                outcome = TierOutcome(tier, "abandoned", error=why)
+                await self._tell(channel, {"op": "outcome", "id": ident, "outcome": outcome.to_wire()})
+
+        def trainer_gone() -> bool:  # its connection closed, and its process no longer holds its lock
+            return (channel is None or not link.attached) and not trainer_alive(trainer)
+
         try:
-            await asyncio.gather(*(one(t) for t in order.tiers))
-            Journal.done(entry)  # every tier settled (the index says how): nothing to adopt any more
+            link_conf = link.order.link
+            kept = False  # the order stays in the journal: the index did not record its abandonment
+            try:
+                why = await wait_for_source(link.commit, order, trainer_gone,
+                                            link_conf["commit_timeout"] + link_conf["index_timeout"],
+                                            superseded=lambda: number in self._superseded)
+            except AbandonNotRecorded as e:
+                why, kept = str(e), True
+            except Exception as e:  # an index error other than unavailability: nothing drained, and said so
+                try:
+                    why = await end_source_commit(link.commit, order, f"the index did not say whether the memory "
+                                                                      f"tier committed: {type(e).__name__}: {e}")
+                except AbandonNotRecorded as e2:
+                    why, kept = str(e2), True
+            if why is not None:
+                await abandon(why)
+            else:
+                await asyncio.gather(*(one(t) for t in order.tiers))
+            fault_points.reached("drained", order.step)
+            if kept:  # a later agent adopts it again: it drains if the tier committed meanwhile, else records
+                log.error("agent: job %s step %d rank %d stays in the journal: %s", order.job, order.step,
+                          order.rank, why)
+            else:
+                Journal.done(entry)  # every tier settled (the index says how): nothing to adopt any more
             await self._tell(channel, {"op": "drained", "id": ident})
         finally:
             link.pending -= 1
             self._last_busy = time.monotonic()
             self.drains.pop(number, None)
+            self._superseded.discard(number)
             await self._close_if_done(key)
 
     async def _tell(self, channel: Channel | None, message: dict[str, Any]) -> None:
@@ -326,21 +402,43 @@ class AgentServer:
             Journal.done(entry.path)
             return
         log.info("agent: adopting %s: tiers %s", what, ", ".join(tiers))
-        self._start(None, link, key, replace(order, tiers=tiers), None, entry.path)
+        self._start(None, link, key, replace(order, tiers=tiers), None, entry.path, entry.trainer)
 
     async def _settle(self, job: str, index: str) -> dict[str, Any]:
-        """Wait until no drain of `job` on `index` is left without its trainer (adopted ones included)."""
+        """Wait until no drain of `job` on `index` is left without its trainer (adopted ones included). A drain
+        still waiting for its memory tier's commit is not waited for: with its trainer gone, only other ranks of
+        that earlier session could still complete the commit, and a new engine's open means that session is over
+        (such a drain abandons the order at once: waiting for it would hold the open, and its file-index lease the
+        new writer's first save, up to commit_timeout)."""
         assert self._adopted is not None
         await self._adopted.wait()
-        waiting = [task for link, task in self._draining.values()
-                   if link.order.job == job and link.order.link["index"] == index and not link.attached]
+        candidates = {number: (link, task, self.drains.get(number)) for number, (link, task) in self._draining.items()
+                      if link.order.job == job and link.order.link["index"] == index and not link.attached}
+        waiting = []
+        for number, (link, task, drained) in candidates.items():
+            if drained is not None and await self._source_committed(link, drained.step):
+                waiting.append(task)
+            else:  # its wait ends now (not at commit_timeout), and its link lets the file index's lease go
+                self._superseded.add(number)
         if waiting:
             log.info("agent: job %s: a new engine waits for %d drain(s) of an earlier trainer", job, len(waiting))
             await asyncio.gather(*waiting, return_exceptions=True)
         return {"op": "settled", "job": job, "drains": len(waiting)}
 
+    @staticmethod
+    async def _source_committed(link: Link, step: int) -> bool:
+        """Whether the index says the memory tier committed `step` of `link`'s session (asked again: a drain's own
+        wait may not have polled yet). An index that does not answer: True (the drain decides, and is waited for)."""
+        order = link.order
+        try:
+            state = await link.index.tier_state(order.job, step, order.source, order.session)
+        except Exception:
+            return True
+        return state.state == CommitState.COMPLETE
+
     def status(self) -> dict[str, Any]:
-        return {"op": "status", "pid": os.getpid(), "clients": self.clients, "idle_exit": self.idle,
+        return {"op": "status", "pid": os.getpid(), "version": VERSION, "clients": self.clients,
+                "idle_exit": self.idle,
                 "journal": len(list(self.journal.folder.glob("*.order"))) if self.journal.folder.is_dir() else 0,
                 "drains": [{"job": d.job, "step": d.step, "rank": d.rank, "nbytes": d.nbytes, "tiers": d.tiers,
                             "seconds": round(time.time() - d.since, 1)} for d in self.drains.values()]}
@@ -348,6 +446,7 @@ class AgentServer:
 
 def run_agent(folder: Path, idle: float = IDLE_SECONDS) -> int:
     """`tiered-ckpt agent`: serve in the foreground until idle; 0 also when another agent runs (it serves)."""
+    fault_points.role = "agent"
     server = AgentServer(folder, idle=idle)
     if not server.claim():
         log.info("an agent already serves %s", folder)

@@ -16,6 +16,15 @@ MAX_FDS = 16
 IN_THREAD = 1 << 20  # frames larger than this are (un)packed in a thread
 _HEADER = struct.Struct(">I")
 
+# The protocol's version, said by both sides in `hello`. It gates the handoff only: a trainer hands saves to an agent
+# of its own version alone (the terms of a drain change between versions), while `status` and `settle`, whose
+# messages every version reads alike, work across versions. A connection whose hello names another version (or
+# none) neither holds the agent nor restarts its idle clock (server.py), so a trainer of another release cannot
+# keep it from its idle exit. 2: orders come before the memory tier's commit (save/drain.py, wait_for_source);
+# 3: the agent records in the index that a save it gives up will not commit there (Index.abandon), and the
+# trainer's marker honours that record
+VERSION = 3
+
 
 class ChannelClosed(ConnectionError):
     """The other side closed the connection (or died)."""
@@ -27,6 +36,7 @@ class Channel:
     def __init__(self, sock: socket.socket):
         sock.setblocking(False)
         self.sock = sock
+        self.hello: dict[str, Any] = {}  # the other side's answer to hello (client.connect): its pid and version
         self._buffer = bytearray()
         self._fds: list[int] = []
         self._closed = False

@@ -220,9 +220,7 @@ def measure(steps: int = 60, every: int = 3, repeats: int = 3, base: Path | None
         os.environ.update(TIERED_CKPT_AGENT_DIR=str(agent_folder), TIERED_CKPT_AGENT_IDLE="60")
 
     def tiered(r: int, variant: str) -> None:
-        engine = {"job": f"loop{r}{variant}"}
-        if variant == "tiered_ckpt_agent":
-            engine["agent"] = "on"
+        engine = {"job": f"loop{r}{variant}", "agent": "on" if variant == "tiered_ckpt_agent" else "off"}
         handles: list[Any] = []
         with Checkpointer(config.replace_engine(**engine)) as ckpt:
             marks: dict[str, Any] = {}

@@ -10,6 +10,12 @@ so compare trees run alternately in one session (docs/benchmarks.md, *Event-loop
 count*).
 
     python -m tiered_ckpt.bench.stalls --tensors 100000,300000 --gc on,off [--json out.json]
+    python -m tiered_ckpt.bench.stalls --tensors 1000000 --plans ddp,ddp-differing,hsdp
+
+Besides the ticker's stall and the loop's CPU, a thread that wakes every millisecond reports its longest wait
+for the GIL and the CPU that one other thread ran meanwhile (`_GilWatch`), with where that thread was: the
+longest hold of the GIL by a worker thread, which the loop waits for as long. `--plans` measures the same for
+the world plan of replicated layouts (DDP, HSDP) alone, which the engine bench (one rank) never compares.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Awaitable
@@ -56,25 +63,106 @@ class _LoopCpu:
         asyncio.events.Handle._run = timed  # type: ignore[method-assign]
 
 
-async def _longest_stall(work: Awaitable[Any], period: float, cpu: _LoopCpu) -> tuple[float, float, float]:
-    """(seconds `work` took, the longest stall of the loop meanwhile, the most loop CPU one callback took)."""
+class _GilWatch:
+    """The longest the GIL was held away from a thread that wants it every `period`, and who held it.
+
+    A thread that sleeps `period` and wakes late waited for the GIL (or for a core, on a loaded machine). At each
+    late wake it reads every other thread's CPU clock (`time.pthread_getcpuclockid`): the thread that ran the most
+    CPU in the gap held the GIL through it, and its CPU there (which neither waiting nor other processes inflate)
+    is the hold, where the ticker's stall is wall time. Where that thread was at the wake before and is just
+    after (`sys._current_frames`) bracket the call. A thread that runs without the GIL (a tensor copy, a read)
+    also counts CPU in a gap, and one that gives it back for a moment takes it again when the watcher is not on
+    a core, so a hold named here is an upper bound; a C call that keeps the GIL shows as one hold of its whole
+    length."""
+
+    def __init__(self, loop_thread: int, period: float = 0.001, late: float = 0.010) -> None:
+        self.loop_thread, self.period, self.late = loop_thread, period, late
+        self.reset()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="gil-watch", daemon=True)
+        self._thread.start()
+
+    def reset(self) -> None:
+        self.wait = 0.0  # the longest wake-up delay (wall)
+        self.worker = (0.0, "")  # the most CPU one worker thread ran in one gap, and where it was after it
+        self.holds: list[tuple[float, str]] = []  # every such hold over `late`, and where
+        self.loop = 0.0  # the most CPU the loop's thread ran in one gap
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _clocks(self) -> dict[int, float]:
+        out = {}
+        for thread in threading.enumerate():
+            if thread.ident is not None and thread is not self._thread:
+                try:
+                    out[thread.ident] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+                except (OSError, ProcessLookupError):  # it ended meanwhile
+                    pass
+        return out
+
+    def _watch(self) -> None:
+        before, clocks = time.perf_counter(), self._clocks()
+        while not self._stop.is_set():
+            last = {ident: _where(frame) for ident, frame in sys._current_frames().items()}  # (where a hold began)
+            time.sleep(self.period)
+            now = time.perf_counter()
+            wait = now - before - self.period
+            if wait > self.late:
+                after = self._clocks()
+                ran = {ident: after[ident] - clocks[ident] for ident in after if ident in clocks}
+                self.wait = max(self.wait, wait)
+                self.loop = max(self.loop, ran.pop(self.loop_thread, 0.0))
+                if ran:
+                    ident, cpu = max(ran.items(), key=lambda item: item[1])
+                    if cpu > self.late:
+                        after_hold = _where(sys._current_frames().get(ident))
+                        self.holds.append((cpu, f"{last.get(ident, '?')} -> {after_hold}"))
+                        self.worker = max(self.worker, self.holds[-1])
+                clocks = after
+            else:
+                clocks = self._clocks()
+            before = time.perf_counter()
+
+
+def _where(frame: Any) -> str:
+    """The innermost frame of the package (or else the innermost), as file:line function."""
+    chosen = frame
+    while frame is not None:
+        if "tiered_ckpt" in frame.f_code.co_filename:
+            chosen = frame
+            break
+        frame = frame.f_back
+    if chosen is None:
+        return "?"
+    name = chosen.f_code.co_filename.split("tiered_ckpt/")[-1]
+    return f"{name}:{chosen.f_lineno} {chosen.f_code.co_name}"
+
+
+async def _longest_stall(work: Awaitable[Any], period: float, cpu: _LoopCpu, gil: _GilWatch) -> list[Any]:
+    """[seconds `work` took, the longest stall of the loop meanwhile, the most loop CPU one callback took, the
+    longest GIL wait of a watching thread, the most CPU a worker thread ran in one such wait, and where, and the
+    longest holds (ms, where)]."""
     stop, gaps = asyncio.Event(), [0.0]
     ticker = asyncio.create_task(_ticker(stop, gaps, period))
     await asyncio.sleep(4 * period)
     gaps[:] = [0.0]
     cpu.longest = 0.0
+    gil.reset()
     start = time.perf_counter()
     await work
     seconds = time.perf_counter() - start
     stop.set()
     await ticker
-    return seconds, max(gaps), cpu.longest
+    return [seconds, max(gaps), cpu.longest, gil.wait, gil.worker[0], gil.worker[1],
+            [(round(held * 1e3), where) for held, where in sorted(gil.holds, reverse=True)[:8]]]
 
 
 async def measure(count: int, folder: Path, shm: Path, *, period: float = 0.005, part_size: str = "8MiB",
-                  ) -> dict[str, tuple[float, float, float]]:
+                  ) -> dict[str, list[Any]]:
     """Saves 1 and 2 of `count` tensors to a memory and a disk tier, a load from each into fresh tensors, then
-    close: {operation: (seconds, longest stall, longest loop callback's CPU)}."""
+    close: {operation: `_longest_stall`'s figures}."""
     import torch
 
     from .. import Engine
@@ -85,22 +173,24 @@ async def measure(count: int, folder: Path, shm: Path, *, period: float = 0.005,
                                      {"name": "disk", "kind": "local", "path": str(folder / "parts"),
                                       "keep_last": 2}]})
     state = {f"layer{i}.scale": torch.full((16,), float(i)) for i in range(count)}
-    out: dict[str, tuple[float, float, float]] = {}
+    out: dict[str, list[Any]] = {}
     cpu = _LoopCpu()
+    gil = _GilWatch(threading.get_ident())
     engine = await Engine(config).open()
 
     async def save(step: int) -> None:
         await (await engine.save(step, state)).wait()
 
-    out["first save"] = await _longest_stall(save(1), period, cpu)
-    out["second save"] = await _longest_stall(save(2), period, cpu)
+    out["first save"] = await _longest_stall(save(1), period, cpu, gil)
+    out["second save"] = await _longest_stall(save(2), period, cpu, gil)
     for name, tier in (("load (memory tier)", "host"), ("load (disk tier)", "disk")):
         target = {k: torch.zeros(16) for k in state}  # fresh tensors, as a resumed process has
-        out[name] = await _longest_stall(engine.load(target, tiers=[tier]), period, cpu)
+        out[name] = await _longest_stall(engine.load(target, tiers=[tier]), period, cpu, gil)
         if not torch.equal(target[f"layer{count - 1}.scale"], state[f"layer{count - 1}.scale"]):
             raise AssertionError(f"the {name} did not reproduce the state")
         del target
-    out["close"] = await _longest_stall(engine.close(), period, cpu)
+    out["close"] = await _longest_stall(engine.close(), period, cpu, gil)
+    gil.close()
     return out
 
 
@@ -110,6 +200,66 @@ def _one(count: int, automatic_gc: bool, period: float, part_size: str) -> dict[
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         figures = asyncio.run(measure(count, Path(folder), Path(shm), period=period, part_size=part_size))
     return {"tensors": count, "automatic_gc": automatic_gc, "figures": figures}
+
+
+PLAN_LAYOUTS = ("ddp", "ddp-differing", "hsdp")
+
+
+def _payloads(count: int, layout: str) -> list[tuple[Any, ...]]:
+    """The plan gather's payloads of `count` tensors of 16 floats: DDP (2 ranks, every tensor replicated), DDP
+    ranks whose structures differ by a tensor of their own (their shared boxes compared one by one), HSDP (4
+    ranks: 2 shards of each tensor, each held by 2 replicas)."""
+    from ..save.describe import describe
+
+    def box(i: int, start: int, rows: int) -> tuple[Any, ...]:
+        return (f"layer{i}.scale", "torch.float32", 4, (16,), (start,), (rows,), False)
+
+    if layout == "ddp":
+        ranks = [[box(i, 0, 16) for i in range(count)]] * 2
+    elif layout == "ddp-differing":
+        ranks = [[box(i, 0, 16) for i in range(count)] + [(f"extra{r}", "torch.float32", 4, (16,), (0,), (16,),
+                                                           False)] for r in range(2)]
+    else:
+        ranks = [[box(i, 8 * (r % 2), 8) for i in range(count)] for r in range(4)]
+    return [describe(descriptors, r).payload_for(None) for r, descriptors in enumerate(ranks)]
+
+
+def _plan_one(count: int, layout: str) -> dict[str, Any]:
+    """The world plan of `layout` made in a thread, automatic collection off (the engine pauses it to plan):
+    the thread's CPU, the longest GIL wait of a watching thread, the most CPU the planning thread ran in one."""
+    from ..save.world_plan import plan_world
+
+    gc.disable()
+    payloads = _payloads(count, layout)
+    gil = _GilWatch(threading.get_ident())
+    cpu: list[float] = []
+
+    def plan() -> None:
+        start = time.thread_time()
+        plan_world(payloads)
+        cpu.append(time.thread_time() - start)
+
+    thread = threading.Thread(target=plan, name="plan")
+    thread.start()
+    thread.join()
+    gil.close()
+    return {"tensors": count, "layout": layout, "cpu": cpu[0], "wait": gil.wait, "held": gil.worker[0],
+            "holds": [(round(held * 1e3), where) for held, where in sorted(gil.holds, reverse=True)[:4]]}
+
+
+def plans(counts: list[int], layouts: list[str]) -> list[dict[str, Any]]:
+    """Each (count, layout) in a fresh process; a line each."""
+    out = []
+    for count in counts:
+        for layout in layouts:
+            done = subprocess.run([sys.executable, "-m", "tiered_ckpt.bench.stalls", "--plan-one",
+                                   f"{count},{layout}"], capture_output=True, text=True, check=True)
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            out.append(r)
+            print(f"world plan, {layout}, {count:,} tensors: {r['cpu']:.2f} s CPU, longest GIL wait "
+                  f"{r['wait'] * 1e3:.0f} ms, most planning-thread CPU in one {r['held'] * 1e3:.0f} ms"
+                  + "".join(f"; {ms} ms at {where}" for ms, where in r["holds"][:2]), flush=True)
+    return out
 
 
 def run(counts: list[int], gcs: list[bool], *, period: float, part_size: str) -> list[dict[str, Any]]:
@@ -126,15 +276,26 @@ def run(counts: list[int], gcs: list[bool], *, period: float, part_size: str) ->
 
 
 def report(runs: list[dict[str, Any]]) -> str:
+    """A row per run: each operation's seconds / longest stall / most loop CPU in one callback / longest GIL wait
+    of the watching thread / most worker CPU in one such wait; then where each operation's longest worker hold
+    was."""
     head = "| tensors | GC | " + " | ".join(OPERATIONS) + " |"
     lines = [head, "|---:|---|" + "---:|" * len(OPERATIONS)]
     for r in runs:
         cells = []
         for op in OPERATIONS:
-            seconds, stall, cpu = r["figures"][op]
-            cells.append(f"{seconds:.2f} s / **{stall * 1e3:.0f}** / {cpu * 1e3:.0f} ms")
+            seconds, stall, cpu, wait, held = r["figures"][op][:5]
+            cells.append(f"{seconds:.2f} s / **{stall * 1e3:.0f}** / {cpu * 1e3:.0f} / {wait * 1e3:.0f} / "
+                         f"{held * 1e3:.0f} ms")
         lines.append(f"| {r['tensors']:,} | {'on' if r['automatic_gc'] else 'off'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def holders(runs: list[dict[str, Any]]) -> str:
+    """Where the worker threads with the longest holds of each operation were before and after them."""
+    return "\n".join(f"{r['tensors']:,} GC {'on' if r['automatic_gc'] else 'off'}, {op}: "
+                     + "; ".join(f"{ms} ms at {where}" for ms, where in r["figures"][op][6][:4])
+                     for r in runs for op in OPERATIONS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,17 +305,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ticker", type=float, default=0.005, help="the watching task's sleep, seconds")
     p.add_argument("--part-size", default="8MiB")
     p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--plans", help="instead: the world plan's GIL holds for these layouts (comma-separated: "
+                   f"{', '.join(PLAN_LAYOUTS)}) at each --tensors count")
     p.add_argument("--one", help=argparse.SUPPRESS)  # count,gc,period,part_size: one run, JSON on stdout
+    p.add_argument("--plan-one", help=argparse.SUPPRESS)  # count,layout: one world plan, JSON on stdout
     args = p.parse_args(argv)
+    if args.plan_one:
+        count, layout = args.plan_one.split(",")
+        print(json.dumps(_plan_one(int(count), layout)))
+        return 0
+    if args.plans:
+        runs = plans([int(n) for n in args.tensors.split(",")], args.plans.split(","))
+        if args.json:
+            args.json.write_text(json.dumps(runs, indent=1))
+        return 0
     if args.one:
         count, automatic_gc, period, part_size = args.one.split(",")
         print(json.dumps(_one(int(count), automatic_gc == "1", float(period), part_size)))
         return 0
-    print(f"seconds / longest event-loop stall ({args.ticker * 1e3:.0f} ms ticker) / most loop CPU in one callback, "
+    print(f"seconds / longest event-loop stall ({args.ticker * 1e3:.0f} ms ticker) / most loop CPU in one callback / "
+          f"longest GIL wait of a thread that wakes every 1 ms / most CPU one worker thread ran in it, "
           f"{args.part_size} parts")
     print(report([]))
     runs = run([int(n) for n in args.tensors.split(",")], [g == "on" for g in args.gc.split(",")],
                period=args.ticker, part_size=args.part_size)
+    print(holders(runs))
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
     return 0

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..agent.client import agent_status, spawn_detached
 from ..agent.folder import IDLE_ENV, agent_folder, make_folder
 from ..agent.server import IDLE_SECONDS, run_agent
+from ..agent.wire import VERSION
 from .commands import EXIT_OK
 
 
@@ -36,7 +37,10 @@ def _status(folder: Path, as_json: bool) -> int:
         print(f"no agent runs at {folder}")
         return EXIT_OK
     drains = status.get("drains", [])
-    print(f"agent pid {status['pid']} at {folder}: {status['clients']} trainer(s) attached, "
+    version = status.get("version")
+    other = "" if version == VERSION else (f" (protocol version {version}, this release's {VERSION}: it takes no "
+                                           f"saves from this release and exits once idle)")
+    print(f"agent pid {status['pid']} at {folder}{other}: {status.get('clients', 0)} trainer(s) attached, "
           f"{len(drains)} save(s) draining, {status.get('journal', 0)} journaled")
     for d in sorted(drains, key=lambda d: (d["job"], d["step"], d["rank"])):
         for tier, state in sorted(d["tiers"].items()):

@@ -18,6 +18,7 @@ from typing import AsyncContextManager, Awaitable, Callable, Protocol, Sequence
 
 from ..errors import TierFull, TierNotFound
 from ..storage.tier_io import TierIO
+from . import fault_points
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,10 @@ class CopyThenCommit:
             await self.io.write(self.copy.tier, key, memoryview(data))
         if self.after_records is not None:
             self.after_records()
+        fault_points.reached(f"records-written:{self.copy.tier}", self.copy.step)
         await self.check([*self.copy.keys, *(key for key, _ in blobs)])
         await self.commit()
+        fault_points.reached(f"committed:{self.copy.tier}", self.copy.step)
 
     async def check(self, keys: Sequence[str]) -> None:
         """Nothing written may have vanished before the commit (e.g. a cache that restarted empty mid-copy)."""
@@ -98,9 +101,10 @@ class CopyThenCommit:
         tier, key, length = self.copy.tier, self.copy.keys[p], self.copy.lengths[p]
         if self.lend_per_attempt:
             await self.io.write_from(tier, key, length, lambda: self.source.part(p), self._what(p))
-            return
-        async with self.source.part(p) as data:
-            await self.io.write(tier, key, data, self._what(p))
+        else:
+            async with self.source.part(p) as data:
+                await self.io.write(tier, key, data, self._what(p))
+        fault_points.reached(f"part-written:{tier}", self.copy.step)
 
     async def _parts_in_turn(self) -> None:
         for p, key in enumerate(self.copy.keys):

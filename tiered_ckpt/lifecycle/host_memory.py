@@ -26,8 +26,9 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+from ..layout import job_prefix
 from ..storage.files import locked_elsewhere
 from ..storage.tiers.memory import MemoryTier
 
@@ -38,6 +39,14 @@ log = logging.getLogger(__name__)
 _ONEXC = sys.version_info >= (3, 12)  # shutil.rmtree's onerror is deprecated there
 
 STAGING_DIR = ".staging"  # at the memory tier's root, beside the jobs' folders
+
+
+def owned_by(job: str) -> Callable[[str], bool]:
+    """Whether a key of a tier is `job`'s: under its folder, or in a staging folder of one of its processes
+    (`.staging/<job>-<session>-r<rank>-…`; another job whose name begins with `<job>-` does not match). What counts
+    toward a file tier's capacity (in the trainer and in the node agent alike)."""
+    staging = re.compile(rf"{re.escape(STAGING_DIR)}/{re.escape(job)}-[0-9a-f]+-r\d+-")
+    return lambda key: key.startswith(job_prefix(job)) or staging.match(key) is not None
 LOCK_FILE = ".owner"  # in a process's staging folder, flock-ed while it lives
 CLAIM_WINDOW = 60.0  # seconds: a staging folder without its lock file this young may be being claimed
 _REST = r"(?P<session>[0-9a-f]{6,})-r(?P<rank>\d+)-(?P<host>.*)-p(?P<pid>\d+)"  # after "<job>-"

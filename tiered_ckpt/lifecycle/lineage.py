@@ -12,16 +12,18 @@ whatever the index forgot; a writer uses it to list such checkpoints in the inde
 """
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Iterable
 
 from ..errors import TierError
 from ..gc_pause import automatic_gc_paused
 from ..layout import (committed_key, index_dir, job_prefix, manifest_key, parse_key, parse_step_dir, rank_meta_key,
-                      step_prefix)
+                      step_dir, step_prefix)
 from ..manifest import Manifest
-from ..storage.index import Index, step_numbers
+from ..storage.index import Index, listing_range, step_numbers
 from ..storage.tier_io import TierIO
 
 log = logging.getLogger(__name__)
@@ -95,23 +97,34 @@ def copies_of(keys: Iterable[str], job: str, identity: str, first: int | None = 
     return out
 
 
+NOTE = "lineage"  # the index note (Index.put_note) that says whether the index kept its history (see `relist`)
+KEPT = b"kept"  # a writer's start compared the index's whole history with the tiers, and nothing was lost since
+FORGOT = b"forgot"  # retention found the index no longer listing steps it had listed: compare everything again
+
+
+INLINE = 512  # step folders from which their names are compared in a thread (off the event loop)
 FEW = 64  # steps unknown to the index from which a tier is listed whole rather than step folder by step folder
 
 
-async def copies_beyond(io: TierIO, tier: str, job: str, identity: str, known: set[int]) -> dict[int, list[Copy]]:
+async def copies_beyond(io: TierIO, tier: str, job: str, identity: str, known: set[int], *,
+                        first: int | None = None) -> dict[int, list[Copy]]:
     """The copies on `tier` of steps not in `known`: the tier's step folders' names first (one listing of a folder,
     compared in a thread), then the keys of those steps alone (or the whole tier's, when there are many: an index
-    restarted empty)."""
-    names = await io.list_names(tier, job_prefix(job))
+    restarted empty). With `first`, only the step folders from `first` on are asked for (a local tier answers from
+    the names its last writer kept, `LocalTier._names_from`; S3 lists from there), so a look at a window costs the
+    window, not the history."""
+    names = await io.list_names(tier, job_prefix(job), None if first is None else step_dir(max(first, 0)))
+
+    start = 0 if first is None else bisect.bisect_left(names, step_dir(max(first, 0)))
 
     def unknown() -> list[int]:
         with automatic_gc_paused():
-            return [st for n in names if (st := parse_step_dir(n)) is not None and st not in known]
-    steps = await io.run_blocking(unknown)
+            return [st for n in islice(names, start, None) if (st := parse_step_dir(n)) is not None and st not in known]
+    steps = unknown() if len(names) - start < INLINE else await io.run_blocking(unknown)  # (a window's few: inline)
     if not steps:
         return {}
     if len(steps) > FEW:
-        copies = await scan(io, tier, job, identity)
+        copies = await scan(io, tier, job, identity, first=first)
         return {st: c for st, c in copies.items() if st not in known}
     keys: list[str] = []
     for st in steps:
@@ -127,19 +140,29 @@ async def read_manifest(io: TierIO, tier: str, copy: Copy) -> Manifest:
         copy.job, copy.step, source, incarnation=copy.incarnation))
 
 
-async def relist(io: TierIO, index: Index, job: str, session: str, listed: Iterable[int] | None = None) -> list[int]:
+async def relist(io: TierIO, index: Index, job: str, session: str, listed: Iterable[int] | None = None, *,
+                 since: int | None = None, missed: list[str] | None = None) -> list[int]:
     """Put back into the index the checkpoints of this lineage that it forgot: committed copies, whole on some
     tier, of steps it neither lists nor buries. A writer does this once, at its start; returns those steps.
     `listed`: the steps the index holds records of, when the caller has them. What is compared is step numbers
     (the index's, a tier's step folders' names): only the folders of steps the index does not hold are listed and
-    read, so a start costs the same however many checkpoints both agree on."""
-    known = set(await step_numbers(index, job) if listed is None else listed) | await index.buried(job)
+    read, so a start costs the same however many checkpoints both agree on. With `since` (the index's newest
+    record, when the index kept its history: `Writer._clean_leftovers`), only steps from there on are looked for:
+    what a restore from an older snapshot, or commits the index lost at its newest end, leave out. `missed`: the
+    tiers that could not be listed are added to it."""
+    if since is None:
+        known = set(await step_numbers(index, job) if listed is None else listed)
+    else:
+        known = {s.step for s in await listing_range(index, job, since)}
+    known |= await index.buried(job)
     found: dict[int, tuple[Copy, Manifest, list[str]]] = {}
     for tier in io.names:
         try:
-            copies = await copies_beyond(io, tier, job, index.identity, known)
+            copies = await copies_beyond(io, tier, job, index.identity, known, first=since)
         except TierError as e:
             log.warning("tier %s cannot be listed to find checkpoints the index forgot: %s", tier, e)
+            if missed is not None:
+                missed.append(tier)
             continue
         for step, candidates in copies.items():
             for copy in candidates:

@@ -48,6 +48,7 @@ class Removal:
         self.io = io
         self.busy = busy
         self.committed = committed  # steps complete on some tier as far as this process knows (shared)
+        self.relisted: set[int] = set()  # steps the writer's start listed again: retention judges them once by name
         self.rank = rank
         self.world_size = world_size
         self.reclaim = reclaim

@@ -19,7 +19,7 @@ from ..distributed.coordinator import Coordinator
 from ..errors import IndexUnavailable, TierError, TierFull, TieredCkptError
 from ..layout import probe_key
 from ..storage.files import cannot_write
-from ..storage.index import CheckpointStatus, Index, listing_range
+from ..storage.index import CheckpointStatus, Index, listing_range, read_note, write_note
 from . import lineage
 from .removal import Removal
 
@@ -78,6 +78,7 @@ class Writer:
         if fenced is not None:
             self.index.epoch, self.is_writer = fenced[0], True
             self.removal.committed.update(fenced[1])  # listed again: saving those steps over is refused
+            self.removal.relisted.update(fenced[1])
 
     async def _probe(self) -> BaseException | None:
         """Write and remove a small value on each tier this rank answers for (its node's file tiers; rank 0 also
@@ -136,13 +137,23 @@ class Writer:
     async def _clean_leftovers(self) -> list[int]:
         """Finish removals a crash cut short, list again what the index forgot (returned), and remove incomplete
         checkpoints newer than the newest complete one (a crashed run's, which this run would save over). None of
-        it reads the whole history: the index's newest records back to its newest complete one, and its step
-        numbers against each tier's step folders (lifecycle/lineage.relist)."""
+        it reads the whole history: the index's newest records back to its newest complete one; where the index
+        holds the note an earlier writer's start left (`lineage.NOTE`: it kept its history since), the tiers'
+        steps from that newest complete one on (what a restore from an older snapshot left out); where it holds
+        none (a Redis restarted empty, the first start, an index that keeps no notes) or retention found since that
+        the index forgot steps it had listed, its step numbers against each tier's step folders, all of them
+        (lifecycle/lineage.relist)."""
         relisted: list[int] = []
         try:
             await self.removal.finish_burials()
             recent = await newest_through_complete(self.index, self.job)
-            relisted = await lineage.relist(self.removal.io, self.index, self.job, self.coordinator.session)
+            kept = await read_note(self.index, self.job, lineage.NOTE) == lineage.KEPT
+            since = min((s.step for s in recent if s.is_complete), default=None) if kept else None
+            missed: list[str] = []
+            relisted = await lineage.relist(self.removal.io, self.index, self.job, self.coordinator.session,
+                                            since=since, missed=missed)
+            if not kept and not missed:  # (a tier not listed: the next start compares everything again)
+                await write_note(self.index, self.job, lineage.NOTE, lineage.KEPT)
             complete = [s.step for s in recent if s.is_complete] + relisted  # (relisted: complete, on known tiers)
             unknown = {t for s in recent for t in s.tiers} - set(self.removal.io.names)
             if unknown:

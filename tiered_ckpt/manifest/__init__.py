@@ -193,7 +193,9 @@ class Manifest:
     @classmethod
     def from_bytes(cls, data: bytes, *, source: str = "manifest") -> "Manifest":
         try:
-            raw = msgpack.unpackb(_body(data, source), strict_map_key=False)
+            from .pieces import unpackb  # (numpy: see __post_init__)
+
+            raw = unpackb(_body(data, source), strict_map_key=False)  # msgpack.unpackb's value, a piece at a time
             if raw.get("version") not in READABLE_VERSIONS:
                 raise IntegrityError(f"{source}: format version {raw.get('version')!r}, this library reads "
                                      f"{', '.join(map(str, READABLE_VERSIONS))}")

@@ -12,16 +12,13 @@ import fcntl
 import itertools
 import logging
 import os
-import re
 import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Callable
 
 from ..errors import ConfigError
-from ..layout import job_prefix
-from ..lifecycle.host_memory import LOCK_FILE, STAGING_DIR, remove_dead, staging_folders
+from ..lifecycle.host_memory import LOCK_FILE, STAGING_DIR, owned_by, remove_dead, staging_folders
 from ..storage.tiers.base import FileTier
 from .mapped import MappedParts
 from .staging_buffer import StagingBuffer
@@ -59,13 +56,7 @@ class Arena:
             log.info("removed %d bytes of staging buffers that processes of job %r left when they died", freed,
                      self.job)
 
-    @staticmethod
-    def owned_by(job: str) -> Callable[[str], bool]:
-        """Whether a key of the memory tier is `job`'s: under its folder, or in a staging folder of one of its
-        processes (`.staging/<job>-<session>-r<rank>-…`; another job whose name begins with `<job>-` does not
-        match). What counts toward the tier's capacity."""
-        staging = re.compile(rf"{re.escape(STAGING_DIR)}/{re.escape(job)}-[0-9a-f]+-r\d+-")
-        return lambda key: key.startswith(job_prefix(job)) or staging.match(key) is not None
+    owned_by = staticmethod(owned_by)
 
     @staticmethod
     def home_for(tier: FileTier, job: str, session: str, rank: int) -> Path:
@@ -152,7 +143,10 @@ class Arena:
         assert buf.files is not None and not buf.published
         self.tier.account(buf.files.nbytes, f"staged parts of {keys[0] if keys else 'an empty save'}")
         try:
-            buf.files.move([self.tier.path_of(k) for k in keys])
+            targets = [self.tier.path_of(k) for k in keys]
+            for folder in sorted({t.parent for t in targets}):  # the tier's own folders: a new step folder among the
+                self.tier.make_folder(folder)  # names it keeps (LocalTier._child_made), not a change it must list
+            buf.files.move(targets)
         except BaseException:
             self.tier.account(-buf.files.nbytes, "staged parts not published")
             raise

@@ -39,7 +39,7 @@ class Committer:
         self.index_timeout = index_timeout  # how long the index may be unreachable before a commit wait fails
         # a poll names this rank where the index takes it (the file index then reads O(1) files); an index of an
         # earlier release or a third party's without the keyword is polled as before
-        self._poll_as = {"rank": rank} if "rank" in inspect.signature(index.tier_state).parameters else {}
+        self.poll_as = {"rank": rank} if "rank" in inspect.signature(index.tier_state).parameters else {}
         self._recording: set[asyncio.Future[None]] = set()  # failures being recorded once the index answers
         self.job = job
         self.rank = rank
@@ -82,7 +82,7 @@ class Committer:
         while True:
             asked = time.monotonic()
             try:
-                state = await self.index.tier_state(self.job, step, tier, self.session, **self._poll_as)
+                state = await self.index.tier_state(self.job, step, tier, self.session, **self.poll_as)
             except IndexUnavailable:
                 unreachable_since = unreachable_since or asked
                 if time.monotonic() - unreachable_since >= self.index_timeout or time.monotonic() > deadline:
@@ -166,7 +166,7 @@ class Committer:
         """The newer step for which another rank skipped `tier` for `step`; None if none did."""
         if self.world_size == 1:
             return None
-        state = await self.index.tier_state(self.job, step, tier, self.session, **self._poll_as)
+        state = await self.index.tier_state(self.job, step, tier, self.session, **self.poll_as)
         return state.newer if state.state == CommitState.SKIPPED else None
 
     async def fail_tier(self, step: int, tier: str, error: BaseException) -> BaseException:

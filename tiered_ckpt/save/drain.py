@@ -1,29 +1,37 @@
 """A save's drain to its slower tiers, as data that crosses a process boundary, and the drain itself.
 
-With `[engine] agent = "on"` and the staging buffer being the memory tier's files, the trainer commits the memory
-tier itself, then hands the rest of the save to the node agent (agent/): everything the drain needs is in a
+With `[engine] agent = "on"` and the staging buffer being the memory tier's files, the trainer hands the rest of the
+save to the node agent (agent/) once its parts and records are on the memory tier, then commits that tier itself;
+the agent drains once the index says the memory tier committed (`wait_for_source`), and abandons the order when it
+never does (so a trainer killed at any moment after that commit still gets every tier, and one killed before it
+leaves nothing that looks whole). Everything the drain needs is in a
 `DrainOrder` (the job, the step, the rank and the world, the session and its folder, the fencing token, each part's
 key, length and checksums, this rank's records, the tiers as config tables) and the bytes are the memory tier's
-committed copy, read back verified. The agent reports one `TierOutcome` per tier (settled: done, failed or
+committed copy, read back verified. The agent reports one `TierOutcome` per tier (settled: done, failed, abandoned or
 skipped) and the trainer resolves its SaveHandle from them. `drain_tier` is the agent's side: the save's turn on
 the tier, then the one copy-then-commit (lifecycle/copy_commit.py) under the writer's fencing (the Redis index's
 epoch; the file index's lease, whose descriptor the trainer passes along).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
-from ..errors import TierError
+from ..errors import Fenced, IndexUnavailable, TierError, TieredCkptError, TierFull
 from ..layout import committed_key, manifest_key, rank_prefix
 from ..lifecycle.copy_commit import CopyThenCommit, RankCopy
+from ..storage.index import CommitState
+from ..storage.index.base import abandon_commit
 from ..storage.tier_io import TierIO
 from ..storage.verified_read import PartRead, ReadLog
 from .commit import Committer, Superseded
 
 log = logging.getLogger(__name__)
+GONE_GRACE = 1.0  # seconds a drain still waits for the trainer's durable marker after its trainer went
 
 
 @dataclass(frozen=True)
@@ -65,12 +73,16 @@ class DrainOrder:
 @dataclass(frozen=True)
 class TierOutcome:
     """How one tier of a handed-off save settled: "done" (committed), "failed" (`error`, recorded in the index
-    for every rank) or "skipped" (a newer save, `newer`, superseded it there)."""
+    for every rank), "skipped" (a newer save, `newer`, superseded it there), "abandoned" (the memory tier never
+    committed the save, `error` says why: nothing was written; a trainer still there writes the tier itself) or
+    "full" (the tier had no room: nothing recorded, the parts taken back; the trainer, whose retention can retire
+    older checkpoints there, writes the tier itself)."""
 
     tier: str
     state: str
     error: str = ""
     newer: int | None = None
+    kind: str = ""  # the failure's class (errors.py), so the trainer raises the same one: TierFull, TierNotFound...
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,10 +123,86 @@ class _CommittedCopy:
         yield memoryview(buf)
 
 
-async def drain_tier(io: TierIO, commit: Committer, order: DrainOrder, tier: str) -> TierOutcome:
+async def wait_for_source(commit: Committer, order: DrainOrder, trainer_gone: Callable[[], bool],
+                          timeout: float, superseded: Callable[[], bool] = lambda: False) -> str | None:
+    """Wait until the index says `order`'s source tier (the memory tier) committed the step: None then, else why it
+    never will (the tier failed or was skipped, the trainer is gone without having marked its copy durable, or
+    `timeout` passed, or `superseded()`: a newer engine of the job opened, so the session's commit is over). The
+    trainer hands a save over before that commit, so that no moment after it finds the slower
+    tiers in nobody's hands; what it hands over before the commit must not be drained unless the commit happens.
+
+    Before it gives up, the session's commit on the source tier is ended in the index (`end_source_commit`),
+    atomically with the ranks' markers: a marker that lands later (sent by a trainer as it was killed, held up in a
+    slow index) is refused, and one that landed first means the tier committed: the order is drained after all.
+    AbandonNotRecorded: the index took no such record (unreachable): the order must stay on file for a later try."""
+    why = await _wait_for_source(commit, order, trainer_gone, timeout, superseded)
+    return None if why is None else await end_source_commit(commit, order, why)
+
+
+class AbandonNotRecorded(Exception):
+    """The index did not take the end of the memory tier's commit: a late marker could still complete it."""
+
+
+async def end_source_commit(commit: Committer, order: DrainOrder, why: str) -> str | None:
+    """Record that `order`'s session will not commit its source tier (`why`), unless it did: then None (drain)."""
+    try:
+        recorded = await abandon_commit(commit.index, order.job, order.step, order.source, order.session,
+                                        order.rank, f"abandoned by the node agent: {why}")
+    except Fenced:  # a newer writer fenced the session: its late markers are refused as well
+        return why
+    except (TieredCkptError, OSError) as e:
+        raise AbandonNotRecorded(f"{why}; and the index did not record that (so a marker landing late could still "
+                                 f"commit tier {order.source}): {type(e).__name__}: {e}") from None
+    if recorded is False:
+        log.info("step %d: tier %s committed just before the agent gave it up (%s): drained", order.step,
+                 order.source, why)
+        return None
+    return why
+
+
+async def _wait_for_source(commit: Committer, order: DrainOrder, trainer_gone: Callable[[], bool],
+                           timeout: float, superseded: Callable[[], bool]) -> str | None:
+    step, source = order.step, order.source
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    gone_since: float | None = None
+    while True:
+        gone = trainer_gone()  # read before the poll: a marker the trainer wrote before it went is seen
+        if gone and gone_since is None:
+            gone_since = time.monotonic()
+        try:
+            state = await commit.index.tier_state(order.job, step, source, order.session, **commit.poll_as)
+        except IndexUnavailable as e:
+            if time.monotonic() > deadline:
+                return f"the index did not say whether tier {source} committed step {step}: {e}"
+        else:
+            if state.state == CommitState.COMPLETE:
+                return None
+            if state.state == CommitState.FAILED:
+                return f"tier {source} failed step {step}: {state.reason}"
+            if state.state == CommitState.SKIPPED:
+                return f"tier {source} skipped step {step}"
+            if state.forgotten:
+                return f"the index forgot step {step}"
+            if superseded():
+                return f"a newer engine of job {order.job} opened before tier {source} committed step {step}"
+            if (gone_since is not None and order.rank not in state.ranks_done
+                    and time.monotonic() - gone_since >= GONE_GRACE):
+                # (after a grace: a marker the trainer sent as it was killed still lands in the index)
+                return f"the trainer went before it marked step {step} durable on tier {source}"
+            if time.monotonic() > deadline:
+                return f"tier {source} did not commit step {step} within {timeout:g}s"
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+async def drain_tier(io: TierIO, commit: Committer, order: DrainOrder, tier: str,
+                     hand_back: Callable[[], bool] = lambda: False) -> TierOutcome:
     """`order`'s copy onto `tier`: the save's turn there (a newer save supersedes a waiting one), the parts, the
     records, the check, this rank's durable marker and the commit wait, then rank 0's committed marker. A failure
-    is recorded in the index (every rank's wait sees it) and the parts written are taken back."""
+    is recorded in the index (every rank's wait sees it) and the parts written are taken back. A tier full before
+    this rank marked its copy, while `hand_back()` (its trainer is attached), is "full": nothing recorded, the parts
+    taken back, and the trainer, whose retention may retire older checkpoints there, writes the tier itself."""
     turns = io.turns(tier)
     newer = await turns.take(order.step)
     if newer is not None:
@@ -147,14 +235,25 @@ async def drain_tier(io: TierIO, commit: Committer, order: DrainOrder, tier: str
         await copy.run()
     except Superseded as e:
         return TierOutcome(tier, "skipped", newer=e.newer)
+    except TierFull as e:
+        if marked or not hand_back():
+            return await _failed(io, commit, order, tier, e, marked)
+        await _take_back(io, order, tier)
+        return TierOutcome(tier, "full", error=f"{type(e).__name__}: {e}", kind=type(e).__name__)
     except Exception as e:
-        error = await commit.fail_tier(order.step, tier, e)
-        if not marked:
-            await _take_back(io, order, tier)
-        return TierOutcome(tier, "failed", error=f"{type(error).__name__}: {error}")
+        return await _failed(io, commit, order, tier, e, marked)
     finally:
         give_turn()
     return TierOutcome(tier, "done")
+
+
+async def _failed(io: TierIO, commit: Committer, order: DrainOrder, tier: str, e: Exception,
+                  marked: bool) -> TierOutcome:
+    """Recorded in the index (every rank's wait sees it), and the room the parts took given back."""
+    error = await commit.fail_tier(order.step, tier, e)
+    if not marked:
+        await _take_back(io, order, tier)
+    return TierOutcome(tier, "failed", error=f"{type(error).__name__}: {error}", kind=type(error).__name__)
 
 
 async def _take_back(io: TierIO, order: DrainOrder, tier: str) -> None:

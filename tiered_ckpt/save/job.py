@@ -12,7 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..errors import TieredCkptError, TierError
+from ..errors import (IntegrityError, TieredCkptError, TierError, TierFull, TierNotFound, TierTimeout,
+                      TierUnavailable)
+from ..lifecycle import fault_points
 from ..lifecycle.removal import Removal
 from ..lifecycle.retention import Retention
 from ..release import release_off_loop
@@ -73,14 +75,15 @@ class SaveJob:
                                     handle) for t in tiers}
         self.task: asyncio.Task[None] | None = None
         first = self.source.files_tier
-        # tiers the agent drains: all but the memory tier whose files the staging buffer is, handed over once that
-        # tier committed (before its handle resolves); none without an agent or such a memory tier
+        # tiers the agent drains: all but the memory tier whose files the staging buffer is, handed over once this
+        # rank's parts and records are on that tier, before its commit (the agent drains once the commit is in the
+        # index); none without an agent or such a memory tier
         self.handed = [t for t in tiers if t != first] if first is not None and services.drainer is not None else []
         self._handoff: asyncio.Task[None] | None = None
         self._accepted = asyncio.Event()
         if self.handed:
             assert first is not None
-            self.writes[first].before_done = self._hand_off
+            self.writes[first].before_commit = self._hand_off
 
     def start(self) -> None:
         """Stage (in a thread) and persist in the background; `handle.staged()` resolves after the copy."""
@@ -126,6 +129,7 @@ class SaveJob:
                 for tier in self.tiers:
                     handle.set_done(tier, await commit.fail_tier(self.step, tier, e))
                 return
+            fault_points.reached("staged", self.step)
             assert self.source.buffer is not None
             self.records.start_checksums(self.source.buffer.view)
             try:
@@ -173,24 +177,39 @@ class SaveJob:
 
     # -- the agent (save/drain.py) ---------------------------------------------------------------------------
     async def _hand_off(self) -> None:
-        """The memory tier committed: hand the slower tiers to the agent, and wait until it accepted them (or
-        refused: the trainer then writes them); their outcomes come back in the background."""
+        """This rank's copy is on the memory tier, not yet committed: hand the slower tiers to the agent, and wait
+        until it accepted them (or refused: the trainer then writes them); their outcomes come back in the
+        background. The agent drains once the index says the memory tier committed, and abandons the order if it
+        never does (this trainer then writes them from its buffer, as when the memory tier fails unhanded)."""
         self._handoff = asyncio.create_task(self._drain_elsewhere())
         await self._accepted.wait()
 
     async def _drain_elsewhere(self) -> None:
         assert self.services.drainer is not None
-        pending = list(self.handed)
+        pending, full = list(self.handed), []
         try:
             try:
                 drain = await self.services.drainer.hand_off(await self._order())
             finally:
                 self._accepted.set()
+            fault_points.reached("handed-off", self.step)
             async for outcome in drain.outcomes():
+                if outcome.state == "full":  # this trainer's retention makes room there: written below
+                    full.append(outcome.tier)
+                if outcome.state in ("abandoned", "full"):  # (abandoned: the memory tier did not commit)
+                    continue
                 pending.remove(outcome.tier)
                 await self._settle(outcome)
         except TieredCkptError as e:
             log.warning("step %d: %s; the trainer writes tier(s) %s itself", self.step, e, ", ".join(pending))
+        if pending:  # as a save without an agent: the other tiers start once the memory tier is marked (or done)
+            first = self.source.files_tier
+            assert first is not None
+            await self.writes[first].settled.wait()
+        for tier in full:  # the agent wrote there since this process counted the tier's bytes
+            file_tier = self.services.io.file_tier(tier)
+            if file_tier is not None:
+                await file_tier.recount()
         await asyncio.gather(*(self.writes[t].run() for t in pending))
 
     async def _order(self) -> DrainOrder:
@@ -215,4 +234,14 @@ class SaveJob:
             await self.services.retention.apply(tier, finishing=self.step)
             handle.set_done(tier)
         else:
-            handle.set_done(tier, TierError(f"step {self.step}, drained by the agent: {outcome.error}", tier=tier))
+            handle.set_done(tier, outcome_error(outcome, self.step))
+
+
+TIER_ERRORS = {c.__name__: c for c in (IntegrityError, TierFull, TierNotFound, TierTimeout, TierUnavailable)}
+
+
+def outcome_error(outcome: TierOutcome, step: int) -> TierError:
+    """The error of a tier the agent failed, of the class the agent met where it is a TierError (TierFull,
+    TierNotFound, IntegrityError...), so that a caller's `except`/isinstance works as with the trainer's own drain."""
+    cls = TIER_ERRORS.get(outcome.kind, TierError)
+    return cls(f"step {step}, drained by the agent: {outcome.error}", tier=outcome.tier)

@@ -42,9 +42,10 @@ class TierWrite:
         self.marked = False  # this rank marked its parts durable: another rank's marker may complete the tier
         self.settled = asyncio.Event()  # marked durable, or done with the tier whatever happened
         self.error: BaseException | None = None  # this save's error on the tier, reported by remove_failed
-        # called once the tier committed, before the handle says so (the memory tier's: the save is handed to the
-        # agent then, so that whoever waits for the memory tier knows the rest is in the agent's hands)
-        self.before_done: Callable[[], Awaitable[None]] | None = None
+        # called once this rank's parts and records are on the tier, before its durable marker (the memory tier's:
+        # the save is handed to the agent then, so that no moment after the memory tier's commit finds the slower
+        # tiers in nobody's hands: a trainer killed right after that commit still gets them)
+        self.before_commit: Callable[[], Awaitable[None]] | None = None
 
     async def run(self) -> None:
         """Take the turn, then write; skip the tier when a newer save superseded this one there."""
@@ -115,13 +116,13 @@ class TierWrite:
         self.handle.settled(tier)
         if self.error is None:
             await self.retention.apply(tier, finishing=self.step)
-            if self.before_done is not None:
-                await self.before_done()
             self.handle.set_done(tier)
 
     async def _commit(self) -> None:
         """The save's commit on this tier: this rank's durable marker, the wait for every rank's (the last marker
         commits), then the committed marker beside the copy."""
+        if self.before_commit is not None:
+            await self.before_commit()
         try:
             await self.commit.mark_durable(self.step, self.tier)
         except IndexUnavailable:  # the commit may have run before the connection failed: keep the parts

@@ -20,8 +20,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..manifest.pieces import distinct, int_array, loads as unpickle_in_pieces, rows, to_list
+from ..manifest.pieces import distinct, int_array, loads as unpickle_in_pieces, rows, string_order, to_list
 from ..errors import StateError
+from ..release import release_all
 from ..manifest.table import TensorTable
 from .describe import unpack_ints
 
@@ -88,12 +89,15 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
             if digest not in structures:
                 raise StateError(f"rank {rank} sent a structure digest that no rank described")
             # each column pickled in pieces (describe.py)
-            paths, dtypes, itemsizes, ndims, flat = map(unpickle_in_pieces, pickle.loads(structures[digest]))
+            columns = [unpickle_in_pieces(c) for c in pickle.loads(structures[digest])]
+            paths, dtypes, itemsizes, ndims, flat = columns
             at, ids = 0, []
             for path, dtype, itemsize, n in zip(paths, dtypes, itemsizes, ndims):
                 ids.append(world.add(path, dtype, itemsize, tuple(flat[at:at + n]), rank))
                 at += n
             tids[digest] = int_array(ids)
+            del paths, dtypes, itemsizes, ndims, flat
+            release_all([*columns, ids])  # (see the end)
         ids = tids[digest]
         values = unpack_ints(boxes)
         count = len(ids)
@@ -181,7 +185,7 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
     start = np.concatenate([np.full(whole, -1, np.int64), int_array([p[5] for p in pieces])])
     length = np.concatenate([np.zeros(whole, np.int64), int_array([p[6] for p in pieces])])
     chunk_bytes = np.concatenate([fixed_bytes, nbytes[held], int_array([p[7] for p in pieces])])
-    del pieces
+    release_all([pieces])  # (a tuple per piece: 1M freed at once hold the GIL, as below)
 
     # each rank's stream: its pieces in its tensors' order
     key = rank * (int(descriptor.max(initial=0)) + 1) + descriptor
@@ -213,6 +217,11 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
                         np.bincount(chunk_tid, minlength=count).astype(np.int64), rank[by_tensor],
                         byte_offset[by_tensor], chunk_bytes[by_tensor], chunk_off[by_tensor][valid],
                         chunk_size[by_tensor][valid])
+    # what was made per tensor or box freed a batch at a time: dropped whole at the return (the world's five
+    # lists and its dict of paths, the compared boxes), 1M entries each are freed in one step that holds the GIL
+    # (175 ms at 1M tensors, in the planning thread, the loop waiting: release.py)
+    release_all([world.tid, world.paths, world.dtypes, world.itemsizes, world.shapes, own, own_rows,
+                 placer.first, placer.shared])
     return WorldPlan(table, to_list(rank_nbytes), shares)
 
 
@@ -252,7 +261,7 @@ def _spread(mask: np.ndarray, grp: np.ndarray, nbytes: np.ndarray, tid: np.ndarr
     if not len(at):
         return np.zeros(0, np.int64)
     path_order = np.empty(len(paths), np.int64)
-    path_order[np.argsort(np.asarray(paths, dtype=object))] = np.arange(len(paths))
+    path_order[string_order(paths)] = np.arange(len(paths))  # (no C call over every path: pieces.py)
     g, size = grp[at], nbytes[at]
     order = np.lexsort((path_order[tid[at]], -size, g))
     g, size = g[order], size[order]
@@ -337,7 +346,7 @@ class _Replicated:
             return ranks
 
         heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-        for size, _, (tid, offsets, sizes), who in sorted(small, key=lambda s: (-s[0], s[1])):
+        for size, _, (tid, offsets, sizes), who in (small[i] for i in _largest_first(small, paths)):
             gs = tuple(sorted(who))
             heap = heaps.get(gs)
             if heap is None:
@@ -353,7 +362,24 @@ class _Replicated:
         for gs in sorted(large, key=lambda gs: (len(ranks_of(gs)), gs)):
             items = [(box, who) for _, box, who in sorted(large[gs], key=lambda x: x[0])]
             _fill(items, ranks_of(gs), group_of, load, pieces, self.nbytes)
+        release_all([small])  # (dropped at the return, its 1M tuples of tuples held the GIL 106 ms at 1M)
         return pieces
+
+
+def _largest_first(small: list[tuple[int, tuple, Box, dict[int, int]]], paths: list[str]) -> list[int]:
+    """The order of sorted(small, key=lambda s: (-s[0], s[1])): largest first, ties by path, then offsets and
+    sizes (one tensor's boxes have its dims), as indexes. With array sorts that give the GIL back: sorted() of
+    1M boxes compares their tuples in one C call (~0.2 s at 200k, in the planning thread, the loop waiting)."""
+    if len(small) < 2:
+        return list(range(len(small)))
+    width = max(len(s[2][1]) for s in small)
+    place = np.empty(len(paths), np.int64)
+    place[string_order(paths)] = np.arange(len(paths))  # each path's place among them (pieces.py)
+    tid = int_array([s[2][0] for s in small])
+    offsets = int_array([x for s in small for x in s[2][1] + (0,) * (width - len(s[2][1]))]).reshape(len(small), width)
+    sizes = int_array([x for s in small for x in s[2][2] + (0,) * (width - len(s[2][2]))]).reshape(len(small), width)
+    keys = [*sizes.T[::-1], *offsets.T[::-1], place[tid], -int_array([s[0] for s in small])]  # (last: first)
+    return to_list(np.lexsort(keys))
 
 
 def _fill(items: list[tuple[Box, dict[int, int]]], ranks: list[int], group_of: list[int], load: list[int],

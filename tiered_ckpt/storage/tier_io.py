@@ -149,8 +149,7 @@ class TierIO:
         driver = self._drivers[tier]
 
         async def op() -> None:
-            await driver.write(key, memoryview(b"probe"))
-            await driver.delete(key)
+            await driver.probe(key)
         await self._pipelines[tier].once(op, f"write a probe value ({key})", timeout)
 
     async def read(self, tier: str, key: str) -> bytes:
@@ -165,9 +164,9 @@ class TierIO:
         return await self._pipelines[tier].attempt(lambda: self._drivers[tier].list_from(prefix, start),
                                                    f"list {prefix} from {start}")
 
-    async def list_names(self, tier: str, prefix: str) -> list[str]:
-        """The names directly under folder `prefix`, sorted (Tier.list_names)."""
-        return await self._pipelines[tier].attempt(lambda: self._drivers[tier].list_names(prefix),
+    async def list_names(self, tier: str, prefix: str, start: str | None = None) -> list[str]:
+        """The names directly under folder `prefix`, sorted; with `start`, those from `start` on (Tier.list_names)."""
+        return await self._pipelines[tier].attempt(lambda: self._drivers[tier].list_names(prefix, start),
                                                    f"list the names in {prefix}")
 
     async def delete(self, tier: str, prefix: str) -> None:

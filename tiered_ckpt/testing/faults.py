@@ -197,9 +197,9 @@ class FaultyTier(LocalTier):
         await self._before("list", [prefix])
         return await super().list_from(prefix, start)
 
-    async def list_names(self, prefix: str) -> list[str]:
+    async def list_names(self, prefix: str, start: str | None = None) -> list[str]:
         await self._before("list", [prefix])
-        return await super().list_names(prefix)
+        return await super().list_names(prefix, start)
 
     async def missing(self, keys: Sequence[str]) -> list[str]:
         await self._before("missing", keys)

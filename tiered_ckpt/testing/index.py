@@ -183,3 +183,17 @@ class IndexConformance:
         await cleaner.detach(JOB)  # done: releases whatever attach held, and the writer goes on
         await index.begin(JOB, 3, ["disk"])
 
+
+    async def test_a_writers_notes_are_kept_per_job_and_name_and_read_by_a_later_process(self, index, opened):
+        """Retention keeps where its passes left off here, so a later writer's first pass judges a window."""
+        assert await index.get_note(JOB, "retention.disk") is None
+        await index.put_note(JOB, "retention.disk", b"\x00first")
+        await index.put_note(JOB, "retention.disk", b"\x00second")  # replaced, not appended
+        await index.put_note(JOB, "retention.host", b"host's")
+        await (await opened("other")).put_note("other", "retention.disk", b"other job's")
+        later = await opened(fence=False)  # a later process, reading
+        assert await later.get_note(JOB, "retention.disk") == b"\x00second"
+        assert await later.get_note(JOB, "retention.host") == b"host's"
+        assert await later.get_note("other", "retention.disk") == b"other job's"
+        assert await later.get_note(JOB, "retention.s3") is None
+        assert await index.list(JOB) == [] and JOB not in await index.jobs()  # a note is no checkpoint

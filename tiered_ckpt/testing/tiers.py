@@ -124,6 +124,17 @@ class TierConformance:
             assert await tier.list_from("job/", start) == [k for k in whole if k >= start]
         assert await tier.list_from("nobody/", step_prefix("nobody", 0)) == []
 
+    async def test_list_names_from_a_step_on_are_the_step_folders_from_there(self, tier):
+        for step in (3, 10, 12, 200):
+            await tier.write(PartKey("job", step, 0, 0).path, memoryview(b"x"))
+        await tier.write(PartKey("jobs", 50, 0, 0).path, memoryview(b"y"))
+        whole = await tier.list_names("job/")
+        assert whole == [step_prefix("job", s)[len("job/"):-1] for s in (3, 10, 12, 200)]
+        for first in (0, 3, 4, 12, 201):
+            start = step_prefix("job", first)[len("job/"):-1]
+            assert await tier.list_names("job/", start) == [n for n in whole if n >= start]
+        assert await tier.list_names("nobody/", "step-") == []
+
     async def test_list_and_delete_prefix(self, tier):
         for step in (1, 2):
             for p in range(3):

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from ...config import REDIS_SCHEMES, index_path
 from ...errors import ConfigError
-from .base import CheckpointStatus, CommitState, Index, listing_range, rank_metas, status_of, step_numbers
+from .base import (CheckpointStatus, CommitState, Index, listing_range, rank_metas, read_note, status_of, step_numbers,
+                   write_note)
 
 
 def open_index(url: str, *, timeout: float = 10.0) -> Index:
@@ -22,5 +23,5 @@ def open_index(url: str, *, timeout: float = 10.0) -> Index:
                       key="engine.index")
 
 
-__all__ = ["CheckpointStatus", "CommitState", "Index", "listing_range", "open_index", "rank_metas", "status_of",
-           "step_numbers"]
+__all__ = ["CheckpointStatus", "CommitState", "Index", "listing_range", "open_index", "rank_metas", "read_note",
+           "status_of", "step_numbers", "write_note"]

@@ -8,7 +8,9 @@ opening of the engines of a job (agreed by all ranks), so markers left by a cras
 same step never count towards a new attempt. `mark_failed` records a rank's failure on a tier; the other
 ranks see it through `tier_state` (a rank polling its commit passes its `rank`: an index may then report
 that rank alone in `ranks_done`, so that a poll costs the same at any world size); `mark_skipped` records that a rank skipped a tier for this save because a
-newer save superseded it there (not a failure: every rank then skips the tier too). Retention calls `unmark` before it deletes a tier's data, so a crash
+newer save superseded it there (not a failure: every rank then skips the tier too). `abandon` ends a session's commit
+of a tier as failed unless it is complete, atomically with the markers (the node agent, before it gives up a
+save). Retention calls `unmark` before it deletes a tier's data, so a crash
 mid-delete never leaves a "complete" entry with missing parts. Removing a checkpoint everywhere first
 `bury`s it: a tombstone that stays until its data is gone from every tier (`unbury`), so the tiers'
 manifests can never bring a retired checkpoint back, and the next writer finishes a deletion a crash cut
@@ -18,6 +20,12 @@ Rank 0's `begin` also records the checkpoint's size, the `metadata` given to sav
 the tiers (`info`), so that `list()` reports them without reading a manifest (plain msgpack values: {"nbytes":
 int, "metadata": dict, "folder": str}; an index passes the mapping through as given, and `folder` is absent
 from saves of earlier releases).
+
+A writer also keeps small notes for itself (`put_note`, `get_note`: bytes under a name, per job; a note is
+written under the writer's fence, like every other write): retention keeps there, per tier, where its passes
+left off, so a new process's first pass judges the window a steady pass does instead of the whole history
+(lifecycle/retention_note.py). A note is a hint, never the truth: an index that lost it (a Redis restarted
+empty) or never kept one (a third party's, without these methods) only costs the next writer one full pass.
 
 `fence` starts a new incarnation of the job (the writer's first save); with `lease` (an engine opened with
 `role = "writer"`) it also takes the job's writer lease, and a live writer holding it is a `WriterConflict`
@@ -118,6 +126,14 @@ class Index(Protocol):
     async def mark_skipped(self, job: str, step: int, tier: str, rank: int, session: str, newer: int) -> None: ...
     async def tier_state(self, job: str, step: int, tier: str, session: str, *,
                          rank: int | None = None) -> TierState: ...
+    async def abandon(self, job: str, step: int, tier: str, session: str, rank: int, reason: str) -> bool:
+        """End `session`'s commit of `tier` for `step` as failed (`reason`, recorded as `rank`'s failure), unless
+        the tier is complete already: True when recorded, and from then on no marker of that session completes the
+        tier (`mark_durable` raises RankFailed naming the reason); False when the tier was complete first. Atomic
+        with the markers. The node agent calls it before it gives up a save it waited for (save/drain.py): a
+        marker sent by a trainer that was killed, landing late, cannot then make the step whole on a tier whose
+        drain nobody does. This default records nothing and says so (`abandon_commit` serves indexes without it)."""
+        raise NotImplementedError(f"index {self.identity} cannot end a commit")
     async def unmark(self, job: str, step: int, tier: str) -> None: ...
     async def list(self, job: str) -> list[CheckpointStatus]: ...
     async def list_range(self, job: str, first: int = 0, *, newest: int | None = None, oldest: int | None = None,
@@ -134,6 +150,14 @@ class Index(Protocol):
         writer compares them with a tier's step folders to find what the index forgot, without decoding ten
         thousand records. This default takes them from `list` (`step_numbers` serves indexes that lack it)."""
         return [s.step for s in await self.list(job)]
+    async def get_note(self, job: str, name: str) -> bytes | None:
+        """The note `name` of `job` (see the module's docstring), or None when there is none. This default keeps
+        none (`read_note` serves indexes that lack it)."""
+        return None
+    async def put_note(self, job: str, name: str, data: bytes) -> None:
+        """Keep `data` as the note `name` of `job`, replacing the one there (fenced like any write). This default
+        keeps nothing: the next writer then judges the whole history once."""
+        return None
     async def jobs(self) -> list[str]: ...  # the jobs that have checkpoints here (for "no such job" messages)
     async def delete(self, job: str, step: int) -> None: ...
     async def bury(self, job: str, step: int) -> None: ...
@@ -179,6 +203,31 @@ async def listing_range(index: Index, job: str, first: int = 0, *, newest: int |
     if oldest is None:
         return await ranged(job, first, newest=newest, also=also)
     return await ranged(job, first, newest=newest, oldest=oldest, also=also)
+
+
+async def abandon_commit(index: Index, job: str, step: int, tier: str, session: str, rank: int,
+                         reason: str) -> bool | None:
+    """`index.abandon`; None for an index without it (a third party's, or one written before it existed)."""
+    abandon = getattr(index, "abandon", None)
+    if abandon is None:
+        return None
+    try:
+        return bool(await abandon(job, step, tier, session, rank, reason))
+    except NotImplementedError:
+        return None
+
+
+async def read_note(index: Index, job: str, name: str) -> bytes | None:
+    """`index.get_note`, or None for an index written before it existed (a third party's)."""
+    get = getattr(index, "get_note", None)
+    return None if get is None else await get(job, name)
+
+
+async def write_note(index: Index, job: str, name: str, data: bytes) -> None:
+    """`index.put_note`; nothing for an index written before it existed."""
+    put = getattr(index, "put_note", None)
+    if put is not None:
+        await put(job, name, data)
 
 
 async def step_numbers(index: Index, job: str) -> list[int]:

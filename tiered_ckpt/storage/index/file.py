@@ -8,7 +8,10 @@
                                    tallies/<tier>.<session>          empty; its link count is 1 + the markers
                                    complete/<tier>
                                    failed/<tier>.<rank>.<session>  the reason
+                                   abandoned/<tier>.<session>      the node agent ended that session's commit:
+                                                                   no later marker completes the tier
                                    skipped/<tier>.<rank>.<session> the newer step that superseded it
+    <root>/<job>/notes/<name>                    a writer's note (`put_note`: retention's place per tier)
 A tier counts as complete only when complete/<tier> exists; that file is created by rename once every
 rank of one session has its durable marker there, so a killed process leaves the checkpoint visibly
 incomplete, and an earlier crashed attempt's markers never complete a new one. Every process of a job
@@ -47,7 +50,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 import msgpack
 
 from ...checksum import seal, unseal
-from ...errors import IncompleteCheckpoint, IntegrityError, TieredCkptError, WriterConflict
+from ...errors import IncompleteCheckpoint, IntegrityError, RankFailed, TieredCkptError, WriterConflict
 from ...gc_pause import automatic_gc_paused
 from ...layout import STEP_DIR, parse_step_dir, step_dir
 from ..files import check_creatable, fsync_dir, locked_elsewhere, make_folders
@@ -59,6 +62,7 @@ from ..tiers.base import folder_stamp as _stamp, racy_ns as _racy  # (module nam
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 TOMBSTONES = "tombstones"  # <root>/<job>/tombstones/step-…: checkpoints being removed
+NOTES = "notes"  # <root>/<job>/notes/<name>: a writer's notes
 
 
 class FileIndex:
@@ -184,14 +188,37 @@ class FileIndex:
         def mark() -> bool:
             d = self._dir(job, step)
             marker = d / "durable" / f"{tier}.{rank}.{session}"
-            marked = _link_marker(d / "tallies" / f"{tier}.{session}", marker)
+            tally = d / "tallies" / f"{tier}.{session}"
+            marked = _link_marker(tally, marker)
             if marked is None:  # no hard links, or no link count, here: a plain marker, and the folder listed
                 _atomic_write(marker, b"")
                 marked = len(_ranks(d / "durable", tier, session))
             if marked < world_size:
                 return False
-            return _atomic_create(d / "complete" / tier)  # several last ranks may race here: one wins
+            with _tally_locked(tally):  # against abandon(): it commits or the abandonment stands, not both
+                abandoned = _read_or_none(d / "abandoned" / f"{tier}.{session}")
+                if abandoned is not None:
+                    raise RankFailed(f"step {step}: this session's commit was abandoned before rank {rank}'s marker "
+                                     f"landed: {abandoned.decode(errors='replace')}", tier=tier)
+                return _atomic_create(d / "complete" / tier)  # several last ranks may race here: one wins
         return await self._io(mark)
+
+    async def abandon(self, job: str, step: int, tier: str, session: str, rank: int, reason: str) -> bool:
+        """base.Index.abandon: abandoned/<tier>.<session> and this rank's failure, written under the tally's lock
+        that the last marker takes to commit (an flock: the check and the write are one step for both)."""
+        def abandon() -> bool:
+            d = self._dir(job, step)
+            if not d.is_dir():  # never begun, or removed: nothing here to commit or to mark
+                return True
+            tally = d / "tallies" / f"{tier}.{session}"
+            _create_tally(tally)
+            with _tally_locked(tally):
+                if (d / "complete" / tier).exists():
+                    return False
+                _atomic_write(d / "abandoned" / f"{tier}.{session}", reason.encode())
+                _atomic_write(d / "failed" / f"{tier}.{rank}.{session}", reason.encode())
+                return True
+        return await self._io(abandon)
 
     async def mark_failed(self, job: str, step: int, tier: str, rank: int, session: str, reason: str) -> None:
         path = self._dir(job, step) / "failed" / f"{tier}.{rank}.{session}"
@@ -240,7 +267,8 @@ class FileIndex:
                 # rewrite the record only in the folder as it is, never re-creating it
                 _rewrite(d / "begun", seal(msgpack.packb(record)))
             for p in [*(d / "durable").glob(f"{tier}.*"), *(d / "failed").glob(f"{tier}.*"),
-                      *(d / "skipped").glob(f"{tier}.*"), *(d / "tallies").glob(f"{tier}.*")]:
+                      *(d / "skipped").glob(f"{tier}.*"), *(d / "tallies").glob(f"{tier}.*"),
+                      *(d / "abandoned").glob(f"{tier}.*")]:
                 p.unlink(missing_ok=True)
         await self._io(unmark)
 
@@ -261,8 +289,7 @@ class FileIndex:
             chosen = set(window)
             chosen.update(step_dir(step) for step in also)  # read from their folders, whatever the cached names
             # say (a folder another process made within the file system's time granularity may be missing there)
-            base = str(self.root / job)
-            return [status for n in sorted(chosen) if (status := self._status_sync(base, n)) is not None]
+            return self._read_names(self.root / job, sorted(chosen), names)
         return await self._io(read)
 
     async def steps(self, job: str) -> list[int]:
@@ -276,15 +303,20 @@ class FileIndex:
         read fresh: a listing of ten thousand checkpoints took 0.44 s of CPU, each folder listed and two records
         read."""
         base = self.root / job
+        names = self._names.get(base)
+        return self._read_names(base, names, names)
+
+    def _read_names(self, base: Path, chosen: list[str], names: list[str]) -> list[CheckpointStatus]:
+        """The statuses of step folders `chosen` (sorted) of job folder `base`, whose step folders are `names`: a
+        listing's, or a range's (`list_range` from a step far back: a first retention pass from an old place)."""
         where = str(base)
         with automatic_gc_paused():  # ten thousand statuses, in a thread: a collection there stalls the loop too
-            names = self._names.get(base)
-            if len(names) < file_summary.LISTED_FROM:
-                return [status for n in names if (status := self._status_sync(where, n)) is not None]
+            if len(chosen) < file_summary.LISTED_FROM:
+                return [status for n in chosen if (status := self._status_sync(where, n)) is not None]
             summary = self._summary
             known = summary.entries(where)
             out = []
-            for n in names:
+            for n in chosen:
                 read_at = time.time_ns()  # before the stats: a change after them changes the stamp
                 stamp = stamp_of(f"{where}/{n}")
                 if stamp is None:
@@ -410,6 +442,17 @@ class FileIndex:
             (self.root / job / TOMBSTONES / step_dir(step)).unlink(missing_ok=True)
             fsync_dir(self.root / job / TOMBSTONES, missing_ok=True)
         await self._io(remove)
+
+    async def get_note(self, job: str, name: str) -> bytes | None:
+        return await self._io(_read_or_none, self._note(job, name))
+
+    async def put_note(self, job: str, name: str, data: bytes) -> None:
+        await self._io(_atomic_write, self._note(job, name), data)
+
+    def _note(self, job: str, name: str) -> Path:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"a note's name is one file name, not {name!r}")
+        return self.root / job / NOTES / name
 
     async def delete(self, job: str, step: int) -> None:
         def delete() -> None:
@@ -580,6 +623,23 @@ def _link_marker(tally: Path, marker: Path) -> int | None:
             return None
         raise
     return links - 1 if links >= 2 else None  # a marker is linked: fewer links means no real count here
+
+
+@contextmanager
+def _tally_locked(tally: Path) -> Iterator[None]:
+    """An exclusive flock on a session's tally file (never replaced: made once, O_EXCL), held by the last marker
+    while it commits and by `abandon` while it ends the commit; none where the file is missing (no hard links)
+    and the lock then covers nothing (the marker's process is gone before the agent abandons: operations.md)."""
+    try:
+        fd = os.open(tally, os.O_RDONLY)
+    except FileNotFoundError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _create_tally(tally: Path) -> None:

@@ -5,12 +5,15 @@ job is in one hash slot): `epoch` (the fencing epoch), `steps` (a sorted set of 
 per step with fields `created`, `target:<tier>` (its position, fastest first), `info` (msgpack {nbytes,
 metadata}, rank 0), `manifest`, `rank:<r>` (checksums), `done:<tier>:<session>` (a bitmap of the ranks that
 marked the tier, bit r of byte r // 8, most significant first), `count:<tier>:<session>`, `complete:<tier>`,
-`failed:<tier>:<rank>:<session>` and `fail:<tier>:<session>` (the first failure), `skipped:<tier>:<rank>:<session>`
-and `skip:<tier>:<session>` (a newer save superseded this one there: the newer step), `writer` (the writer lease of
+`failed:<tier>:<rank>:<session>` and `fail:<tier>:<session>` (the first failure), `abandoned:<tier>:<session>`
+(the node agent ended that session's commit of the tier: no later marker counts, abandon.lua),
+`skipped:<tier>:<rank>:<session>` and `skip:<tier>:<session>` (a newer save superseded this one there: the newer
+step), `writer` (the writer lease of
 a `role = "writer"` engine: a hash of token, holder and renewals, with a TTL its holder renews), and `list`: one hash for
 the job mapping each step to a summary of what `list()` reports (msgpack {c: created, t: {tier: position},
 i: info, k: {tier: 1} complete, f: {tier: "rank r: reason"}, s: {tier: newer step}}, sealed with its SHA-1), kept by the same scripts, so listing reads two
-keys whatever the number of checkpoints and ranks. Releases before 0.2 wrote one `durable:<tier>:<session>:
+keys whatever the number of checkpoints and ranks. `notes`: a hash of a writer's notes (`put_note`: retention's
+place per tier), written by a fenced script like every record. Releases before 0.2 wrote one `durable:<tier>:<session>:
 <rank>` field per rank and no summary: their steps are still listed, from the step hash.
 
 Every write is a Lua script that first checks the fencing epoch: `fence()` increments it when a job
@@ -46,7 +49,7 @@ import msgpack
 from redis import exceptions as rexc
 
 from ...errors import (AuthenticationError, ConfigError, Fenced, IncompleteCheckpoint, IndexUnavailable,
-                       TieredCkptError, WriterConflict)
+                       RankFailed, TieredCkptError, WriterConflict)
 from ...gc_pause import automatic_gc_paused
 from .base import CheckpointStatus, CommitState, TierState
 
@@ -63,8 +66,10 @@ def _lua(name: str) -> str:
 # check.lua (the fencing epoch), those that change a step's summary with summary.lua too.
 _CHECK, _SUMMARY = _lua("check"), _lua("summary")
 _SCRIPTS = {"hset": _CHECK + _SUMMARY + _lua("hset"), "commit": _CHECK + _SUMMARY + _lua("commit"),
-            "unmark": _CHECK + _SUMMARY + _lua("unmark"), "delete": _CHECK + _lua("delete"),
-            "bury": _CHECK + _lua("bury"), "fence": _lua("fence"), "lease": _lua("lease") + _lua("fence"),
+            "unmark": _CHECK + _SUMMARY + _lua("unmark"), "abandon": _CHECK + _SUMMARY + _lua("abandon"),
+            "delete": _CHECK + _lua("delete"),
+            "bury": _CHECK + _lua("bury"), "note": _CHECK + _lua("note"), "fence": _lua("fence"),
+            "lease": _lua("lease") + _lua("fence"),
             "renew": _lua("renew"), "release": _lua("release")}
 RECORDS_PER_HMGET = 1024  # checksum records per HMGET when a load reads every rank's (get_rank_metas)
 IN_THREAD = 64  # a listing decodes more summaries than this in a thread (off the event loop)
@@ -297,6 +302,16 @@ class RedisIndex:
         done = await self._script(f"commit of step {step} on {tier}", "commit",
                                   [self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "list")],
                                   [self.epoch, tier, session, rank, world_size, step])
+        if isinstance(done, (bytes, str)):  # the session's commit of the tier was abandoned (abandon.lua)
+            raise RankFailed(f"step {step}: this session's commit was abandoned before rank {rank}'s marker "
+                             f"landed: {done.decode(errors='replace') if isinstance(done, bytes) else done}", tier=tier)
+        return bool(done)
+
+    async def abandon(self, job: str, step: int, tier: str, session: str, rank: int, reason: str) -> bool:
+        """Base.Index.abandon: one script, atomic with every rank's marker (commit.lua)."""
+        done = await self._script(f"abandonment of step {step} on {tier}", "abandon",
+                                  [self._k(job, "epoch"), self._k(job, "step", step), self._k(job, "list")],
+                                  [self.epoch, tier, session, rank, step, reason])
         return bool(done)
 
     async def mark_failed(self, job: str, step: int, tier: str, rank: int, session: str, reason: str) -> None:
@@ -514,6 +529,14 @@ class RedisIndex:
     async def unbury(self, job: str, step: int) -> None:
         await self._script(f"tombstone of step {step}", "bury", [self._k(job, "epoch"), self._k(job, "tombstones")],
                            [self.epoch, step, 0])
+
+    async def get_note(self, job: str, name: str) -> bytes | None:
+        assert self._client is not None
+        return await self._call(f"reading note {name}", lambda: self._client.hget(self._k(job, "notes"), name))
+
+    async def put_note(self, job: str, name: str, data: bytes) -> None:
+        await self._script(f"note {name}", "note", [self._k(job, "epoch"), self._k(job, "notes")],
+                           [self.epoch, name, data])
 
     async def delete(self, job: str, step: int) -> None:
         await self._script(f"deletion of step {step}", "delete", [self._k(job, "epoch"), self._k(job, "step", step),

@@ -86,11 +86,21 @@ class Tier(ABC):
         filters `list`; a store that can start a listing part-way (a folder's sorted names) overrides it."""
         return [key for key in await self.list(prefix) if key >= start]
 
-    async def list_names(self, prefix: str) -> list[str]:
+    async def list_names(self, prefix: str, start: str | None = None) -> list[str]:
         """The names directly under folder `prefix` (ending in "/"), sorted: a job's step folders, so that a writer
-        can compare them with the steps its index lists without listing every key of every step. The default
-        cuts them from `list`; a store that can list one level (a folder) overrides it."""
-        return sorted({key[len(prefix):].split("/", 1)[0] for key in await self.list(prefix)})
+        can compare them with the steps its index lists without listing every key of every step. With `start`,
+        only the names that sort at or after it (a writer looks at the window of its newest steps: on S3 the
+        listing starts there). The default cuts them from `list` (`list_from` with `start`); a store that can list
+        one level (a folder) overrides it."""
+        keys = await self.list(prefix) if start is None else await self.list_from(prefix, prefix + start)
+        return sorted({key[len(prefix):].split("/", 1)[0] for key in keys})
+
+    async def probe(self, key: str) -> None:
+        """Write a small value under `key` and remove it: whether this process can write the tier at all (a writer's
+        start). A store that keeps what it knows of its folders between looks overrides it (a local tier: its own
+        probe is no change of a job folder's names)."""
+        await self.write(key, memoryview(b"probe"))
+        await self.delete(key)
 
     async def missing(self, keys: Sequence[str]) -> list[str]:
         """Which of `keys` are no longer stored, checked just before a commit, so a checkpoint never becomes
@@ -141,6 +151,10 @@ class FileTier(Tier):
     def count_only(self, owned: Callable[[str], bool]) -> None:
         """Before open(): count toward `capacity` only the files whose key (their path below the tier's folder)
         `owned` accepts, e.g. one job's, when other jobs share the folder. Default: a tier counts nothing."""
+
+    async def recount(self) -> None:
+        """Count the bytes held toward `capacity` again from the files (another process, the trainer's retention
+        or the node agent's drain, wrote or removed some since). Default: a tier counts nothing."""
 
     def make_folder(self, path: Path) -> None:
         """Create folder `path` (inside the tier's) and its missing parents, the tier's own folder with the mode

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
+import logging
 import os
 import shutil
 import sys
@@ -18,11 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator, Sequence
 
-from ...errors import ConfigError, TierError, TierFull, TierNotFound
+import msgpack
+
+from ...checksum import seal, unseal
+from ...errors import ConfigError, IntegrityError, TierError, TierFull, TierNotFound
 from ..files import check_creatable, fsync_dir, not_private
 from .base import FileTier, folder_stamp, listing_trusted
 
+log = logging.getLogger(__name__)
 TMP = ".tmp-"
+TAILS = f"{TMP}names"  # <root>/.tmp-names/<job>: a job folder's newest step names, kept across processes (`_Tail`)
+TAIL_FORMAT = 1
+TAIL_NAMES = 64  # a tail file holds at least the newest 64 names (a writer's start and retention's window look there)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
@@ -56,6 +64,13 @@ class LocalTier(FileTier):
         self._root_checked = False  # the tier's folder was found this user's own (private tiers)
         self._sorted_names: dict[str, tuple[tuple[int, int, int], list[str], bool]] = {}  # list_from's
         self._names_lock = threading.Lock()
+        self._tails: dict[str, _Tail] = {}  # per job folder: its names from a step on (a tail file's, kept up)
+        self._tails_written: dict[str, tuple[tuple[int, int, int], str]] = {}  # per job folder: its tail file's
+        # stamp and floor, as this process last wrote or read it
+        self._asked: dict[str, str] = {}  # per job folder: the last `start` a writer asked its names from
+        self._tails_read: set[str] = set()  # job folders whose tail file this process has read
+        self._probed: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {}  # per job folder: its
+        # stamps before and after this process's probe (a file made and removed there: no name changed)
 
     async def open(self) -> None:
         """Check that the directory exists or can be created; it is created at the first write, so a
@@ -65,8 +80,13 @@ class LocalTier(FileTier):
         except OSError as e:
             raise TierError(f"cannot create directory {self.root}: {e}", tier=self.name) from e
         await self.run_blocking(self._check_private)
-        if self.options.capacity is not None:  # count what earlier processes left here (this job's only), once
-            self._used = await self.run_blocking(_owned_size, self.root, self._owned)
+        await self.recount()  # what earlier processes left here (this job's only)
+
+    async def recount(self) -> None:
+        if self.options.capacity is not None:
+            used = await self.run_blocking(_owned_size, self.root, self._owned)
+            with self._used_lock:
+                self._used = used
 
     def count_only(self, owned: Callable[[str], bool]) -> None:
         self._owned = owned
@@ -84,7 +104,156 @@ class LocalTier(FileTier):
         if not self._root_checked:  # once, and again after the folder was made anew (by anyone)
             self._check_private()
             self._root_checked = True
+        made = self._new_child_of_listed(path)
+        if made is None:
+            path.mkdir(parents=True, exist_ok=True)
+            return
+        folder, name = made
+        before = folder_stamp(self.root / folder)
         path.mkdir(parents=True, exist_ok=True)
+        self._child_made(folder, name, before, folder_stamp(self.root / folder))
+
+    def _new_child_of_listed(self, path: Path) -> tuple[str, str] | None:
+        """(a folder whose sorted names this tier keeps, the name of its child that making `path` creates), or None:
+        `path` lies in no such folder, or that child exists already (making `path` leaves the folder as it is)."""
+        with self._names_lock:
+            listed = [*self._sorted_names, *(f for f in self._tails if f not in self._sorted_names)]
+        if not listed:
+            return None
+        rel = str(path)[len(str(self.root)):].lstrip("/")
+        for folder in listed:
+            if rel.startswith(folder + "/"):
+                name = rel[len(folder) + 1:].split("/", 1)[0]
+                return None if os.path.isdir(self.root / folder / name) else (folder, name)
+        return None
+
+    def _child_made(self, folder: str, name: str, before: tuple[int, int, int] | None,
+                    after: tuple[int, int, int] | None) -> None:
+        """This process made folder `name` in `folder`, whose names it keeps: put it among them when that was the
+        folder's only change since they were listed (its stamp then was `before`, and its link count, which counts
+        subfolders, grew by one), so a save's own new step folder does not make the next look list ten thousand
+        step folders again. Else the names are left to be listed again (their stamp no longer matches)."""
+        if before is None or after is None or after[2] != before[2] + 1 or before[2] <= 1:
+            return
+        self._carry_names(folder, before, after, lambda names, floor: _with(names, name) if name >= floor else names)
+
+    def _child_removed(self, folder: str, name: str, before: tuple[int, int, int] | None,
+                       after: tuple[int, int, int] | None) -> None:
+        """`_child_made` for this process's removal of folder `name` from `folder` (a step retention removed): its
+        link count fell by one and nothing else changed it since its names were listed."""
+        if before is None or after is None or after[2] != before[2] - 1 or after[2] < 2:
+            return
+        self._carry_names(folder, before, after, lambda names, floor: _without(names, name))
+
+    def _carry_names(self, folder: str, before: tuple[int, int, int], after: tuple[int, int, int],
+                     edit: Callable[[list[str], str], list[str]]) -> None:
+        """The names kept of `folder` while its stamp was `before`, edited by this process's own change, are its
+        names at stamp `after` (`edit(names, floor)`; floor "" for the whole folder's, the tail's lowest name)."""
+        with self._names_lock:
+            hit = self._sorted_names.get(folder)
+            if hit is not None and hit[0] == before and hit[2]:
+                self._sorted_names[folder] = (after, edit(hit[1], ""), True)
+            tail = self._tails.get(folder)
+            if tail is not None and tail.stamp == before:
+                self._tails[folder] = _Tail(after, tail.floor, edit(tail.names, tail.floor))
+        self._keep_tail(folder)
+
+    async def probe(self, key: str) -> None:
+        """A writer's probe writes and removes a file in the job's folder (`<job>/.probe-…`), which changes the
+        folder's modification time but none of its names: when nothing else changed it meanwhile (its inode and
+        link count the same), the names the tail file keeps for the folder's stamp before the probe are its names
+        after it too (`_names_from`), so the probe does not send the writer's start to list ten thousand folders."""
+        folder = key.split("/", 1)[0] if "/" in key else ""
+        before = folder_stamp(self.root / folder) if folder else None
+        await super().probe(key)
+        after = folder_stamp(self.root / folder) if folder else None
+        if before is not None and after is not None and before[1:] == after[1:] and before != after:
+            with self._names_lock:
+                self._probed[folder] = (before, after)
+                hit = self._sorted_names.get(folder)
+                if hit is not None and hit[0] == before:
+                    self._sorted_names[folder] = (after, hit[1], hit[2])
+                tail = self._tails.get(folder)
+                if tail is not None and tail.stamp == before:
+                    self._tails[folder] = _Tail(after, tail.floor, tail.names)
+
+    def _names_from(self, folder: str, start: str, *, writer: bool) -> list[str]:
+        """`folder`'s sorted names from `start` on, without listing the folder where this process knows them (it
+        listed it, unchanged since but for its own steps) or where its tail file (`_Tail`) holds them: the file is
+        good only while the folder is unchanged since it was written (the same stamp: modification time in ns,
+        inode, link count), so a step made or removed by anyone else, a crash between a step folder made and the
+        file written, another incarnation's leftovers, all send this look to the folder. A writer (`writer`: the
+        job's start and retention) keeps the file for the next process (`_keep_tail`)."""
+        path = self._path(folder)
+        stamp = folder_stamp(path)
+        if stamp is None:
+            return []
+        with self._names_lock:
+            if writer:
+                self._asked[folder] = start
+            hit = self._sorted_names.get(folder)
+            tail = self._tails.get(folder)
+        if hit is not None and hit[0] == stamp and hit[2]:
+            names = hit[1]
+        else:
+            if tail is None and folder not in self._tails_read:
+                self._tails_read.add(folder)
+                read = _read_tail(self._tail_path(folder))
+                probed = self._probed.get(folder)
+                if read is not None and probed is not None and read.stamp == probed[0]:
+                    read = _Tail(probed[1], read.floor, read.names)  # (this process's probe since it was written)
+                if read is not None and read.stamp == stamp:
+                    with self._names_lock:
+                        tail = self._tails.setdefault(folder, read)
+                        self._tails_written[folder] = (read.stamp, read.floor)
+            if tail is not None and tail.stamp == stamp and tail.floor <= start:
+                names = tail.names
+            else:
+                names = self._names_of(folder)
+        found = names[bisect.bisect_left(names, start):]
+        if writer:
+            self._keep_tail(folder)
+        return found
+
+    def _tail_path(self, folder: str) -> Path:
+        return self.root / TAILS / folder
+
+    def _keep_tail(self, folder: str) -> None:
+        """Write `folder`'s tail file when what it would say changed: as of the folder's stamp that this process
+        knows its names at, the names from the newest `TAIL_NAMES` on, or from the last `start` a writer asked if
+        lower (retention's window: the next process's first pass asks from about there). Only for a job's folder
+        whose names a writer asked for in this process (it listed them, or read them from the tail file, and kept
+        up with its own steps since); best effort: a cache, never an error."""
+        if "/" in folder or folder.startswith(".") or not folder:
+            return
+        with self._names_lock:
+            asked = self._asked.get(folder)
+            if asked is None:
+                return
+            hit = self._sorted_names.get(folder)
+            tail = self._tails.get(folder)
+        now = folder_stamp(self._path(folder))  # (names of an earlier stamp would be a file no one can use)
+        with self._names_lock:
+            if hit is not None and hit[2] and hit[0] == now:
+                stamp, names, lowest = hit[0], hit[1], ""
+            elif tail is not None and tail.stamp == now:
+                stamp, names, lowest = tail.stamp, tail.names, tail.floor
+            else:
+                return
+            newest = names[-TAIL_NAMES] if len(names) >= TAIL_NAMES else ""
+            floor = max(min(asked, newest), lowest)
+            if self._tails_written.get(folder) == (stamp, floor):
+                return
+            kept = _Tail(stamp, floor, names[bisect.bisect_left(names, floor):])
+        try:
+            _write_tail(self._tail_path(folder), kept)
+        except OSError as e:
+            log.debug("tier %s: the names of %s not kept: %s", self.name, folder, e)
+            return
+        with self._names_lock:
+            self._tails_written[folder] = (stamp, floor)
+            if folder not in self._tails or self._tails[folder].stamp != stamp:  # (one of its own steps since)
+                self._tails[folder] = kept
 
     def _check_private(self) -> None:
         """A private tier's existing folder must be this user's and closed to others: else another local user
@@ -269,8 +438,23 @@ class LocalTier(FileTier):
             raise TierError(f"reading {path}: {e}", tier=self.name) from e
 
     async def delete(self, prefix: str) -> None:
-        freed = await self.run_blocking(self._delete_sync, self._path(prefix.rstrip("/")))
+        freed = await self.run_blocking(self._delete_tracked, prefix.rstrip("/"))
         self._add_used(-freed)
+
+    def _delete_tracked(self, key: str) -> int:
+        """`_delete_sync`, keeping the names this process knows of the job folder up to date when it removes one of
+        its step folders (`_child_removed`)."""
+        parts = key.split("/")
+        with self._names_lock:
+            known = len(parts) >= 2 and (parts[0] in self._sorted_names or parts[0] in self._tails)
+        if not known:
+            return self._delete_sync(self._path(key))
+        folder, name = parts[0], parts[1]
+        before = folder_stamp(self.root / folder)
+        freed = self._delete_sync(self._path(key))
+        if not os.path.lexists(self.root / folder / name):
+            self._child_removed(folder, name, before, folder_stamp(self.root / folder))
+        return freed
 
     def _delete_sync(self, path: Path) -> int:
         if path.is_dir():
@@ -307,10 +491,9 @@ class LocalTier(FileTier):
             return await super().list_from(prefix, start)
 
         def walk() -> list[str]:
-            names = self._names_of(prefix.rstrip("/"))
             first = start[len(prefix):].split("/")[0]
             keys = []
-            for name in names[bisect.bisect_left(names, first):]:
+            for name in self._names_from(prefix.rstrip("/"), first, writer=False):
                 if name.startswith(TMP):
                     continue
                 path = self._path(prefix + name)
@@ -321,12 +504,16 @@ class LocalTier(FileTier):
             return sorted(keys)
         return await self.run_blocking(walk)
 
-    async def list_names(self, prefix: str) -> list[str]:
-        """The folder's sorted names (`_names_of`: listed again only once it changed), temp files left out."""
+    async def list_names(self, prefix: str, start: str | None = None) -> list[str]:
+        """The folder's sorted names (`_names_of`: listed again only once it changed), temp files left out; with
+        `start`, those from `start` on (`_names_from`: a writer's look at its newest steps reads no listing of the
+        folder where its tail file says them)."""
         if not prefix.endswith("/"):
-            return await super().list_names(prefix)
-        return await self.run_blocking(
-            lambda: [n for n in self._names_of(prefix.rstrip("/")) if not n.startswith(TMP)])
+            return await super().list_names(prefix, start)
+        if start is None:
+            return await self.run_blocking(lambda: _without_temp(self._names_of(prefix.rstrip("/"))))
+        return await self.run_blocking(lambda: _without_temp(self._names_from(prefix.rstrip("/"), start,
+                                                                              writer=True)))
 
     def _names_of(self, folder: str) -> list[str]:
         """`folder`'s names, sorted: from the last listing while the folder is unchanged since (a file system
@@ -380,7 +567,7 @@ class LocalTier(FileTier):
                     except OSError:
                         is_dir = False
                     if is_dir:
-                        if not entry.is_symlink():
+                        if not entry.is_symlink() and not entry.name.startswith(TMP):  # (the tails' folder)
                             stack.append(entry.path)
                     elif not entry.name.startswith(TMP):
                         yield head + entry.name
@@ -533,3 +720,65 @@ def _tree_size(path: Path) -> int:
     for dirpath, _, files in os.walk(path):
         total += sum(_size_or_zero(Path(dirpath, f)) for f in files)
     return total
+
+
+def _without_temp(names: list[str]) -> list[str]:
+    """Sorted `names` but temp files': theirs sort together (one prefix), so two bisects and a copy in C, not a
+    test per name (ten thousand step folders)."""
+    lo = bisect.bisect_left(names, TMP)
+    hi = bisect.bisect_left(names, TMP[:-1] + chr(ord(TMP[-1]) + 1), lo)
+    return names[:lo] + names[hi:] if hi > lo else list(names)
+
+
+@dataclass(frozen=True)
+class _Tail:
+    """A job folder's names from `floor` on, as they were when the folder had `stamp` (modification time in ns,
+    inode, link count): kept by a writer in `<root>/.tmp-names/<job>` as its own steps land or go, so that a new
+    process's first look at its newest steps (the writer's start, retention's first pass, a load's pick) reads a
+    few names instead of listing ten thousand step folders. Good only while the folder still has that stamp."""
+
+    stamp: tuple[int, int, int]
+    floor: str
+    names: list[str]
+
+
+def _read_tail(path: Path) -> _Tail | None:
+    """The tail file's record, or None: missing, torn (its seal), or of another format."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        body = unseal(data, f"tail {path}")
+        if body is None:
+            return None
+        record = msgpack.unpackb(body)
+        fmt, stamp, floor, names = record
+        if fmt != TAIL_FORMAT or not isinstance(floor, str) or not all(isinstance(n, str) for n in names):
+            return None
+        return _Tail((int(stamp[0]), int(stamp[1]), int(stamp[2])), floor, sorted(names))
+    except (IntegrityError, ValueError, TypeError, IndexError, msgpack.UnpackException):
+        return None
+
+
+def _write_tail(path: Path, tail: _Tail) -> None:
+    """Replace the tail file (a cache: not fsynced; a torn one fails its seal and the folder is listed)."""
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_name(f"{TMP}{path.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(seal(msgpack.packb([TAIL_FORMAT, list(tail.stamp), tail.floor, tail.names])))
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _with(names: list[str], name: str) -> list[str]:
+    at = bisect.bisect_left(names, name)
+    return names if at < len(names) and names[at] == name else [*names[:at], name, *names[at:]]
+
+
+def _without(names: list[str], name: str) -> list[str]:
+    at = bisect.bisect_left(names, name)
+    return [*names[:at], *names[at + 1:]] if at < len(names) and names[at] == name else names

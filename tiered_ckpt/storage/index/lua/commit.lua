@@ -1,7 +1,10 @@
 -- check.lua + summary.lua + this. KEYS: epoch, step hash, list hash. ARGV: epoch, tier, session, rank, world,
 -- step. This rank's bit in the tier's bitmap of this session; the marker that completes the set commits the
--- tier, atomically.
+-- tier, atomically. A session whose commit of the tier was abandoned (abandon.lua) takes no marker: the reason
+-- comes back instead of 0 or 1.
 local tier, session, rank = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local abandoned = redis.call('HGET', KEYS[2], 'abandoned:' .. tier .. ':' .. session)
+if abandoned then return abandoned end
 local count_field, bits_field = 'count:' .. tier .. ':' .. session, 'done:' .. tier .. ':' .. session
 local bits = redis.call('HGET', KEYS[2], bits_field) or ''
 local at, mask = math.floor(rank / 8) + 1, 2 ^ (7 - rank % 8)
