@@ -95,7 +95,8 @@ async def test_a_kill_in_each_phase_of_a_save_leaves_nothing_half_and_loses_noth
         while alive(first):
             assert time.monotonic() < deadline, "the agent did not die at its fault point"
             await asyncio.sleep(0.05)
-        assert "tiered_ckpt fault point agent:" in (folder / "agent.log").read_text()
+        log = (folder / "agent.log").read_text()
+        assert "tiered_ckpt fault point agent:" in log, f"agent {first}:\n{log}\ntrainer:\n{proc.stderr}"
     # with no restart: the agent (alive) finishes what it was handed, bounded by the tiers' timeouts
     deadline = time.monotonic() + 20
     while True:

@@ -422,3 +422,39 @@ async def test_a_new_engine_does_not_wait_for_a_drain_whose_memory_tier_can_no_l
         server._stop.set()
         await asyncio.wait_for(serving, 10)
         await index.close()
+
+
+async def test_the_first_handoff_waits_for_the_agent_the_open_started(tmp_path, monkeypatch):
+    """The agent an engine's open starts may take longer to come up than a handoff's time limit (11 s seen on 2
+    cores at load 12; the limit is 10 s): the first save's handoff waits for it (START_TIMEOUT). Before, it timed
+    out, the trainer wrote that save itself, and the agent, which nobody had connected to, exited idle: the next
+    save started another (a CI run's kill-in-each-phase case found no agent holding the step)."""
+    from tiered_ckpt.agent import client as agent_client
+
+    folder = tmp_path / "agent"
+    loop = asyncio.get_running_loop()
+    starts: list[float] = []
+    serving: list[asyncio.Task] = []
+    server = AgentServer(folder, idle=30)
+
+    def come_up() -> None:
+        assert server.claim()
+        serving.append(asyncio.create_task(server.serve()))
+
+    def slow_start(folder_, idle=None) -> None:  # the agent process, 0.5 s to come up (the thread start_agent runs in)
+        starts.append(loop.time())
+        loop.call_soon_threadsafe(loop.call_later, 0.5, come_up)
+
+    monkeypatch.setattr(agent_client, "start_agent", slow_start)
+    client = agent_client.AgentClient(folder, {"index": "file:///x"}, lambda: [], handoff_timeout=0.1)
+    client.warm()  # the engine's open
+    order = DrainOrder("j", 1, 0, 1, "s1", "ix/s1", 0, ("disk",), "host", ("k",), (1,), ((0, b""),), "crc32c", 0, ())
+    try:
+        # answered by the agent (it refuses this order: no such index) instead of "did not accept within 0.1s"
+        with pytest.raises(AgentUnavailable, match="refused step 1"):
+            await client.hand_off(order)
+        assert len(starts) == 1
+    finally:
+        await client.close()
+        server._stop.set()
+        await asyncio.wait_for(serving[0], 5)

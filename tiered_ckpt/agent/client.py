@@ -6,9 +6,10 @@ upgrade, an old agent that still runs until its idle exit) is not handed anythin
 connect to that agent again while its socket is the same (each connection would be one more chance to keep it
 alive); `settle` and `status` talk to an agent of any version.
 
-A handoff that no agent accepts within `handoff_timeout` (none starts, or one hangs) raises AgentUnavailable
-naming the folder, and the trainer drains that save in-process; so does an agent that goes away, or says nothing
-for `outcome_timeout`, before every tier reported (the tiers it did not report are written again in-process)."""
+A handoff that no agent accepts within `handoff_timeout` (none starts, or one hangs; the agent started at the
+engine's open has START_TIMEOUT to come up first) raises AgentUnavailable naming the folder, and the trainer drains
+that save in-process; so does an agent that goes away, or says nothing for `outcome_timeout`, before every tier
+reported (the tiers it did not report are written again in-process)."""
 from __future__ import annotations
 
 import asyncio
@@ -30,6 +31,10 @@ from .wire import VERSION, Channel, ChannelClosed
 
 log = logging.getLogger(__name__)
 HANDOFF_TIMEOUT = 10.0  # seconds for an agent to answer (one started now included) and accept a save
+# seconds for the agent an engine starts at its open to come up and answer: on a node whose cores the trainers keep
+# busy a start took 11 s (2 cores, load 12); the first handoff waits for it (a memory-tier commit later, not a
+# blocked step) instead of giving up at HANDOFF_TIMEOUT and leaving that save and the started agent unused
+START_TIMEOUT = 30.0
 BYE_TIMEOUT = 5.0  # seconds an engine's close waits for the agent to let its links (and a file index's lease) go
 
 
@@ -56,9 +61,11 @@ def spawn_detached(folder: Path, idle: float | None) -> None:
                          close_fds=True, env={**os.environ, FOLDER_ENV: str(folder)})
 
 
-async def connect(folder: Path, *, start: bool, timeout: float, idle: float | None = None) -> Channel:
+async def connect(folder: Path, *, start: bool, timeout: float, idle: float | None = None,
+                  start_timeout: float | None = None) -> Channel:
     """A channel to the folder's agent, after `hello` (its answer in `channel.hello`: the agent's pid and protocol
-    version, which may differ from this one: see `check_version`); with `start`, one is started when none answers."""
+    version, which may differ from this one: see `check_version`); with `start`, one is started when none answers,
+    and then `start_timeout` (if longer) bounds the wait for it instead of `timeout`."""
     deadline = time.monotonic() + timeout
     started = False
     loop = asyncio.get_running_loop()
@@ -89,6 +96,8 @@ async def connect(folder: Path, *, start: bool, timeout: float, idle: float | No
                                        f"({type(e).__name__}); see {log_path(folder)}") from None
             if start and not started:
                 started = True
+                if start_timeout is not None:
+                    deadline = max(deadline, time.monotonic() + start_timeout)
                 await asyncio.to_thread(start_agent, folder, idle)
             await asyncio.sleep(0.05)
 
@@ -171,7 +180,7 @@ class AgentClient:
         it). A failure here is only logged: the first handoff connects again."""
         async def connect_now() -> None:
             try:
-                await self._connected()
+                await self._connected(start_timeout=START_TIMEOUT)
             except Exception as e:
                 log.debug("the node agent at %s is not connected at open (%s: %s); the first save tries again",
                           socket_path(self.folder), type(e).__name__, e)
@@ -191,8 +200,14 @@ class AgentClient:
 
     async def hand_off(self, order: DrainOrder) -> AgentDrain:
         order = DrainOrder(**{**vars(order), "link": self.link})
+        limit = self.handoff_timeout
+        if self._warming is not None and not self._warming.done():
+            began = time.monotonic()
+            await asyncio.shield(self._warming)  # the agent started at the open (START_TIMEOUT; never raises)
+            if self._channel is None:  # none answered: an agent that hangs is not waited for twice
+                limit = max(0.0, limit - (time.monotonic() - began))
         try:
-            return await asyncio.wait_for(self._hand_off(order), self.handoff_timeout)
+            return await asyncio.wait_for(self._hand_off(order), limit)
         except asyncio.TimeoutError:
             await self._drop(AgentUnavailable("the handoff timed out"))
             raise AgentUnavailable(f"the agent at {socket_path(self.folder)} did not accept step {order.step} "
@@ -223,7 +238,7 @@ class AgentClient:
             raise AgentUnavailable(f"the agent refused step {order.step}: {reply.get('error')}")
         return drain
 
-    async def _connected(self) -> Channel:
+    async def _connected(self, start_timeout: float | None = None) -> Channel:
         async with self._connecting:
             if self._channel is None:
                 if self._other_version is not None:
@@ -231,7 +246,8 @@ class AgentClient:
                     if socket_identity(self.folder) == seen:
                         raise AgentUnavailable(why)
                     self._other_version = None  # that agent went: the next one is started by this release
-                channel = await connect(self.folder, start=True, timeout=self.handoff_timeout, idle=self.idle)
+                channel = await connect(self.folder, start=True, timeout=self.handoff_timeout, idle=self.idle,
+                                        start_timeout=start_timeout)
                 try:
                     check_version(self.folder, channel)
                 except AgentUnavailable as e:
