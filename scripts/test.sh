@@ -27,8 +27,8 @@ WORKERS=(-n "${TIERED_CKPT_TEST_WORKERS:-4}" --dist worksteal)
 
 if [ "$#" -eq 0 ]; then  # every test: the quick subset first (a broken change shows in minutes), then the slow
     # tests that start real processes (tests/conftest.py marks them); both phases always run and both are reported
-    quick=0; "$PY" -m pytest -q "${WORKERS[@]}" -m "not slow" || quick=$?
-    slow=0; "$PY" -m pytest -q "${WORKERS[@]}" -m slow || slow=$?
+    quick=0; "$PY" -m pytest -q "${WORKERS[@]}" --durations=10 -m "not slow" || quick=$?
+    slow=0; "$PY" -m pytest -q "${WORKERS[@]}" --durations=25 -m slow || slow=$?
     echo "scripts/test.sh: quick subset exit $quick, slow tests exit $slow"
     [ "$quick" -eq 0 ] && [ "$slow" -eq 0 ]
     exit
