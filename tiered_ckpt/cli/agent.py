@@ -8,8 +8,8 @@ import logging
 import os
 from pathlib import Path
 
-from ..agent.client import agent_status, spawn_detached
-from ..agent.folder import IDLE_ENV, agent_folder, make_folder
+from ..agent.client import agent_status
+from ..agent.folder import IDLE_ENV, agent_folder
 from ..agent.server import IDLE_SECONDS, run_agent
 from ..agent.wire import VERSION
 from .commands import EXIT_OK
@@ -21,9 +21,6 @@ def cmd_agent(args: argparse.Namespace) -> int:
         args.idle = float(os.environ[IDLE_ENV])
     if args.action == "status":
         return _status(folder, args.json)
-    if args.detach:  # the engine's launcher: the agent in its own session, then back at once
-        spawn_detached(make_folder(folder), args.idle)
-        return EXIT_OK
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     return run_agent(folder, IDLE_SECONDS if args.idle is None else args.idle)
 

@@ -9,7 +9,7 @@ import sys
 from typing import Any, NoReturn
 
 from ..errors import TierError, TieredCkptError
-from ..lifecycle.gc import GRACE, in_flight_steps
+from ..lifecycle.gc import in_flight_steps
 from ..sizes import format_size
 from ..storage.index import CheckpointStatus
 from ..job_store import JobStore

@@ -90,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     agent.add_argument("--idle", type=float, default=None, metavar="SECONDS",
                        help="exit after this long with nothing to drain and no trainer attached (default 10)")
     agent.add_argument("--json", action="store_true", help="status as one JSON document")
-    agent.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)  # the engine's launcher
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND", title="subcommands")
     check = config_sub.add_parser("check", help="validate a tier stack TOML")
