@@ -34,6 +34,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import resource
 import signal
 import socket
 import time
@@ -137,7 +138,8 @@ class AgentServer:
             for link in list(self.links.values()):
                 await link.close()
             self.links.clear()
-        log.info("agent %d exits", os.getpid())
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        log.info("agent %d exits (%.2f s CPU)", os.getpid(), usage.ru_utime + usage.ru_stime)
 
     async def _accept(self, loop: asyncio.AbstractEventLoop, listener: socket.socket) -> None:
         while True:
