@@ -26,12 +26,15 @@ SLOW_MODULES = ("test_local_stack.py", "test_hung_processes.py", "test_lightning
                 "test_redis_sentinel.py", "test_bench_peers.py", "test_crash.py")
 
 
-AGENT_IDLE = "2"  # seconds a test session's agent waits idle before it exits (the default 10 s would linger)
+# seconds a test session's agent waits idle before it exits: the default's, so that one agent serves a worker's
+# consecutive tests (with 2 s, each test started its own: 1.5 CPU-s each, +6.5 min in the slow phase); the session's
+# end stops it (pytest_unconfigure)
+AGENT_IDLE = "10"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # where the node agent is on: this process's tests (and the ranks and examples they start, which inherit
-    # the environment) share one agent folder of their own, never the user's, and its agent idles out quickly
+    # the environment) share one agent folder of their own, never the user's
     if "TIERED_CKPT_AGENT_DIR" not in os.environ:
         folder = tempfile.mkdtemp(prefix="tiered_ckpt-agents-")
         os.environ.update(TIERED_CKPT_AGENT_DIR=folder, TIERED_CKPT_AGENT_IDLE=AGENT_IDLE)

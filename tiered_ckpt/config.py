@@ -88,11 +88,11 @@ class EngineConfig:
     # Prometheus metrics served on this port (+ LOCAL_RANK) at metrics_addr; 0: off (needs the extra `prometheus`)
     metrics_port: int = field(default=0, metadata=bounds(min=0, max=65535, why="0 turns the metrics server off"))
     metrics_addr: str = "0.0.0.0"  # the address the metrics server listens on ("127.0.0.1": this machine only)
-    # "auto" and "on": once the memory tier (the staging buffer's files) committed a save, the node agent writes and
-    # commits the slower tiers, so they complete if the trainer dies (agent/); "auto" falls back to the trainer's own
-    # drain where the agent cannot act (no memory tier staging, an index without fencing), "on" refuses to open
-    # there; "off" (default, for now): the trainer writes every tier itself
-    agent: str = "off"
+    # "auto" (default) and "on": once the memory tier (the staging buffer's files) committed a save, the node agent
+    # writes and commits the slower tiers, so they complete if the trainer dies (agent/); "auto" falls back to the
+    # trainer's own drain where the agent cannot act (no memory tier staging, an index without fencing), "on"
+    # refuses to open there; "off": the trainer writes every tier itself
+    agent: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,14 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
 
 
-async def test_auto_uses_the_agent_where_a_memory_tier_stages_and_off_and_the_default_do_not(tmp_path, shm_dir,
-                                                                                            monkeypatch):
+async def test_auto_and_the_default_use_the_agent_where_a_memory_tier_stages_and_off_does_not(tmp_path, shm_dir,
+                                                                                              monkeypatch):
     folder = tmp_path / "agent"
     monkeypatch.setenv("TIERED_CKPT_AGENT_DIR", str(folder))
     monkeypatch.setenv("TIERED_CKPT_AGENT_IDLE", "1")
     memory = {"kind": "memory", "capacity": "1GiB", "keep_last": 2}
-    for agent, tiers, starts in (("off", (memory, "local"), False), (None, (memory, "local"), False),
-                                 ("auto", ("local",), False), ("auto", (memory, "local"), True)):
+    for agent, tiers, starts in (("off", (memory, "local"), False), ("auto", ("local",), False),
+                                 (None, (memory, "local"), True), ("auto", (memory, "local"), True)):
         config = stack(tmp_path / str(agent) / str(len(tiers)), *tiers, shm=shm_dir, job="default", agent=agent)
         async with tc.Engine(config) as engine:
             await (await engine.save(1, {"w": torch.ones(1000)})).wait()

@@ -114,7 +114,7 @@ def test_the_agent_key_is_checked(tmp_path):
         parse_config({"engine": {"agent": "yes"}, "tiers": [{"name": "disk", "kind": "local",
                                                               "path": str(tmp_path)}]}, source="c.toml")
     assert e.value.key == "engine.agent" and e.value.file == "c.toml"
-    assert parse_config({"tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path)}]}).engine.agent == "off"
+    assert parse_config({"tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path)}]}).engine.agent == "auto"
 
 
 async def test_a_trainer_of_another_mount_namespace_is_refused(tmp_path):
