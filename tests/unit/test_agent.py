@@ -458,3 +458,33 @@ async def test_the_first_handoff_waits_for_the_agent_the_open_started(tmp_path, 
         await client.close()
         server._stop.set()
         await asyncio.wait_for(serving[0], 5)
+
+
+async def test_a_trainer_with_other_aws_settings_writes_its_s3_tier_itself(tmp_path, monkeypatch):
+    """The agent writes with the environment it was started with (the AWS chain reads credentials, profile, region
+    and proxies from it): a trainer whose settings differ does not hand it a save with an S3 tier (it would be written
+    with another job's credentials, or fail for lack of any: seen when one agent served a test and the next);
+    one without an S3 tier, or with the same settings, does. Compared as a digest: no secret crosses the socket."""
+    from tiered_ckpt.agent.client import AgentClient
+
+    folder = tmp_path / "agent"
+    disk = {"name": "disk", "kind": "local", "path": str(tmp_path)}
+    s3 = {"name": "s3", "kind": "s3", "bucket": "b"}
+    order = DrainOrder("j", 1, 0, 1, "s1", "ix/s1", 0, ("disk",), "host", ("k",), (1,), ((0, b""),), "crc32c", 0, ())
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "job-a")
+    async with agent_in_process(folder):
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "job-b")  # another job's trainer
+        clients = [AgentClient(folder, {"index": "file:///x", "tiers": tiers}, lambda: [], handoff_timeout=5)
+                   for tiers in ([disk, s3], [disk], [disk, s3])]
+        try:
+            for _ in range(2):
+                with pytest.raises(AgentUnavailable, match=r"other AWS settings .* tier\(s\) s3 .*TIERED_CKPT_AGENT_DIR"):
+                    await clients[0].hand_off(order)
+            with pytest.raises(AgentUnavailable, match="refused step 1"):  # no S3 tier: handed (refused as bogus)
+                await clients[1].hand_off(order)
+            monkeypatch.setenv("AWS_ACCESS_KEY_ID", "job-a")
+            with pytest.raises(AgentUnavailable, match="refused step 1"):  # the agent's own settings: handed
+                await clients[2].hand_off(order)
+        finally:
+            for client in clients:
+                await client.close()

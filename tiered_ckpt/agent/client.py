@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from ..errors import AgentUnavailable
 from ..save.drain import DrainOrder, TierOutcome
 from .folder import FOLDER_ENV, log_path, make_folder, mount_namespace, socket_path
+from .environment import environment_digest, environment_tiers
 from .wire import VERSION, Channel, ChannelClosed
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,17 @@ def check_version(folder: Path, channel: Channel) -> None:
                                f"tiers itself")
 
 
+def check_environment(folder: Path, channel: Channel, tiers: list[str]) -> None:
+    """AgentUnavailable when the agent would write one of `tiers` (those that read the environment: S3's
+    credentials, profile, region, proxies) with another environment than this trainer's (environment.py)."""
+    if tiers and channel.hello.get("environment") != environment_digest():
+        raise AgentUnavailable(f"the agent at {socket_path(folder)} (pid {channel.hello.get('pid')}) runs with "
+                               f"other AWS settings (AWS_* variables, HOME, proxies) than this trainer, and would "
+                               f"write tier(s) {', '.join(tiers)} with them: this trainer writes its saves itself "
+                               f"until that agent exits (once idle; a job with other credentials can use an agent "
+                               f"folder of its own, ${FOLDER_ENV})")
+
+
 def socket_identity(folder: Path) -> tuple[int, int, int] | None:
     """Which agent's socket is there now (each agent binds a new one); None when there is none."""
     try:
@@ -170,9 +182,11 @@ class AgentClient:
         self._connecting = asyncio.Lock()
         self._lock: tuple[str, int] | None = None  # the trainer's lock file, held while this client lives
         self._bye: asyncio.Future[None] | None = None  # the agent's answer to close()'s goodbye
-        # the socket of an agent of another protocol version, and what it said: not connected to again while it is
-        # the same socket (each connection would restart that agent's idle clock), so that it can exit
-        self._other_version: tuple[tuple[int, int, int], str] | None = None
+        # the socket of an agent this trainer cannot use (another protocol version, another environment: see
+        # check_environment), and why: not connected to again while it is the same socket (each connection would
+        # restart that agent's idle clock), so that it can exit and the next save starts one this trainer can use
+        self._unusable: tuple[tuple[int, int, int], str] | None = None
+        self._environment_tiers = environment_tiers(link.get("tiers", []))
         self._warming: asyncio.Task[None] | None = None
 
     def warm(self) -> None:
@@ -214,6 +228,8 @@ class AgentClient:
             await self._drop(AgentUnavailable("the handoff timed out"))
             raise AgentUnavailable(f"the agent at {socket_path(self.folder)} did not accept step {order.step} "
                                    f"within {self.handoff_timeout:g}s (hung?); the trainer writes it") from None
+        except AgentUnavailable:  # none answered, or one this trainer cannot use (it says why)
+            raise
         except (ChannelClosed, OSError) as e:
             await self._drop(AgentUnavailable(str(e)))
             raise AgentUnavailable(f"the agent at {socket_path(self.folder)} went away ({e}); the trainer writes "
@@ -243,20 +259,21 @@ class AgentClient:
     async def _connected(self, start_timeout: float | None = None) -> Channel:
         async with self._connecting:
             if self._channel is None:
-                if self._other_version is not None:
-                    seen, why = self._other_version
+                if self._unusable is not None:
+                    seen, why = self._unusable
                     if socket_identity(self.folder) == seen:
                         raise AgentUnavailable(why)
-                    self._other_version = None  # that agent went: the next one is started by this release
+                    self._unusable = None  # that agent went: the next one is started by this trainer
                 channel = await connect(self.folder, start=True, timeout=self.handoff_timeout, idle=self.idle,
                                         start_timeout=start_timeout)
                 try:
                     check_version(self.folder, channel)
+                    check_environment(self.folder, channel, self._environment_tiers)
                 except AgentUnavailable as e:
                     seen = socket_identity(self.folder)  # the socket just connected to
                     channel.close()
                     if seen is not None:
-                        self._other_version = (seen, str(e))
+                        self._unusable = (seen, str(e))
                     raise
                 self._channel = channel
                 self._reader = asyncio.create_task(self._read(self._channel))

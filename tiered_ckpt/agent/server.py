@@ -3,13 +3,13 @@ copy-then-commit per tier, save/drain.py), reports each tier's outcome back whil
 finishes the drain whether or not it still is. It exits once nothing is left to drain and no trainer has been
 connected for `idle` seconds.
 
-Messages (wire.py), each a map with "op": `hello` {"pid", "version"} → {"op": "hello", "pid", "version"}; `drain`
-{"id", "order"} (+ the file index's lease) → `accepted` {"id"} or `refused` {"id", "error"}, then one `outcome`
-{"id", "outcome"} per tier and `drained` {"id"}; `status` → {"op": "status", "pid", "version", "drains": [...],
-"clients"}; `settle` {"job", "index"} → `settled` {"job", "drains"} once no drain of that job without its trainer
-is left (an engine asks at open, before its first save fences such drains out); `bye` → `bye` once the
-connection's links that drain nothing are closed (an engine's close: the file index's writer lease the agent held
-for them is free).
+Messages (wire.py), each a map with "op": `hello` {"pid", "version"} → {"op": "hello", "pid", "version",
+"environment" (environment.py)}; `drain` {"id", "order"} (+ the file index's lease) → `accepted` {"id"} or `refused`
+{"id", "error"}, then one `outcome` {"id", "outcome"} per tier and `drained` {"id"}; `status` → {"op": "status",
+"pid", "version", "drains": [...], "clients"}; `settle` {"job", "index"} → `settled` {"job", "drains"} once no drain
+of that job without its trainer is left (an engine asks at open, before its first save fences such drains out);
+`bye` → `bye` once the connection's links that drain nothing are closed (an engine's close: the file index's writer
+lease the agent held for them is free).
 
 Only `drain` needs the client's hello to name this agent's protocol version (it is refused otherwise); `status`
 and `settle` are answered whatever the version. A connection of another version (or with no hello) is not
@@ -48,6 +48,7 @@ from ..save.drain import AbandonNotRecorded, DrainOrder, TierOutcome, drain_tier
 from ..storage.index import CommitState
 from ..storage.index.base import status_of
 from .folder import lock_path, make_folder, mount_namespace, socket_path
+from .environment import environment_digest
 from .journal import Entry, Journal, trainer_alive
 from .links import Link, lease_record, link_key, retake_lease
 from .wire import VERSION, Channel, ChannelClosed
@@ -87,6 +88,7 @@ class AgentServer:
         self._adopted: asyncio.Event | None = None  # set once the journal's orders were adopted (serve())
         self._draining: dict[int, tuple[Link, asyncio.Task[None]]] = {}  # what `settle` waits for
         self._superseded: set[int] = set()  # drains a newer engine's settle gave up on (their commit never came)
+        self.environment = environment_digest()  # what its S3 clients read: a trainer of another one writes itself
 
     def claim(self) -> bool:
         """The folder's agent lock (one agent per folder); False when another agent holds it."""
@@ -170,7 +172,8 @@ class AgentServer:
                 message, fds = await channel.recv()
                 op = message.get("op")
                 if op == "hello":
-                    await channel.send({"op": "hello", "pid": os.getpid(), "version": VERSION})
+                    await channel.send({"op": "hello", "pid": os.getpid(), "version": VERSION,
+                                        "environment": self.environment})
                     if message.get("version") == VERSION and not counted:
                         counted = True
                         self.clients += 1
