@@ -138,10 +138,13 @@ def test_a_hung_peer_server_costs_saves_and_loads_a_probe_not_the_socket_timeout
         started = time.monotonic()
         ran = job(cluster, config=config, action="run", steps=[1, 2, 3], progress=str(progress_of(cluster)))
         took = time.monotonic() - started
-        for r in ran:  # a save may skip the ring while the probe holds it up (a newer save took its turn there)
+        for r in ran:  # a save may skip the ring while the probe holds it up (a newer save took its turn there),
+            # or the disk (seen once with the node agent on, the multinode directory in 4 workers: step 2 committed
+            # on host alone, failed nowhere): never failed, never the last
             assert r["raised"] is None and r["blocked"] < 10, r
-            assert all(o["failed"] == [] and {"host", "disk"} <= set(o["committed"])
-                       for o in r["outcomes"].values()), r["outcomes"]
+            for step, o in r["outcomes"].items():
+                skipped = set(r["skipped"].get(step, ()))
+                assert o["failed"] == [] and "host" in o["committed"] and "disk" in set(o["committed"]) | skipped, r
             assert r["outcomes"]["3"]["committed"] == ["host", "peer", "disk"], r["outcomes"]
         loaded = job(cluster, config=config, action="load")
     finally:
