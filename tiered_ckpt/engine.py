@@ -107,7 +107,7 @@ class Engine:
                 tier.count_only(Arena.owned_by(self.job))
         await store.open(self.coordinator, reclaim=self._removing)
         self.pool.arena = self._arena()
-        store.committed.update(s.step for s in await store.statuses() if s.is_complete)
+        await store.note_newest()
         self.events.rank = self.rank
         rules = {t.name: Rules.of(t) for t in self.config.tiers}
         retention = Retention(self.job, store.index, store.removal, store.busy, rules)
@@ -123,7 +123,8 @@ class Engine:
             if waited:
                 log.info("the node agent finished %d save(s) of job %s an earlier trainer left", waited, self.job)
             self._agent.warm()  # connected (the agent started) before the first save needs it
-        services = SaveServices(store.io, commit, retention, store.removal, self.pool, store.committed, algorithm,
+        services = SaveServices(store.io, commit, retention, store.removal, self.pool, store.committed,
+                                store.is_saved, algorithm,
                                 lost=store.lost, drainer=self._agent)
         self._saver = Saver(self.config, self.coordinator, self.planner, store.writer, store.busy, services,
                             is_open=lambda: self._state is EngineState.OPEN)

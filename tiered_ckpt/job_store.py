@@ -42,9 +42,11 @@ class JobStore:
         self.index: Index = open_index(config.engine.index, timeout=config.engine.index_timeout)
         self.catalog = Catalog(self.job, self.index, self.io, adopt=config.engine.adopt, on_lost=config.engine.on_lost)
         self.busy = BusySteps()
-        # steps complete on some tier, as far as this process knows: the engine fills it at open() and its saves
-        # add theirs; removal and retention read it
+        # steps complete on some tier that this process saved (its saves add theirs; removal takes them out)
         self.committed: set[int] = set()
+        # the newest step the index held at the engine's open (`note_newest`): a step above it exists only if
+        # this process saved it (one writer per job), so `is_saved` asks the index nothing for a new step
+        self.newest_at_open: int | None = None
         # checkpoints a load found lost (on_lost): the next save removes them before it saves their steps again
         self.lost: set[int] = set()
         self._reclaim: Reclaim | None = None
@@ -119,8 +121,23 @@ class JobStore:
         return await self.catalog.with_sizes(await self.catalog.statuses())
 
     async def status(self, step: int) -> CheckpointStatus | None:
-        found = [s for s in await self.catalog.statuses() if s.step == step]
-        return (await self.catalog.with_sizes(found))[0] if found else None
+        found = await self.catalog.status_of(step)
+        return (await self.catalog.with_sizes([found]))[0] if found is not None else None
+
+    async def note_newest(self) -> None:
+        """At the engine's open: the newest step the index knows, one call whatever the history (the open no
+        longer lists every checkpoint to refuse saving one again)."""
+        self.newest_at_open = await self.catalog.newest_step()
+
+    async def is_saved(self, step: int) -> bool:
+        """Whether `step` is complete on some tier (a save of it is refused): this process's own saves, else,
+        for a step not newer than the index's newest at open (or when that is unknown), the index's record."""
+        if step in self.committed:
+            return True
+        if self.newest_at_open is not None and step > self.newest_at_open:
+            return False
+        found = await self.catalog.status_of(step)
+        return found is not None and found.is_complete
 
     async def latest(self) -> CheckpointStatus:
         """The checkpoint load() takes: the newest complete one that can be loaded."""

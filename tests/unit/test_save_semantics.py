@@ -61,6 +61,39 @@ async def test_existing_step_is_refused_and_nothing_is_lost(engine):
     assert torch.all(out["w"] == 1.0)
 
 
+async def test_a_reopened_engine_refuses_saved_steps_without_listing_the_history(make_config, monkeypatch):
+    """The open reads only the index's newest step (one call, whatever the history a job keeps): a step up to it
+    is looked up alone when saved (refused when complete, allowed once deleted), and a newer step asks nothing."""
+    from tiered_ckpt.storage.index.file import FileIndex
+
+    config = make_config()
+    async with tc.Engine(config) as e:
+        for step in (1, 2, 3):
+            await (await e.save(step, state_of(float(step)))).wait()
+        await e.delete(2)
+    listed: list[str] = []
+    whole_listing = FileIndex.list
+
+    async def counting_list(self, job):
+        listed.append(job)
+        return await whole_listing(self, job)
+
+    monkeypatch.setattr(FileIndex, "list", counting_list)
+    async with tc.Engine(config) as e:
+        for step in (3, 1):
+            with pytest.raises(tc.CheckpointExists, match=f"step {step} already exists"):
+                await e.save(step, state_of(9.0))
+        await (await e.save(2, state_of(2.5))).wait()  # deleted: saved again
+        await (await e.save(4, state_of(4.0))).wait()
+        await e.wait_all()  # done on every tier, not merely in flight
+        with pytest.raises(tc.CheckpointExists, match="step 4 already exists"):
+            await e.save(4, state_of(9.0))
+        assert listed == []  # neither the open nor a save listed the job's checkpoints
+        for step, value in ((1, 1.0), (2, 2.5), (3, 3.0), (4, 4.0)):
+            _, out = await load_values(e, step=step)
+            assert torch.all(out["w"] == value), step
+
+
 async def test_unobserved_background_error_is_raised_at_close(make_config):
     """The run's last save committed on no tier, and nobody waited on it: close() says so."""
     engine = await tc.Engine(make_config(tiers=[{"capacity": "100KiB"}, {"capacity": "100KiB"}],

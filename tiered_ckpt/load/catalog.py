@@ -51,6 +51,26 @@ class Catalog:
             log.warning("%s: listing checkpoints from the manifests on the tiers instead", e)
         return await self.statuses_from_tiers()
 
+    async def status_of(self, step: int) -> CheckpointStatus | None:
+        """One step's status, as `statuses` lists it: one index call whatever the history (the tiers' manifests
+        when the index is unreachable)."""
+        try:
+            found = await self.index.list_range(self.job, newest=0, also=[step])
+        except IndexUnavailable as e:
+            log.warning("%s: looking for step %d in the manifests on the tiers instead", e, step)
+            found = [s for s in await self.statuses_from_tiers() if s.step == step]
+        return found[0] if found else None
+
+    async def newest_step(self) -> int | None:
+        """The newest step the index holds a record of, complete or not (None: none, or the index is
+        unreachable)."""
+        try:
+            found = await self.index.list_range(self.job, newest=1)
+        except IndexUnavailable as e:
+            log.warning("%s: the newest checkpoint is not known", e)
+            return None
+        return found[-1].step if found else -1
+
     async def statuses_from_tiers(self) -> list[CheckpointStatus]:
         """A step is listed from the incarnation folder that holds it best: one of this index over a foreign
         one, a whole one over a partial one, the newest session over older ones (a zombie's or a crashed

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 from ..errors import (IntegrityError, TieredCkptError, TierError, TierFull, TierNotFound, TierTimeout,
                       TierUnavailable)
@@ -49,6 +49,7 @@ class SaveServices:
     removal: Removal
     pool: StagingPool
     committed: set[int]  # steps complete somewhere, as far as this process knows (a save adds its own)
+    is_saved: Callable[[int], Awaitable[bool]]  # a step complete somewhere (job_store.py): saving it is refused
     checksum: str = "crc32c"  # the parts' checksum algorithm for new checkpoints (checksum.resolve)
     lost: set[int] = field(default_factory=set)  # checkpoints a load found lost: the next save removes them
     # [engine] agent = "on": who drains the slower tiers once the memory tier committed (agent/client.py)

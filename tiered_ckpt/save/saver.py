@@ -97,7 +97,7 @@ class Saver:
             raise CheckpointExists(f"job {self.job!r}: a save of step {step} is already in flight")
         targets = [t.name for t in self.config.tiers if step % t.every == 0]
         if not targets:  # nothing to write (every tier skips this step): no collective, no index change
-            self._check_new(step)
+            await self._check_new(step)
             await asyncio.to_thread(flatten, state, allow_pickle=engine.allow_pickle, rank=rank)  # bad input raises
             handle = SaveHandle(step, targets, started=started, required=self.failures.required)
             handle.set_staged()
@@ -107,7 +107,7 @@ class Saver:
         await self.writer.become()
         if self.services.lost:
             await self._remove_lost()
-        self._check_new(step)
+        await self._check_new(step)
         launch = await self._launch(ready_events)  # GPU copies launched during the walk (early.py), or None
         try:
             try:
@@ -293,8 +293,8 @@ class Saver:
                             removed)
             self.services.committed.difference_update(removed)
 
-    def _check_new(self, step: int) -> None:
-        if step in self.services.committed:
+    async def _check_new(self, step: int) -> None:
+        if await self.services.is_saved(step):
             raise CheckpointExists(f"job {self.job!r} step {step} already exists; delete it to save it again")
 
     def raise_unobserved(self, *, closing: bool = False) -> None:
