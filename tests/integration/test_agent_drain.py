@@ -41,13 +41,15 @@ async def test_auto_and_the_default_use_the_agent_where_a_memory_tier_stages_and
 async def test_a_trainer_killed_after_its_memory_commit_still_gets_its_disk_copy(tmp_path, shm_dir, monkeypatch,
                                                                                 redis_server, index):
     """On a Redis index the agent commits under the writer's epoch (carried by the order), on the file index
-    under its lease (the descriptor passed along)."""
+    under its lease (the descriptor passed along). The disk keeps one checkpoint: the agent runs its retention,
+    so step 1 leaves the disk once step 2 committed there, with no trainer left to do it."""
     folder = tmp_path / "agent"
     monkeypatch.setenv("TIERED_CKPT_AGENT_DIR", str(folder))
     monkeypatch.setenv("TIERED_CKPT_AGENT_IDLE", "1")
     on_redis = {"index": redis_server().url} if index == "redis" else {}  # else the file index under tmp_path
-    raw = stack_dict(tmp_path, {"kind": "memory", "capacity": "1GiB", "keep_last": 2}, "faulty", shm=shm_dir,
-                     job="agent", part_size="1MiB", agent="auto", **on_redis)
+    raw = stack_dict(tmp_path, {"kind": "memory", "capacity": "1GiB", "keep_last": 2},
+                     {"kind": "faulty", "keep_last": 1}, shm=shm_dir, job="agent", part_size="1MiB", agent="auto",
+                     **on_redis)
     config = write_toml(tmp_path / "agent.toml", raw)
     control = faults(tc.load_config(config))
     kill_the_trainer_once_step_2_is_on_memory(config, control)
@@ -57,12 +59,15 @@ async def test_a_trainer_killed_after_its_memory_commit_still_gets_its_disk_copy
         listing = {c.step: c for c in [c async for c in engine.list()]}
         assert listing[2].complete == {"host"}  # the trainer is gone, its disk copy not done
         assert control.stalled() >= 1  # the agent is writing it
+        step_1_on_disk = tmp_path / "disk" / "agent" / "step-000000000001"
+        assert "disk" in listing[1].complete and step_1_on_disk.is_dir()
         control.clear()
         deadline = time.monotonic() + 15
-        while "disk" not in listing[2].complete:
-            assert time.monotonic() < deadline, listing[2]
+        while "disk" not in listing[2].complete or "disk" in listing[1].tiers or step_1_on_disk.exists():
+            assert time.monotonic() < deadline, (listing[1], listing[2], step_1_on_disk.exists())
             await asyncio.sleep(0.1)
             listing = {c.step: c for c in [c async for c in engine.list()]}
+        assert listing[1].complete == {"host"}  # the memory tier keeps two
     shutil.rmtree(shm_dir)  # a reboot: the memory tier is gone
     out = {"w": torch.zeros(3 * 2**20)}
     async with tc.Engine.from_toml(config) as engine:

@@ -344,3 +344,35 @@ async def test_a_full_tier_makes_room_from_the_copies_a_renamed_tier_left(make_c
         assert "ssd" in (await engine.status(4)).complete
     left = sorted(p.name for p in (tmp_path / "disk" / "test").iterdir())
     assert step_dir(4) in left and len(left) <= 3, left  # room was made from steps 1-3
+
+
+@pytest.mark.parametrize("index", ["file", "redis"])
+async def test_two_processes_retiring_a_steps_two_tiers_at_once_leave_no_record_behind(make_config, tmp_path, shm_dir,
+                                                                                      redis_server, index):
+    """The trainer retires step 1 from its memory tier while the node agent of a gone trainer retires it from the
+    disk: each read the step on both tiers, so neither removal was its last. Before: the record stayed, on no
+    tier (listed, incomplete, for good). Now whoever finds it on no tier after its removal takes it out, leaving
+    it buried until the next writer finishes the burial. (The file index also lost one of the two unmarks: each
+    rewrote the step's record without its own tier; it now locks the step's folder for that.)"""
+    config = make_config(**({"index": redis_server().url} if index == "redis" else {}))
+    async with tc.Engine(config) as engine:
+        await _retire_both_tiers_at_once(engine, tmp_path, shm_dir)
+
+
+async def _retire_both_tiers_at_once(engine, tmp_path, shm_dir):
+    from tiered_ckpt.lifecycle.busy import BusySteps
+    from tiered_ckpt.lifecycle.removal import Removal
+
+    for step in (1, 2):
+        await (await engine.save(step, state_of(float(step)))).wait()
+    await engine.wait_all()
+    status = await engine.store.status(1)
+    assert set(status.tiers) == {"host", "disk"}
+    agent = Removal(engine.job, engine.store.index, engine.store.io, BusySteps(), set())  # the other process's
+    await asyncio.gather(engine.store.removal.drop_tier(status, "host"), agent.drop_tier(status, "disk"))
+    assert [c.step async for c in engine.list()] == [2]
+    assert await engine.store.index.steps(engine.job) == [2]  # no record left behind, listed or not
+    assert await engine.store.index.buried(engine.job) == {1}
+    assert held_steps(tmp_path / "disk") == held_steps(shm_dir / "host") == [2]
+    await engine.store.removal.finish_burials()  # what the next writer's start does
+    assert await engine.store.index.buried(engine.job) == set()

@@ -10,6 +10,7 @@ are refused."""
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import socket
 import time
@@ -18,13 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TierConfig, parse_config
-from ..errors import ConfigError, Fenced
+from ..errors import ConfigError, Fenced, TieredCkptError
+from ..lifecycle.busy import BusySteps
 from ..lifecycle.host_memory import owned_by
+from ..lifecycle.removal import Removal
+from ..lifecycle.retention import Retention
+from ..lifecycle.rules import Rules
 from ..save.commit import Committer
 from ..save.drain import DrainOrder
 from ..storage.index import Index, index_path, open_index
 from ..storage.index.file import CLEANER
 from ..storage.tier_io import TierIO
+
+log = logging.getLogger(__name__)
 
 
 def link_key(order: DrainOrder) -> tuple[Any, ...]:
@@ -41,12 +48,14 @@ def supported_index(url: str) -> str | None:
 
 @dataclass
 class Link:
-    """One trainer rank's session, as the agent drains it."""
+    """One trainer rank's session, as the agent drains it; once that trainer is gone, also the retention of the
+    tiers it drains (the pass that rank's trainer ran: rank 0's keeps the index's books, every rank's its files)."""
 
     order: DrainOrder  # the first save handed over: the job's side is the same for each
     io: TierIO
     index: Index
     commit: Committer
+    retention: Retention
     lease_fds: list[int] = field(default_factory=list)
     pending: int = 0  # drains running
     attached: bool = True  # the trainer's connection is open
@@ -78,7 +87,23 @@ class Link:
             await io.close()
             raise ConfigError(f"the agent's index {index.identity} is not the trainer's (its folder would be "
                               f"{commit.incarnation}, not {order.incarnation})", key="engine.index")
-        return cls(order, io, index, commit, list(fds))
+        busy = BusySteps()  # the agent's own: the trainer's saves and loads ended with it
+        removal = Removal(order.job, index, io, busy, set(), rank=order.rank, world_size=order.world_size)
+        retention = Retention(order.job, index, removal, busy, {t.name: Rules.of(t) for t in configs})
+        return cls(order, io, index, commit, retention, list(fds))
+
+    async def retain(self, tier: str, step: int) -> None:
+        """The tier's retention, as save `step` ends there (a failure is said: the next pass tries again)."""
+        try:
+            await self.retention.apply(tier, finishing=step)
+        except (TieredCkptError, OSError) as e:
+            log.warning("agent: job %s tier %s: retention after step %d: %s: %s", self.order.job, tier, step,
+                        type(e).__name__, e)
+
+    async def make_room(self, tier: str, step: int) -> bool:
+        """Retire a checkpoint on a full `tier`, once the trainer is gone (an attached trainer is handed the save
+        back: its retention knows what its loads hold)."""
+        return not self.attached and await self.retention.make_room(tier, finishing=step)
 
     def trainer_gone(self) -> None:
         """The trainer's connection closed: a writer that starts now waits for the lease the agent holds (as for

@@ -271,16 +271,19 @@ class AgentServer:
         async def one(tier: str) -> None:
             try:
                 file_tier = link.io.file_tier(tier)
-                if file_tier is not None:  # the trainer's retention removed some since: counted from the files
+                if file_tier is not None:  # the trainer wrote or removed some since: counted from the files
                     await file_tier.recount()
                 outcome = await drain_tier(link.io, link.commit, order, tier,
-                                           hand_back=lambda: channel is not None and link.attached)
+                                           hand_back=lambda: channel is not None and link.attached,
+                                           make_room=lambda: link.make_room(tier, order.step))
             except Exception as e:  # a bug: said, and reported as the tier's failure
                 log.error("agent: step %d on tier %s: %s: %s", order.step, tier, type(e).__name__, e)
                 outcome = TierOutcome(tier, "failed", error=f"{type(e).__name__}: {e}")
             self.drains[number].tiers[tier] = outcome.state
             log.info("agent: job %s step %d rank %d on tier %s: %s %s", order.job, order.step, order.rank, tier,
                      outcome.state, outcome.error)
+            if outcome.state == "done" and (channel is None or not link.attached):
+                await link.retain(tier, order.step)  # its trainer is gone: nobody else keeps the tier to its rules
             await self._tell(channel, {"op": "outcome", "id": ident, "outcome": outcome.to_wire()})
 
         async def abandon(why: str) -> None:

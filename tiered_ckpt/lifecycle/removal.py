@@ -124,6 +124,20 @@ class Removal:
             if self.rank == 0 and last:
                 await self.index.delete(self.job, status.step)
                 await self.index.unbury(self.job, status.step)
+            elif self.rank == 0:
+                await self._forget_if_emptied(status.step)
+
+    async def _forget_if_emptied(self, step: int) -> None:
+        """Two processes each retired one of a step's two tiers at once (the trainer its memory tier, the node agent
+        of a gone trainer its disk): each saw the other's tier still listed, so neither took the record out. The
+        one that finds the step on no tier afterwards does, and leaves it buried (the other's removal may still be
+        running: the next writer or gc finishes the burial). Not listed at all is the same (a Redis index lists no
+        step left on no tier, but keeps its record; or the other process took it out already: then this buries
+        nothing for the next writer to finish)."""
+        status = await status_of(self.index, self.job, step)
+        if status is None or not status.tiers:
+            await self.index.bury(self.job, step)
+            await self.index.delete(self.job, step)
 
     async def remove_from_tier(self, tier: str, step: int) -> None:
         """Every folder this index's incarnations wrote for `step`, and its folder-less keys of formats 1 and

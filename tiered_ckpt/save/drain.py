@@ -19,7 +19,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
 from ..errors import Fenced, IndexUnavailable, TierError, TieredCkptError, TierFull
 from ..layout import committed_key, manifest_key, rank_prefix
@@ -197,12 +197,15 @@ async def _wait_for_source(commit: Committer, order: DrainOrder, trainer_gone: C
 
 
 async def drain_tier(io: TierIO, commit: Committer, order: DrainOrder, tier: str,
-                     hand_back: Callable[[], bool] = lambda: False) -> TierOutcome:
+                     hand_back: Callable[[], bool] = lambda: False,
+                     make_room: Callable[[], Awaitable[bool]] | None = None) -> TierOutcome:
     """`order`'s copy onto `tier`: the save's turn there (a newer save supersedes a waiting one), the parts, the
     records, the check, this rank's durable marker and the commit wait, then rank 0's committed marker. A failure
-    is recorded in the index (every rank's wait sees it) and the parts written are taken back. A tier full before
-    this rank marked its copy, while `hand_back()` (its trainer is attached), is "full": nothing recorded, the parts
-    taken back, and the trainer, whose retention may retire older checkpoints there, writes the tier itself."""
+    is recorded in the index (every rank's wait sees it) and the parts written are taken back. `make_room`: on a
+    full tier, retire an older checkpoint there and write again (the agent's retention, once the trainer is gone).
+    A tier still full before this rank marked its copy, while `hand_back()` (its trainer is attached), is "full":
+    nothing recorded, the parts taken back, and the trainer, whose retention may retire older checkpoints there,
+    writes the tier itself."""
     turns = io.turns(tier)
     newer = await turns.take(order.step)
     if newer is not None:
@@ -227,7 +230,8 @@ async def drain_tier(io: TierIO, commit: Committer, order: DrainOrder, tier: str
         return order.records
 
     copy = CopyThenCommit(io, RankCopy(tier, order.step, order.rank, order.keys, order.lengths),
-                          _CommittedCopy(io, order), records, committed, after_records=give_turn)
+                          _CommittedCopy(io, order), records, committed, make_room=make_room,
+                          after_records=give_turn)
     try:
         newer = await commit.skipped(order.step, tier)
         if newer is not None:

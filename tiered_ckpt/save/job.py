@@ -207,7 +207,7 @@ class SaveJob:
             first = self.source.files_tier
             assert first is not None
             await self.writes[first].settled.wait()
-        for tier in full:  # the agent wrote there since this process counted the tier's bytes
+        for tier in {*full, *pending}:  # the agent wrote (and retired) there since this process counted its bytes
             file_tier = self.services.io.file_tier(tier)
             if file_tier is not None:
                 await file_tier.recount()

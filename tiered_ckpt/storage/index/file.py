@@ -257,15 +257,16 @@ class FileIndex:
             d = self._dir(job, step)
             (d / "complete" / tier).unlink(missing_ok=True)
             fsync_dir(d / "complete", missing_ok=True)
-            try:
-                record = _read_begun(d / "begun")
-            except FileNotFoundError:  # never begun here, or removed meanwhile
-                record = None
-            if record is not None:
-                record["tiers"] = [t for t in record["tiers"] if t != tier]
-                # a removal of the step (delete, or retention on its last tier) may remove the folder meanwhile:
-                # rewrite the record only in the folder as it is, never re-creating it
-                _rewrite(d / "begun", seal(msgpack.packb(record)))
+            with _step_locked(d):  # two processes unmarking two tiers at once (the trainer and the node agent):
+                try:  # each reads the record and writes it back without its tier; unlocked, one write was lost
+                    record = _read_begun(d / "begun")
+                except FileNotFoundError:  # never begun here, or removed meanwhile
+                    record = None
+                if record is not None:
+                    record["tiers"] = [t for t in record["tiers"] if t != tier]
+                    # a removal of the step (delete, or retention on its last tier) may remove the folder
+                    # meanwhile: rewrite the record only in the folder as it is, never re-creating it
+                    _rewrite(d / "begun", seal(msgpack.packb(record)))
             for p in [*(d / "durable").glob(f"{tier}.*"), *(d / "failed").glob(f"{tier}.*"),
                       *(d / "skipped").glob(f"{tier}.*"), *(d / "tallies").glob(f"{tier}.*"),
                       *(d / "abandoned").glob(f"{tier}.*")]:
@@ -747,6 +748,22 @@ def _atomic_write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent, missing_ok=True)
+
+
+@contextmanager
+def _step_locked(folder: Path) -> Iterator[None]:
+    """An exclusive flock on a step's folder itself (no file added to it); a folder removed meanwhile: no lock
+    is needed, nothing is left to rewrite."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _rewrite(path: Path, data: bytes) -> bool:
