@@ -9,9 +9,11 @@ once; `show`, `verify` and `export` import it when they decode or read tensors).
 from __future__ import annotations
 
 import copy
+import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from .config import index_path
+from .errors import IndexUnavailable
 from .distributed.coordinator import Coordinator
 from .lifecycle.busy import BusySteps
 from .lifecycle.gc import GRACE, GcReport, GcScope, collect
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
     from .config import Config
     from .load.export import ExportInfo
     from .manifest import Manifest
+
+log = logging.getLogger(__name__)
 
 
 class JobStore:
@@ -42,7 +46,8 @@ class JobStore:
         self.index: Index = open_index(config.engine.index, timeout=config.engine.index_timeout)
         self.catalog = Catalog(self.job, self.index, self.io, adopt=config.engine.adopt, on_lost=config.engine.on_lost)
         self.busy = BusySteps()
-        # steps complete on some tier that this process saved (its saves add theirs; removal takes them out)
+        # steps complete on some tier that this process saved or its writer's start listed again (removal takes
+        # them out); with the index unreachable at the open, also those the tiers' manifests show complete
         self.committed: set[int] = set()
         # the newest step the index held at the engine's open (`note_newest`): a step above it exists only if
         # this process saved it (one writer per job), so `is_saved` asks the index nothing for a new step
@@ -125,13 +130,20 @@ class JobStore:
         return (await self.catalog.with_sizes([found]))[0] if found is not None else None
 
     async def note_newest(self) -> None:
-        """At the engine's open: the newest step the index knows, one call whatever the history (the open no
-        longer lists every checkpoint to refuse saving one again)."""
-        self.newest_at_open = await self.catalog.newest_step()
+        """At the engine's open: the newest step the index lists, one call whatever the history (the open no
+        longer lists every checkpoint to refuse saving one again). With the index unreachable, the tiers'
+        manifests are read once, here, as the open's listing did, so that no save waits on the index for this."""
+        try:
+            self.newest_at_open = await self.catalog.newest_step()
+        except IndexUnavailable as e:
+            log.warning("%s: the checkpoints a save must not write again are read from the tiers' manifests", e)
+            found = await self.catalog.statuses_from_tiers()
+            self.committed.update(s.step for s in found if s.is_complete)
+            self.newest_at_open = max((s.step for s in found), default=-1)
 
     async def is_saved(self, step: int) -> bool:
         """Whether `step` is complete on some tier (a save of it is refused): this process's own saves, else,
-        for a step not newer than the index's newest at open (or when that is unknown), the index's record."""
+        for a step not newer than the newest at open (a resumed run saves newer ones), its record in the index."""
         if step in self.committed:
             return True
         if self.newest_at_open is not None and step > self.newest_at_open:

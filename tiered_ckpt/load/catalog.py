@@ -13,7 +13,7 @@ import os
 from typing import Awaitable, Callable, Sequence, TypeVar
 
 from ..errors import CheckpointLost, FreshStart, IncompleteCheckpoint, IndexUnavailable, IntegrityError, TierError
-from ..storage.index import CheckpointStatus, Index, listing_range, rank_metas
+from ..storage.index import CheckpointStatus, Index, listing_range, rank_metas, status_of
 from ..layout import index_dir, job_prefix, manifest_key, parse_key, rank_meta_key, step_prefix
 from ..manifest import Manifest, RankMeta
 from ..lifecycle import lineage
@@ -55,20 +55,15 @@ class Catalog:
         """One step's status, as `statuses` lists it: one index call whatever the history (the tiers' manifests
         when the index is unreachable)."""
         try:
-            found = await self.index.list_range(self.job, newest=0, also=[step])
+            return await status_of(self.index, self.job, step)
         except IndexUnavailable as e:
             log.warning("%s: looking for step %d in the manifests on the tiers instead", e, step)
-            found = [s for s in await self.statuses_from_tiers() if s.step == step]
-        return found[0] if found else None
+        return next((s for s in await self.statuses_from_tiers() if s.step == step), None)
 
-    async def newest_step(self) -> int | None:
-        """The newest step the index holds a record of, complete or not (None: none, or the index is
-        unreachable)."""
-        try:
-            found = await self.index.list_range(self.job, newest=1)
-        except IndexUnavailable as e:
-            log.warning("%s: the newest checkpoint is not known", e)
-            return None
+    async def newest_step(self) -> int:
+        """The newest step the index lists, complete or not (-1: none); one index call whatever the history.
+        IndexUnavailable when the index is unreachable."""
+        found = await listing_range(self.index, self.job, newest=1)
         return found[-1].step if found else -1
 
     async def statuses_from_tiers(self) -> list[CheckpointStatus]:
