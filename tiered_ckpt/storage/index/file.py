@@ -195,7 +195,7 @@ class FileIndex:
                 marked = len(_ranks(d / "durable", tier, session))
             if marked < world_size:
                 return False
-            with _tally_locked(tally):  # against abandon(): it commits or the abandonment stands, not both
+            with _flocked(tally):  # against abandon(): it commits or the abandonment stands, not both
                 abandoned = _read_or_none(d / "abandoned" / f"{tier}.{session}")
                 if abandoned is not None:
                     raise RankFailed(f"step {step}: this session's commit was abandoned before rank {rank}'s marker "
@@ -212,7 +212,7 @@ class FileIndex:
                 return True
             tally = d / "tallies" / f"{tier}.{session}"
             _create_tally(tally)
-            with _tally_locked(tally):
+            with _flocked(tally):
                 if (d / "complete" / tier).exists():
                     return False
                 _atomic_write(d / "abandoned" / f"{tier}.{session}", reason.encode())
@@ -257,8 +257,10 @@ class FileIndex:
             d = self._dir(job, step)
             (d / "complete" / tier).unlink(missing_ok=True)
             fsync_dir(d / "complete", missing_ok=True)
-            with _step_locked(d):  # two processes unmarking two tiers at once (the trainer and the node agent):
-                try:  # each reads the record and writes it back without its tier; unlocked, one write was lost
+            # two processes unmarking two tiers at once (the trainer and the node agent) each read the record and
+            # write it back without its tier: unlocked, one of the two writes was lost
+            with _flocked(d, os.O_DIRECTORY):
+                try:
                     record = _read_begun(d / "begun")
                 except FileNotFoundError:  # never begun here, or removed meanwhile
                     record = None
@@ -627,12 +629,14 @@ def _link_marker(tally: Path, marker: Path) -> int | None:
 
 
 @contextmanager
-def _tally_locked(tally: Path) -> Iterator[None]:
-    """An exclusive flock on a session's tally file (never replaced: made once, O_EXCL), held by the last marker
-    while it commits and by `abandon` while it ends the commit; none where the file is missing (no hard links)
-    and the lock then covers nothing (the marker's process is gone before the agent abandons: operations.md)."""
+def _flocked(path: Path, flags: int = 0) -> Iterator[None]:
+    """An exclusive flock on `path` (a file, or a folder with O_DIRECTORY) while the block runs; none where it is
+    missing. Used on a session's tally file (never replaced: made once, O_EXCL), held by the last marker while
+    it commits and by `abandon` while it ends the commit (a missing tally: no hard links, and the lock then covers
+    nothing, the marker's process being gone before the agent abandons: operations.md); and on a step's folder
+    itself while `unmark` rewrites its record (a folder removed meanwhile leaves nothing to rewrite)."""
     try:
-        fd = os.open(tally, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | flags)
     except FileNotFoundError:
         yield
         return
@@ -748,22 +752,6 @@ def _atomic_write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent, missing_ok=True)
-
-
-@contextmanager
-def _step_locked(folder: Path) -> Iterator[None]:
-    """An exclusive flock on a step's folder itself (no file added to it); a folder removed meanwhile: no lock
-    is needed, nothing is left to rewrite."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _rewrite(path: Path, data: bytes) -> bool:
