@@ -222,6 +222,8 @@ async def _under_a_host_budget(rank: int, world: int, root: str) -> dict:
         reserved = await engine.reserve(replicated_state(0.0))
         for step in range(1, 8):
             await (await engine.save(step, replicated_state(float(step)))).wait()
+        await engine.wait_all()  # this rank's retention passes are over (rank 0's unmark the index's records)
+        await asyncio.to_thread(dist.barrier)  # and every rank's: seen once, rank 1 listed before rank 0's last pass
         in_memory = [s.step for s in await engine.statuses() if "host" in s.complete]
         return {"keep_last": reserved.keep_last, "in_memory": in_memory, "budget": reserved.budget}
 
