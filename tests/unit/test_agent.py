@@ -41,6 +41,27 @@ async def test_frames_and_descriptors_cross_the_socket():
         os.close(w)
 
 
+async def test_frames_sent_at_once_never_interleave():
+    """A large frame waits for room mid-frame (nobody reads yet) while another task sends a small one: each arrives
+    whole (the agent sends outcomes and questions from several tasks on one connection)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    left, right = Channel(a), Channel(b)
+    try:
+        big = os.urandom(4 << 20)
+        first = asyncio.create_task(left.send({"op": "drain", "blob": big}, size=len(big)))
+        await asyncio.sleep(0.3)  # packed, part written, waiting for the reader
+        second = asyncio.create_task(left.send({"op": "status"}))
+        await asyncio.sleep(0.05)
+        got = [await asyncio.wait_for(right.recv(), 10), await asyncio.wait_for(right.recv(), 10)]  # (before: a
+        # frame inside the other, the stream's next length read from its middle: no frame ever came)
+        await asyncio.gather(first, second)
+        assert sorted(m["op"] for m, _ in got) == ["drain", "status"]
+        assert next(m for m, _ in got if m["op"] == "drain")["blob"] == big
+    finally:
+        left.close()
+        right.close()
+
+
 def test_an_order_and_an_outcome_survive_the_wire_format():
     order = DrainOrder("job", 7, 1, 2, "s1", "ix-abc/s1", 3, ("disk", "s3"), "host", ("k0", "k1"), (10, 4),
                        ((1, b"\x01" * 8), (2, b"")), "xxh3", 4096, (("rec", b"r"),), {"index": "file:///x"},

@@ -41,6 +41,8 @@ class Channel:
         self._buffer = bytearray()
         self._fds: list[int] = []
         self._closed = False
+        self._sending = asyncio.Lock()  # one frame at a time: a large one that fills the socket's buffer waits
+        # for room mid-frame, and another task's frame written then would land inside it
 
     async def send(self, message: dict[str, Any], fds: tuple[int, ...] | list[int] = (), *, size: int = 0) -> None:
         """One frame; `size`: about how large it is (over IN_THREAD, it is packed in a thread)."""
@@ -48,16 +50,17 @@ class Channel:
         view = memoryview(_HEADER.pack(len(body)) + body)
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         loop = asyncio.get_running_loop()
-        while view:
-            try:
-                sent = self.sock.sendmsg([view], ancillary)
-            except BlockingIOError:
-                await _ready(loop, self.sock, write=True)
-                continue
-            except (BrokenPipeError, ConnectionResetError) as e:
-                raise ChannelClosed(str(e)) from None
-            ancillary = []
-            view = view[sent:]
+        async with self._sending:
+            while view:
+                try:
+                    sent = self.sock.sendmsg([view], ancillary)
+                except BlockingIOError:
+                    await _ready(loop, self.sock, write=True)
+                    continue
+                except (BrokenPipeError, ConnectionResetError) as e:
+                    raise ChannelClosed(str(e)) from None
+                ancillary = []
+                view = view[sent:]
 
     async def recv(self) -> tuple[dict[str, Any], list[int]]:
         """The next frame and the descriptors that came with it; ChannelClosed at the end."""
