@@ -79,7 +79,7 @@ def node_env(spec: dict[str, Any]) -> None:
     # one agent folder per node (where a config turns the agent on): the nodes share this tree, not their memory
     agent_dir = spec.get("agent_dir") or str(Path(spec["config"]).parent / "agents")
     os.environ["TIERED_CKPT_AGENT_DIR"] = f"{agent_dir}/{host}"
-    os.environ["TIERED_CKPT_AGENT_IDLE"] = str(spec.get("agent_idle", 2))
+    os.environ["TIERED_CKPT_AGENT_IDLE"] = str(spec.get("agent_idle", 5))  # (2 s: an open on a loaded machine took longer)
     fault = spec.get("faults", {}).get(host)
     if fault:
         os.environ["TIERED_CKPT_FAULT"] = fault

@@ -559,3 +559,25 @@ async def test_the_agent_runs_the_retention_of_the_tiers_it_drains_sparing_what_
         while any(link.pending for link in server.links.values()):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
+
+
+async def test_a_connection_that_has_not_said_hello_yet_holds_the_agent(tmp_path):
+    """A trainer that connects as the idle time runs out (its engine's open slow on a loaded machine) found the agent
+    exiting mid-handshake, and its first save waited out the handoff limit. Until its first message a connection
+    holds the agent; once it closes, the agent exits when idle."""
+    folder = tmp_path / "agent"
+    server = AgentServer(folder, idle=0.5)
+    assert server.claim()
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not socket_path(folder).exists():
+            await asyncio.sleep(0.01)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(socket_path(folder)))
+        await asyncio.sleep(1.5)  # three idle times, no hello yet
+        assert not serving.done() and server.greeting == 1
+        sock.close()
+        await asyncio.wait_for(serving, 5)  # then idle: it goes
+    finally:
+        server._stop.set()
+        await asyncio.wait_for(serving, 5)

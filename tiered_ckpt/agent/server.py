@@ -58,6 +58,7 @@ from .wire import VERSION, Channel, ChannelClosed
 
 log = logging.getLogger(__name__)
 IDLE_SECONDS = 10.0  # nothing to drain and no trainer attached this long: the agent exits
+GREETING = 10.0  # seconds a new connection may take to send its first message (its hello)
 ASK_TIMEOUT = 10.0  # seconds a trainer has to say what it holds busy before the agent's retention removes anything
 
 
@@ -82,6 +83,7 @@ class AgentServer:
         self.links: dict[tuple[Any, ...], Link] = {}
         self.drains: dict[int, Drained] = {}
         self.clients = 0
+        self.greeting = 0  # connections accepted whose first message has not come yet: they hold the agent too
         self._next = 0
         self._tasks: set[asyncio.Task[None]] = set()  # the clients' connections
         self._running: set[asyncio.Task[None]] = set()  # the drains
@@ -164,7 +166,7 @@ class AgentServer:
         while True:
             await asyncio.sleep(min(1.0, self.idle / 4))
             adopting = self._adopted is not None and not self._adopted.is_set()
-            if self.clients or adopting or any(link.pending for link in self.links.values()):
+            if self.clients or self.greeting or adopting or any(link.pending for link in self.links.values()):
                 self._last_busy = time.monotonic()
             elif time.monotonic() - self._last_busy >= self.idle:
                 self._stop.set()
@@ -172,10 +174,22 @@ class AgentServer:
 
     async def _client(self, channel: Channel) -> None:
         counted = False  # a client of this version: it holds the agent while connected (IDLE: see the docstring)
+        # until its first message (its hello) a connection holds the agent as well: a trainer connecting just as
+        # the idle time ran out (a loaded machine: its engine's open took longer than the idle) found the agent
+        # gone mid-handshake; one that says nothing for GREETING seconds is closed
+        self.greeting += 1
+        greeted = False
         mine: set[tuple[Any, ...]] = set()
         try:
             while True:
-                message, fds = await channel.recv()
+                if greeted:
+                    message, fds = await channel.recv()
+                else:
+                    try:
+                        message, fds = await asyncio.wait_for(channel.recv(), GREETING)
+                    finally:
+                        greeted = True
+                        self.greeting -= 1
                 op = message.get("op")
                 if op == "hello":
                     await channel.send({"op": "hello", "pid": os.getpid(), "version": VERSION,
@@ -212,7 +226,7 @@ class AgentServer:
                     for fd in fds:
                         os.close(fd)
                     await channel.send({"op": "error", "error": f"unknown op {op!r}"})
-        except ChannelClosed:
+        except (ChannelClosed, asyncio.TimeoutError):
             pass
         except Exception as e:  # a bad frame: this client goes, the agent stays
             log.warning("agent: a client's connection failed: %s: %s", type(e).__name__, e)
