@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
 from ..errors import Fenced, IndexUnavailable, TierError, TieredCkptError, TierFull
@@ -60,7 +60,9 @@ class DrainOrder:
     relisted: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as they are (msgpack takes the tuples and bytes): `asdict` deep-copied every part's key,
+        length and checksums, ~5 ms of the trainer's event loop per save of 72 tensors."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_wire(cls, raw: dict[str, Any]) -> "DrainOrder":
