@@ -174,8 +174,7 @@ class Engine:
             fds = getattr(index_obj, "lease_fds", None)
             return fds(job) if fds is not None else []
         slowest = max((t.timeout * (t.retries + 1) for t in self.config.tiers), default=0.0)
-        return AgentClient(agent_folder(), link, lease_fds, outcome_timeout=engine.commit_timeout + 2 * slowest,
-                           busy=self.store.busy)
+        return AgentClient(agent_folder(), link, lease_fds, outcome_timeout=engine.commit_timeout + 2 * slowest)
 
     async def _removing(self, tier: str, step: int) -> None:
         """A removal of `step` from `tier` starts (Removal's hook): the staging pool takes its buffer back, and

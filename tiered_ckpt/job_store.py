@@ -142,16 +142,14 @@ class JobStore:
             self.newest_at_open = max((s.step for s in found), default=-1)
 
     async def is_saved(self, step: int) -> bool:
-        """Whether `step` is complete on some tier (a save of it is refused): for one of this process's saves, or
-        a step not newer than the newest at open (a resumed run saves newer ones), its record in the index (the
-        node agent's retention may have retired one of this process's since)."""
-        if step not in self.committed and self.newest_at_open is not None and step > self.newest_at_open:
+        """Whether `step` is complete on some tier (a save of it is refused): this process's own saves, else,
+        for a step not newer than the newest at open (a resumed run saves newer ones), its record in the index."""
+        if step in self.committed:
+            return True
+        if self.newest_at_open is not None and step > self.newest_at_open:
             return False
         found = await self.catalog.status_of(step)
-        if found is None or not found.is_complete:
-            self.committed.discard(step)
-            return False
-        return True
+        return found is not None and found.is_complete
 
     async def latest(self) -> CheckpointStatus:
         """The checkpoint load() takes: the newest complete one that can be loaded."""

@@ -64,8 +64,7 @@ async def test_frames_sent_at_once_never_interleave():
 
 def test_an_order_and_an_outcome_survive_the_wire_format():
     order = DrainOrder("job", 7, 1, 2, "s1", "ix-abc/s1", 3, ("disk", "s3"), "host", ("k0", "k1"), (10, 4),
-                       ((1, b"\x01" * 8), (2, b"")), "xxh3", 4096, (("rec", b"r"),), {"index": "file:///x"},
-                       relisted=(3, 5))
+                       ((1, b"\x01" * 8), (2, b"")), "xxh3", 4096, (("rec", b"r"),), {"index": "file:///x"})
     import msgpack
     back = DrainOrder.from_wire(msgpack.unpackb(msgpack.packb(order.to_wire(), use_bin_type=True), raw=False))
     assert back == order
@@ -510,55 +509,6 @@ async def test_a_trainer_with_other_aws_settings_writes_its_s3_tier_itself(tmp_p
         finally:
             for client in clients:
                 await client.close()
-
-
-async def test_the_agent_runs_the_retention_of_the_tiers_it_drains_sparing_what_the_trainer_holds(
-        tmp_path, shm_dir, monkeypatch):
-    """The disk keeps one checkpoint and the agent drains it: the agent retires the older ones there (the trainer
-    runs no pass on that tier), except a step a load of the trainer holds (asked over the socket before each
-    removal), which goes once the load is done."""
-    import time
-
-    import torch
-
-    import tiered_ckpt as tc
-    from tiered_ckpt.testing.configs import stack
-
-    folder = tmp_path / "agent"
-    monkeypatch.setenv("TIERED_CKPT_AGENT_DIR", str(folder))
-    config = stack(tmp_path, {"kind": "memory", "capacity": "1GiB", "keep_last": 3}, {"kind": "local", "keep_last": 1},
-                   shm=shm_dir, agent="on")
-    disk = tmp_path / "disk" / "test"
-
-    async def disk_holds() -> tuple[set[int], set[int]]:
-        listed = {c.step for c in [c async for c in engine.list()] if "disk" in c.tiers}
-        return listed, {int(p.name.split("-")[1]) for p in disk.glob("step-*")}
-
-    async def save(step: int) -> None:
-        await (await engine.save(step, {"w": torch.full((1000,), float(step))})).wait()  # (the agent's pass: before)
-        await engine.wait_all()
-
-    async with agent_in_process(folder) as server:
-        async with tc.Engine(config) as engine:
-            for step in (1, 2):
-                await save(step)
-            assert await disk_holds() == ({2}, {2})
-            engine.store.busy.begin_load(2)  # as a load of step 2 holds it
-            for step in (3, 4):
-                await save(step)
-            assert await disk_holds() == ({2, 4}, {2, 4})  # 3 retired, 2 spared: held by the trainer
-            engine.store.busy.end_load(2)
-            await save(5)
-            assert await disk_holds() == ({5}, {5})
-            assert {c.step: c.complete for c in [c async for c in engine.list()]} == {
-                3: {"host"}, 4: {"host"}, 5: {"host", "disk"}}
-            retentions = [link.retention for link in server.links.values()]
-            assert len(retentions) == 1 and retentions[0]._passes.get("disk", 0) >= 4
-            assert "disk" not in engine._saver.services.retention._passes  # none in the trainer
-        deadline = time.monotonic() + 5
-        while any(link.pending for link in server.links.values()):
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
 
 
 async def test_a_connection_that_has_not_said_hello_yet_holds_the_agent(tmp_path):

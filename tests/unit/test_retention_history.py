@@ -196,9 +196,7 @@ async def test_a_first_pass_judges_a_long_history_off_the_event_loop(make_config
     from tiered_ckpt.lifecycle.rules import Rules
 
     monkeypatch.setattr(retention, "LONG", 16, raising=False)
-    # agent off: this observes retention's work in this process (the node agent runs the same passes: test_agent.py)
-    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 2}, {"keep_last": 2, "keep_every": 10}],
-                         agent="off")
+    config = make_config(index=f"file://{shm_dir}/index", tiers=[{"keep_last": 2}, {"keep_last": 2, "keep_every": 10}])
     async with tc.Engine(config) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
         await fill(engine, range(10, 410, 10))
@@ -234,9 +232,8 @@ async def test_a_full_tier_makes_room_reading_the_records_of_what_it_holds(make_
     from tiered_ckpt.lifecycle.retention import Retention
 
     url = f"file://{shm_dir}/index" if kind == "file" else redis_server().url
-    # agent off: this observes retention's work in this process (the node agent runs the same passes: test_agent.py)
-    config = make_config(index=url, tiers=[{"keep_last": 2}, {"capacity": "520KiB", "keep_last": 3, "keep_every": 10}],
-                         agent="off")
+    config = make_config(index=url, tiers=[{"keep_last": 2},
+                                                   {"capacity": "520KiB", "keep_last": 3, "keep_every": 10}])
     async with tc.Engine(config) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
         index, job = engine.store.index, engine.store.job
@@ -275,8 +272,7 @@ async def test_a_new_writers_first_pass_judges_the_window_its_predecessor_left(m
     is not used: keep_last changed, that tier's first pass judges every checkpoint once."""
     url = f"file://{shm_dir}/index" if kind == "file" else redis_server().url
     tiers = [{"keep_last": 2}, {"keep_last": 2, "keep_every": 10}]
-    # agent off: this observes retention's work in this process (the node agent runs the same passes: test_agent.py)
-    async with tc.Engine(make_config(index=url, tiers=tiers, agent="off")) as engine:
+    async with tc.Engine(make_config(index=url, tiers=tiers)) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
         await fill(engine, range(10, 10 * (HISTORY + 1), 10))
         step = 10 * (HISTORY + 1) + 1
@@ -286,7 +282,7 @@ async def test_a_new_writers_first_pass_judges_the_window_its_predecessor_left(m
     listed = [0]  # statuses the index returned (list and list_range)
     for name in ("list", "list_range"):
         monkeypatch.setattr(kind_of, name, counting(getattr(kind_of, name), listed))
-    async with tc.Engine(make_config(index=url, tiers=tiers, agent="off")) as engine:  # a new writer (process)
+    async with tc.Engine(make_config(index=url, tiers=tiers)) as engine:  # a new writer: a new process's engine
         listed[0] = 0  # (the engine's open lists the job once: not a save's)
         await (await engine.save(step + 2, state_of(2.0))).wait()
         assert listed[0] < 60, listed[0]
@@ -294,7 +290,7 @@ async def test_a_new_writers_first_pass_judges_the_window_its_predecessor_left(m
         assert len([s for s in listing if "disk" in s.complete]) == HISTORY + 2  # keep_every's, and the newest two
         assert [s.step for s in listing if "host" in s.complete] == [step + 1, step + 2]
     tiers[1] = {**tiers[1], "keep_last": 3}  # other rules: the note of the disk tier is not used
-    async with tc.Engine(make_config(index=url, tiers=tiers, agent="off")) as engine:
+    async with tc.Engine(make_config(index=url, tiers=tiers)) as engine:
         listed[0] = 0
         await (await engine.save(step + 3, state_of(3.0))).wait()
         assert listed[0] > HISTORY, listed[0]

@@ -24,8 +24,8 @@ def io_of(tmp_path, **tier):
 async def test_a_tier_whose_delete_hangs_cannot_block_a_save(make_config, caplog):
     """keep_last = 1 on a disk whose deletes never return: retention's removal of step 1 times out (a named
     TierTimeout, logged), and `handle.wait()` of step 2 returns: the save itself is durable."""
-    caplog.set_level(logging.WARNING)  # (agent off: the log is this process's)
-    config = make_config(tiers=[{}, {"kind": "faulty", "keep_last": 1, "timeout": 0.5, "retries": 0}], agent="off")
+    caplog.set_level(logging.WARNING)
+    config = make_config(tiers=[{}, {"kind": "faulty", "keep_last": 1, "timeout": 0.5, "retries": 0}])
     async with tc.Engine(config) as engine:
         await (await engine.save(1, state_of(1.0))).wait()
         faults(config).inject("stall", ops=["delete"])  # until cleared: never

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from ..errors import AgentUnavailable
-from ..lifecycle.busy import BusySteps
 from ..save.drain import DrainOrder, TierOutcome
 from .folder import FOLDER_ENV, log_path, make_folder, mount_namespace, socket_path
 from .environment import environment_digest, environment_tiers
@@ -38,9 +37,6 @@ HANDOFF_TIMEOUT = 10.0  # seconds for an agent to answer (one started now includ
 # blocked step) instead of giving up at HANDOFF_TIMEOUT and leaving that save and the started agent unused
 START_TIMEOUT = 30.0
 BYE_TIMEOUT = 5.0  # seconds an engine's close waits for the agent to let its links (and a file index's lease) go
-# seconds the agent's retention pass may hold this trainer's loads from picking their step (a pass takes milliseconds;
-# one slowed by a tier's hung deletes lets the loads go on after this, which then read a step it removes elsewhere)
-HOLD_LIMIT = 10.0
 
 
 # The launcher start_agent runs: a bare interpreter (no site, no tiered_ckpt: 0.1 s CPU where `tiered-ckpt agent
@@ -171,11 +167,8 @@ class AgentClient:
 
     def __init__(self, folder: Path, link: dict[str, Any], lease_fds: Callable[[], list[int]], *,
                  handoff_timeout: float = HANDOFF_TIMEOUT, outcome_timeout: float = 3600.0,
-                 idle: float | None = None, busy: BusySteps | None = None):
+                 idle: float | None = None):
         self.folder = folder
-        self.busy = busy if busy is not None else BusySteps()  # what the agent's retention spares (`_hold`)
-        self._holds: dict[int, asyncio.TimerHandle | None] = {}  # the agent's retention passes holding picks off
-        self._answering: set[asyncio.Future[None]] = set()
         self.link = link
         self.lease_fds = lease_fds
         self.handoff_timeout = handoff_timeout
@@ -296,10 +289,6 @@ class AgentClient:
                 if message.get("op") == "bye":
                     if self._bye is not None and not self._bye.done():
                         self._bye.set_result(None)
-                elif message.get("op") == "hold":
-                    self._hold(channel, message)
-                elif message.get("op") == "release":
-                    self._release(message.get("hold"))
                 elif message.get("op") in ("accepted", "refused"):
                     future = self._accepting.get(ident)
                     if future is not None and not future.done():
@@ -309,38 +298,9 @@ class AgentClient:
         except (ChannelClosed, OSError) as e:
             self._fail_all(AgentUnavailable(f"the agent at {socket_path(self.folder)} went away mid-drain ({e})"))
         finally:
-            for hold in list(self._holds):  # its passes ended with it
-                self._release(hold)
             if self._channel is channel:
                 self._channel = None
             channel.close()
-
-    def _hold(self, channel: Channel, message: dict[str, Any]) -> None:
-        """The agent's retention pass on a tier it drains asks what is busy here: new picks wait (a load or export
-        choosing its step), the picks under way finish, then the answer names the loads' steps and the saves in
-        flight. Held until the agent's `release` (the pass is over), its connection closes, or HOLD_LIMIT."""
-        hold = message.get("hold")
-        if hold not in self._holds:
-            self.busy.hold_picks()
-            self._holds[hold] = asyncio.get_running_loop().call_later(HOLD_LIMIT, self._release, hold)
-
-        async def answer() -> None:
-            await self.busy.no_load_picking()
-            snapshot = self.busy.snapshot(t["name"] for t in self.link.get("tiers", []))
-            try:
-                await channel.send({"op": "held", "id": message.get("id"), **snapshot})
-            except (ChannelClosed, OSError):
-                pass  # the reader sees the connection go and releases
-        task = asyncio.ensure_future(answer())
-        self._answering.add(task)
-        task.add_done_callback(self._answering.discard)
-
-    def _release(self, hold: Any) -> None:
-        if hold in self._holds:
-            timer = self._holds.pop(hold)
-            if timer is not None:
-                timer.cancel()
-            self.busy.release_picks()
 
     def _fail_all(self, error: BaseException) -> None:
         for future in self._accepting.values():

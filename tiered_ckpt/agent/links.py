@@ -10,15 +10,13 @@ are refused."""
 from __future__ import annotations
 
 import fcntl
-import itertools
 import logging
 import os
 import socket
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from ..config import TierConfig, parse_config
 from ..errors import ConfigError, Fenced, TieredCkptError
@@ -48,81 +46,16 @@ def supported_index(url: str) -> str | None:
     return f"index {url.split('://')[0]}:// has no fencing the agent can act under"
 
 
-class TrainerBusy(BusySteps):
-    """The busy steps the agent's retention spares for one trainer rank's session: its own, and, while that trainer
-    is attached, what the trainer says is busy, asked before each removal (`hold`: its loads' steps, its saves in
-    flight), the trainer's new picks held off from the first ask until the pass is over (`release`): so no load or
-    export of the trainer picks a step the pass removes, as none does beside the trainer's own retention."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ask: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None  # while the trainer is attached
-        self.tell: Callable[[dict[str, Any]], Awaitable[None]] | None = None
-        self._hold: int | None = None
-        self._users = 0  # retention calls under way on this link: the hold ends with the last
-        self._trainer_loads: set[int] = set()
-        self._trainer_saves: list[tuple[int, str | None]] = []
-
-    def attach(self, ask: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
-               tell: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        self.ask, self.tell = ask, tell
-
-    def detach(self) -> None:
-        """The trainer is gone: its loads and saves with it (its side released any hold as the connection closed)."""
-        self.ask = self.tell = None
-        self._hold = None
-        self._trainer_loads, self._trainer_saves = set(), []
-
-    async def no_load_picking(self) -> None:
-        await super().no_load_picking()
-        ask = self.ask
-        if ask is None:
-            return
-        if self._hold is None:
-            self._hold = next(_HOLDS)
-        reply = await ask({"op": "hold", "hold": self._hold})
-        self._trainer_loads = {int(s) for s in reply.get("loads", ())}
-        self._trainer_saves = [(int(s), only) for s, only in reply.get("saves", ())]
-
-    def steps(self, *, finishing_on: str | None = None, finishing: frozenset[int] | set[int] = frozenset()) -> set[int]:
-        own = super().steps(finishing_on=finishing_on, finishing=finishing)
-        saving = {s for s, only in self._trainer_saves
-                  if not (s in finishing and finishing_on is not None and only == finishing_on)}
-        return own | saving | self._trainer_loads
-
-    @asynccontextmanager
-    async def scope(self) -> AsyncIterator[None]:
-        """One retention call (a pass, a make_room): the trainer's hold, if one was asked for, ends with the last."""
-        self._users += 1
-        try:
-            yield
-        finally:
-            self._users -= 1
-            if not self._users and self._hold is not None:
-                hold, self._hold = self._hold, None
-                tell = self.tell
-                if tell is not None:
-                    try:
-                        await tell({"op": "release", "hold": hold})
-                    except (ConnectionError, OSError):
-                        pass  # gone: its side released the hold as the connection closed
-
-
-_HOLDS = itertools.count(1)
-
-
 @dataclass
 class Link:
-    """One trainer rank's session, as the agent drains it, and the retention of the tiers it drains (the pass
-    that rank's trainer would run: rank 0's keeps the index's books, every rank's its files), sparing what the
-    trainer holds while it is attached (`TrainerBusy`)."""
+    """One trainer rank's session, as the agent drains it; once that trainer is gone, also the retention of the
+    tiers it drains (the pass that rank's trainer ran: rank 0's keeps the index's books, every rank's its files)."""
 
     order: DrainOrder  # the first save handed over: the job's side is the same for each
     io: TierIO
     index: Index
     commit: Committer
     retention: Retention
-    busy: TrainerBusy
     lease_fds: list[int] = field(default_factory=list)
     pending: int = 0  # drains running
     attached: bool = True  # the trainer's connection is open
@@ -154,36 +87,28 @@ class Link:
             await io.close()
             raise ConfigError(f"the agent's index {index.identity} is not the trainer's (its folder would be "
                               f"{commit.incarnation}, not {order.incarnation})", key="engine.index")
-        busy = TrainerBusy()
+        busy = BusySteps()  # the agent's own: the trainer's saves and loads ended with it
         removal = Removal(order.job, index, io, busy, set(), rank=order.rank, world_size=order.world_size)
-        removal.relisted.update(order.relisted)
         retention = Retention(order.job, index, removal, busy, {t.name: Rules.of(t) for t in configs})
-        return cls(order, io, index, commit, retention, busy, list(fds))
+        return cls(order, io, index, commit, retention, list(fds))
 
     async def retain(self, tier: str, step: int) -> None:
         """The tier's retention, as save `step` ends there (a failure is said: the next pass tries again)."""
         try:
-            async with self.busy.scope():
-                await self.retention.apply(tier, finishing=step)
+            await self.retention.apply(tier, finishing=step)
         except (TieredCkptError, OSError) as e:
             log.warning("agent: job %s tier %s: retention after step %d: %s: %s", self.order.job, tier, step,
                         type(e).__name__, e)
 
     async def make_room(self, tier: str, step: int) -> bool:
-        """Retire a checkpoint on a full `tier` (False: none could go, or the trainer did not answer)."""
-        try:
-            async with self.busy.scope():
-                return await self.retention.make_room(tier, finishing=step)
-        except (TieredCkptError, OSError) as e:
-            log.warning("agent: job %s tier %s is full and no room was made for step %d: %s: %s", self.order.job,
-                        tier, step, type(e).__name__, e)
-            return False
+        """Retire a checkpoint on a full `tier`, once the trainer is gone (an attached trainer is handed the save
+        back: its retention knows what its loads hold)."""
+        return not self.attached and await self.retention.make_room(tier, finishing=step)
 
     def trainer_gone(self) -> None:
         """The trainer's connection closed: a writer that starts now waits for the lease the agent holds (as for
         a cleaner's) instead of being refused."""
         self.attached = False
-        self.busy.detach()
         record = agent_record(self.order.session).encode()
         for fd in self.lease_fds:
             try:

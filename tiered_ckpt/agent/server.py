@@ -9,9 +9,7 @@ Messages (wire.py), each a map with "op": `hello` {"pid", "version"} → {"op": 
 "pid", "version", "drains": [...], "clients"}; `settle` {"job", "index"} → `settled` {"job", "drains"} once no drain
 of that job without its trainer is left (an engine asks at open, before its first save fences such drains out);
 `bye` → `bye` once the connection's links that drain nothing are closed (an engine's close: the file index's writer
-lease the agent held for them is free). The agent asks too: `hold` {"id", "hold"} → the trainer's `held` {"id",
-"loads", "saves"} (what its retention pass of a drained tier must spare; the trainer's new picks wait until
-`release` {"hold"}: links.TrainerBusy).
+lease the agent held for them is free).
 
 Only `drain` needs the client's hello to name this agent's protocol version (it is refused otherwise); `status`
 and `settle` are answered whatever the version. A connection of another version (or with no hello) is not
@@ -34,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import itertools
 import logging
 import os
 import resource
@@ -45,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import AgentUnavailable, ConfigError, Fenced
+from ..errors import ConfigError, Fenced
 from ..lifecycle import fault_points
 from ..save.drain import AbandonNotRecorded, DrainOrder, TierOutcome, drain_tier, end_source_commit, wait_for_source
 from ..storage.index import CommitState
@@ -59,7 +56,6 @@ from .wire import VERSION, Channel, ChannelClosed
 log = logging.getLogger(__name__)
 IDLE_SECONDS = 10.0  # nothing to drain and no trainer attached this long: the agent exits
 GREETING = 10.0  # seconds a new connection may take to send its first message (its hello)
-ASK_TIMEOUT = 10.0  # seconds a trainer has to say what it holds busy before the agent's retention removes anything
 
 
 @dataclass
@@ -95,8 +91,6 @@ class AgentServer:
         self._draining: dict[int, tuple[Link, asyncio.Task[None]]] = {}  # what `settle` waits for
         self._superseded: set[int] = set()  # drains a newer engine's settle gave up on (their commit never came)
         self.environment = environment_digest()  # what its S3 clients read: a trainer of another one writes itself
-        self._asked: dict[int, tuple[Channel, asyncio.Future[dict[str, Any]]]] = {}  # questions to trainers (held)
-        self._asks = itertools.count(1)
 
     def claim(self) -> bool:
         """The folder's agent lock (one agent per folder); False when another agent holds it."""
@@ -197,10 +191,6 @@ class AgentServer:
                     if message.get("version") == VERSION and not counted:
                         counted = True
                         self.clients += 1
-                elif op == "held":  # a trainer's answer to its link's retention (links.TrainerBusy)
-                    asked = self._asked.get(message.get("id"))
-                    if asked is not None and not asked[1].done():
-                        asked[1].set_result(message)
                 elif op == "status":
                     await channel.send(self.status())
                 elif op == "settle":
@@ -234,9 +224,6 @@ class AgentServer:
             if counted:
                 self.clients -= 1
                 self._last_busy = time.monotonic()
-            for asked_on, future in list(self._asked.values()):
-                if asked_on is channel and not future.done():
-                    future.set_exception(ChannelClosed("the trainer's connection closed"))
             channel.close()
             for key in mine:
                 link = self.links.get(key)
@@ -267,7 +254,6 @@ class AgentServer:
             await channel.send({"op": "refused", "id": ident, "error": f"{type(e).__name__}: {e}"})
             return None
         link.attached = True
-        link.busy.attach(lambda m: self._ask(channel, m), channel.send)
         link.pending += 1
         try:  # on file before the trainer hears "accepted": an agent killed from here on loses nothing
             trainer = str(message.get("trainer") or "")
@@ -310,8 +296,8 @@ class AgentServer:
             self.drains[number].tiers[tier] = outcome.state
             log.info("agent: job %s step %d rank %d on tier %s: %s %s", order.job, order.step, order.rank, tier,
                      outcome.state, outcome.error)
-            if outcome.state == "done":  # before the outcome, as the trainer's own write did: a save whose wait()
-                await link.retain(tier, order.step)  # returned left its tiers within their rules
+            if outcome.state == "done" and (channel is None or not link.attached):
+                await link.retain(tier, order.step)  # its trainer is gone: nobody else keeps the tier to its rules
             await self._tell(channel, {"op": "outcome", "id": ident, "outcome": outcome.to_wire()})
 
         async def abandon(why: str) -> None:
@@ -356,20 +342,6 @@ class AgentServer:
             self.drains.pop(number, None)
             self._superseded.discard(number)
             await self._close_if_done(key)
-
-    async def _ask(self, channel: Channel, message: dict[str, Any]) -> dict[str, Any]:
-        """Ask a trainer (its answer comes through `_client`); AgentUnavailable when it says nothing in time."""
-        ident = next(self._asks)
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._asked[ident] = (channel, future)
-        try:
-            await channel.send({**message, "id": ident})
-            return await asyncio.wait_for(future, ASK_TIMEOUT)
-        except (asyncio.TimeoutError, ChannelClosed, OSError) as e:
-            raise AgentUnavailable(f"the trainer did not answer the agent's {message.get('op')!r} within "
-                                   f"{ASK_TIMEOUT:g}s ({type(e).__name__}): retention waits for the next save") from None
-        finally:
-            self._asked.pop(ident, None)
 
     async def _tell(self, channel: Channel | None, message: dict[str, Any]) -> None:
         """Report to the trainer if it is still there (a dead trainer's drain goes on all the same)."""

@@ -22,9 +22,8 @@ _HEADER = struct.Struct(">I")
 # none) neither holds the agent nor restarts its idle clock (server.py), so a trainer of another release cannot
 # keep it from its idle exit. 2: orders come before the memory tier's commit (save/drain.py, wait_for_source);
 # 3: the agent records in the index that a save it gives up will not commit there (Index.abandon), and the
-# trainer's marker honours that record; 4: the agent runs the retention of the tiers it drains, asking the trainer
-# what it holds busy (`hold`/`held`/`release`: links.TrainerBusy)
-VERSION = 4
+# trainer's marker honours that record
+VERSION = 3
 
 
 class ChannelClosed(ConnectionError):

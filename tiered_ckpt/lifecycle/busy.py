@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from contextlib import contextmanager
-from typing import Awaitable, Callable, Iterable, Iterator, Protocol, TypeVar
+from typing import Awaitable, Callable, Iterator, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -30,9 +30,6 @@ class BusySteps:
         self._no_picking = asyncio.Event()
         self._no_picking.set()
         self._removing: Counter[tuple[int, str]] = Counter()  # (step, tier) removals running
-        self._held = 0  # retention passes of another process (the node agent's) holding new picks off
-        self._picks_free = asyncio.Event()
-        self._picks_free.set()
 
     def saving(self, step: int, handle: InFlight) -> None:
         self._saves[step] = handle
@@ -71,8 +68,6 @@ class BusySteps:
         """Run a read's choice of its step (`pick`) while retention waits, and hold the step picked (busy until
         `end_load`). Returns what `pick` returned, and the tiers a removal of that step runs on (or ran on as
         the pick began): the read takes the step from its other tiers."""
-        while self._held:  # the node agent is removing checkpoints for this process (hold_picks)
-            await self._picks_free.wait()
         removals = self.removals()  # those running as the pick begins may end before it does
         with self.picking():
             picked = await pick()
@@ -84,27 +79,6 @@ class BusySteps:
         """Return once no load is picking its step (then, before any await, what is busy is known)."""
         while self._picking:  # (an Event's waiters wake for a set() even if a new pick cleared it meanwhile)
             await self._no_picking.wait()
-
-    def hold_picks(self) -> None:
-        """Another process runs a retention pass for this one (the node agent, on the tiers it drains): no read
-        starts picking its step until `release_picks`, as no removal starts here while a read picks."""
-        self._held += 1
-        self._picks_free.clear()
-
-    def release_picks(self) -> None:
-        self._held -= 1
-        if not self._held:
-            self._picks_free.set()
-
-    def snapshot(self, tiers: Iterable[str]) -> dict[str, list]:
-        """What is busy here, for a retention pass in another process: the steps loads hold, and each save in
-        flight with the one tier it still writes when only one is left (`steps(finishing_on=...)` there)."""
-        saves = []
-        for step, handle in self._saves.items():
-            if not handle.done():
-                only = next((t for t in tiers if handle.done_except(t)), None)
-                saves.append([step, only])
-        return {"loads": sorted(self._loads), "saves": saves}
 
     @contextmanager
     def removing(self, step: int, tier: str) -> Iterator[None]:

@@ -56,8 +56,6 @@ class DrainOrder:
     chunk_size: int
     records: tuple[tuple[str, bytes], ...]  # (key, bytes): this rank's checksum record; rank 0's manifest too
     link: dict[str, Any] = field(default_factory=dict)
-    # steps the writer's start listed again (the index had forgot them): the agent's retention judges them once
-    relisted: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         """The fields as they are (msgpack takes the tuples and bytes): `asdict` deep-copied every part's key,
@@ -67,11 +65,10 @@ class DrainOrder:
     @classmethod
     def from_wire(cls, raw: dict[str, Any]) -> "DrainOrder":
         raw = dict(raw)
-        for name in ("tiers", "keys", "lengths", "relisted"):
+        for name in ("tiers", "keys", "lengths"):
             raw[name] = tuple(raw[name])
         raw["sums"] = tuple((int(c), bytes(s)) for c, s in raw["sums"])
         raw["records"] = tuple((str(k), bytes(v)) for k, v in raw["records"])
-        raw.setdefault("relisted", ())
         return cls(**raw)
 
 
@@ -207,9 +204,10 @@ async def drain_tier(io: TierIO, commit: Committer, order: DrainOrder, tier: str
     """`order`'s copy onto `tier`: the save's turn there (a newer save supersedes a waiting one), the parts, the
     records, the check, this rank's durable marker and the commit wait, then rank 0's committed marker. A failure
     is recorded in the index (every rank's wait sees it) and the parts written are taken back. `make_room`: on a
-    full tier, retire an older checkpoint there and write again (the agent's retention). A tier still full before
-    this rank marked its copy, while `hand_back()` (its trainer is attached), is "full": nothing recorded, the parts
-    taken back, and the trainer writes the tier itself."""
+    full tier, retire an older checkpoint there and write again (the agent's retention, once the trainer is gone).
+    A tier still full before this rank marked its copy, while `hand_back()` (its trainer is attached), is "full":
+    nothing recorded, the parts taken back, and the trainer, whose retention may retire older checkpoints there,
+    writes the tier itself."""
     turns = io.turns(tier)
     newer = await turns.take(order.step)
     if newer is not None:

@@ -221,10 +221,10 @@ class SaveJob:
                           commit.world_size, commit.session, commit.incarnation, commit.index.epoch,
                           tuple(self.handed), source.files_tier, copy.keys, copy.lengths,
                           tuple(await records.part_sums()), records.algorithm, records.chunk_size,
-                          tuple(await records.blobs()), relisted=tuple(sorted(self.services.removal.relisted)))
+                          tuple(await records.blobs()))
 
     async def _settle(self, outcome: TierOutcome) -> None:
-        """A tier the agent drained settled: the handle learns it (the agent ran that tier's retention)."""
+        """A tier the agent drained settled: the handle learns it, and retention runs here, as after a write."""
         tier, handle = outcome.tier, self.handle
         self.source.settled_all(tier, ok=outcome.state == "done")
         handle.settled(tier)
@@ -232,6 +232,7 @@ class SaveJob:
             handle.set_skipped(tier, outcome.newer if outcome.newer is not None else self.step)
         elif outcome.state == "done":
             self.services.committed.add(self.step)
+            await self.services.retention.apply(tier, finishing=self.step)
             handle.set_done(tier)
         else:
             handle.set_done(tier, outcome_error(outcome, self.step))
