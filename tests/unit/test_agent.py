@@ -531,3 +531,60 @@ async def test_a_connection_that_has_not_said_hello_yet_holds_the_agent(tmp_path
     finally:
         server._stop.set()
         await asyncio.wait_for(serving, 5)
+
+
+async def test_a_trainer_that_reconnected_stays_attached_when_its_old_connection_closes(tmp_path, shm_dir):
+    """A handoff that timed out drops its connection and the next save makes another, to the same agent and link;
+    the agent can see the old connection close after the new one handed a save over. That close must not count as
+    the trainer gone (the agent would then run the retention of a live trainer's tiers and take its file index's
+    lease record as its own): the trainer is gone once its last connection closed."""
+    from tiered_ckpt.agent.links import CLEANER, tier_tables
+    from tiered_ckpt.save.commit import Committer
+    from tiered_ckpt.storage.index.file import FileIndex
+    from tiered_ckpt.testing.configs import stack
+
+    config = stack(tmp_path, {"kind": "memory", "capacity": "64MiB", "keep_last": 2}, "local", shm=shm_dir, job="j")
+    index = FileIndex(tmp_path / "index")
+    await index.open()
+    folder = tmp_path / "agent"
+    server = AgentServer(folder, idle=30)
+    assert server.claim()
+    serving = asyncio.create_task(server.serve())
+    lease = tmp_path / "lease"
+    lease.write_text("the trainer's record")
+    try:
+        epoch = index.epoch = await index.fence("j")
+        commit = Committer(index, "j", rank=0, world_size=1, session="s1", timeout=30)
+        link = {"index": f"file://{tmp_path}/index", "index_timeout": 0.5, "commit_timeout": 300,
+                "tiers": tier_tables(list(config.tiers), str(tmp_path)), "node": 0, "num_nodes": 1}
+        channels = []
+        for step in (3, 4):  # step 3 on the first connection, step 4 on the reconnected one: one link
+            await commit.begin(step, ["host", "disk"])
+            order = DrainOrder("j", step, 0, 1, "s1", commit.incarnation, epoch, ("disk",), "host", ("k",), (1,),
+                               ((0, b""),), "crc32c", 0, (), link)
+            channel = await connect(folder, start=False, timeout=5)
+            fd = os.open(lease, os.O_RDWR)
+            await channel.send({"op": "drain", "id": step, "order": order.to_wire(), "trainer": ""}, [fd])
+            os.close(fd)
+            reply, _ = await channel.recv()
+            assert reply == {"op": "accepted", "id": step}
+            channels.append(channel)
+        assert len(server.links) == 1
+
+        async def clients(n: int) -> None:  # (the status call's own connection is one more)
+            while (await agent_status(folder))["clients"] != n + 1:
+                await asyncio.sleep(0.02)
+
+        channels[0].close()  # the old connection's close, seen after the new one's handoff
+        await asyncio.wait_for(clients(1), 5)
+        assert [link.attached for link in server.links.values()] == [True]
+        assert lease.read_text() == "the trainer's record"
+        channels[1].close()  # the trainer's last connection: now it is gone
+        await asyncio.wait_for(clients(0), 5)
+        assert lease.read_text().startswith(CLEANER)
+    finally:
+        for channel in channels:
+            channel.close()
+        server._stop.set()
+        await asyncio.wait_for(serving, 10)
+        await index.close()

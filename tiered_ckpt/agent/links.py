@@ -58,7 +58,23 @@ class Link:
     retention: Retention
     lease_fds: list[int] = field(default_factory=list)
     pending: int = 0  # drains running
-    attached: bool = True  # the trainer's connection is open
+    # the trainer's open connections that handed this link a save: more than one after a reconnect (a handoff
+    # that timed out drops its connection, the next save makes another), and the old one's close can come last
+    channels: set[Any] = field(default_factory=set)
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.channels)
+
+    def attach(self, channel: Any) -> None:
+        self.channels.add(channel)
+
+    def detach(self, channel: Any) -> None:
+        """`channel` closed or said bye: the trainer is gone once no connection of it is left."""
+        if channel in self.channels:
+            self.channels.discard(channel)
+            if not self.channels:
+                self.trainer_gone()
 
     @classmethod
     async def open(cls, order: DrainOrder, fds: list[int]) -> "Link":
@@ -106,9 +122,9 @@ class Link:
         return not self.attached and await self.retention.make_room(tier, finishing=step)
 
     def trainer_gone(self) -> None:
-        """The trainer's connection closed: a writer that starts now waits for the lease the agent holds (as for
+        """The trainer's last connection closed: a writer that starts now waits for the lease the agent holds (as for
         a cleaner's) instead of being refused."""
-        self.attached = False
+        self.channels.clear()
         record = agent_record(self.order.session).encode()
         for fd in self.lease_fds:
             try:

@@ -209,7 +209,7 @@ class AgentServer:
                     for key in mine:
                         link = self.links.get(key)
                         if link is not None:
-                            link.trainer_gone()
+                            link.detach(channel)
                             await self._close_if_done(key)
                     await channel.send({"op": "bye"})
                 else:
@@ -228,7 +228,7 @@ class AgentServer:
             for key in mine:
                 link = self.links.get(key)
                 if link is not None:
-                    link.trainer_gone()
+                    link.detach(channel)
                     await self._close_if_done(key)
 
     async def _drain(self, channel: Channel, message: dict[str, Any], fds: list[int]) -> tuple[Any, ...] | None:
@@ -253,7 +253,7 @@ class AgentServer:
                     pass
             await channel.send({"op": "refused", "id": ident, "error": f"{type(e).__name__}: {e}"})
             return None
-        link.attached = True
+        link.attach(channel)
         link.pending += 1
         try:  # on file before the trainer hears "accepted": an agent killed from here on loses nothing
             trainer = str(message.get("trainer") or "")
@@ -288,7 +288,7 @@ class AgentServer:
                 if file_tier is not None:  # the trainer wrote or removed some since: counted from the files
                     await file_tier.recount()
                 outcome = await drain_tier(link.io, link.commit, order, tier,
-                                           hand_back=lambda: channel is not None and link.attached,
+                                           hand_back=lambda: channel in link.channels,
                                            make_room=lambda: link.make_room(tier, order.step))
             except Exception as e:  # a bug: said, and reported as the tier's failure
                 log.error("agent: step %d on tier %s: %s: %s", order.step, tier, type(e).__name__, e)
@@ -404,8 +404,7 @@ class AgentServer:
                 log.error("agent: %s cannot be adopted now (%s: %s); the next agent tries again", what,
                           type(e).__name__, e)
                 return
-            link.attached = False
-            self.links[key] = link
+            self.links[key] = link  # (attached to no connection: its trainer is gone)
         link.pending += 1  # held while the index is asked: another drain of the link may finish meanwhile
         try:
             status = await status_of(link.index, order.job, order.step)
