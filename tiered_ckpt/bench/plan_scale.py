@@ -75,13 +75,23 @@ def _payload(layout: str, tensors: int, rank: int, world: int, first: tuple[byte
 
 
 def _cpu(fn: Callable[[], Any]) -> tuple[Any, float]:
+    out, user, system, _ = _cpu_split(fn)
+    return out, user + system
+
+
+def _cpu_split(fn: Callable[[], Any]) -> tuple[Any, float, float, int]:
+    """fn(), its user and system CPU seconds and the page faults it took. The system part is mostly the first
+    touch of fresh memory: on a VM whose host backs guest memory lazily it is most of the plan's CPU at millions
+    of chunks (docs/benchmarks.md), where bare metal pays a small fraction of it."""
     gc.collect()
     gc_was = gc.isenabled()
     gc.disable()  # as the engine plans (state/gc_pause.py)
     try:
-        t = time.process_time()
+        before = resource.getrusage(resource.RUSAGE_SELF)
         out = fn()
-        return out, time.process_time() - t
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        return (out, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime,
+                after.ru_minflt - before.ru_minflt)
     finally:
         if gc_was:
             gc.enable()
@@ -114,14 +124,16 @@ def measure(layout: str, tensors: int, world: int, *, manifest: bool = False) ->
         mine.local(plan.shares[0])
         return plan, sent
 
-    (plan, sent), coordinator_cpu = _cpu(coordinate)
+    (plan, sent), coordinator_user, coordinator_sys, coordinator_faults = _cpu_split(coordinate)
+    coordinator_cpu = coordinator_user + coordinator_sys
     reply = sent[1] if world > 1 else sent[0]
     local, receive_cpu = _cpu(lambda: described1.local(pickle.loads(reply)[4]) if world > 1 else None)
     loads = plan.rank_nbytes
     encoded = _manifest(plan) if manifest else {}
     out = {**encoded, "layout": layout, "tensors": tensors, "ranks": world,
            "rank_cpu": (encode_cpu + receive_cpu) if world > 1 else coordinator_cpu,
-           "coordinator_cpu": coordinator_cpu,
+           "coordinator_cpu": coordinator_cpu, "coordinator_user": coordinator_user,
+           "coordinator_sys": coordinator_sys, "coordinator_faults": coordinator_faults,
            "gathered_bytes": sum(len(b) for b in gathered[1:]),  # (rank 0 keeps its own: see Planner._exchange)
            "gathered_padded_bytes": world * max(map(len, gathered[1:]), default=0),
            "rank_received_bytes": len(reply), "max_mean": max(loads) / (sum(loads) / world),
@@ -160,9 +172,9 @@ def main() -> None:
     ap.add_argument("--layouts", default="ddp,fsdp")
     ap.add_argument("--cap", type=float, default=60.0, help="stop a series after a point over this many CPU s")
     args = ap.parse_args()
-    print("| layout | tensors | ranks | rank CPU s | coordinator CPU s | gathered MB | to a rank KB | max/mean "
-          "| chunks | peak RSS GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| layout | tensors | ranks | rank CPU s | coordinator CPU s (user + system) | page faults | gathered MB "
+          "| to a rank KB | max/mean | chunks | peak RSS GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for layout in args.layouts.split(","):
         for tensors in map(int, args.tensors.split(",")):
             points = []
@@ -170,15 +182,16 @@ def main() -> None:
                 m = measure(layout, tensors, world)
                 points.append(m)
                 print(f"| {layout} | {tensors} | {world} | {m['rank_cpu']:.4f} | {m['coordinator_cpu']:.3f} "
+                      f"({m['coordinator_user']:.3f} + {m['coordinator_sys']:.3f}) | {m['coordinator_faults']} "
                       f"| {m['gathered_bytes'] / 1e6:.2f} | {m['rank_received_bytes'] / 1e3:.1f} "
                       f"| {m['max_mean']:.4f} | {m['chunks']} | {m['maxrss_gib']:.1f} |", flush=True)
                 if m["coordinator_cpu"] > args.cap:
                     break
             if len(points) > 1:
-                fit = {k: slope([(p["ranks"], p[k]) for p in points]) for k in ("rank_cpu", "coordinator_cpu",
-                                                                                 "gathered_bytes")}
+                fit = {k: slope([(p["ranks"], p[k]) for p in points])
+                       for k in ("rank_cpu", "coordinator_cpu", "coordinator_user", "gathered_bytes")}
                 print(f"| {layout} | {tensors} | slope | R^{fit['rank_cpu']:.2f} | R^{fit['coordinator_cpu']:.2f} "
-                      f"| R^{fit['gathered_bytes']:.2f} | | | | |", flush=True)
+                      f"(user R^{fit['coordinator_user']:.2f}) | | R^{fit['gathered_bytes']:.2f} | | | | |", flush=True)
 
 
 if __name__ == "__main__":

@@ -133,7 +133,9 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
     offsets = np.concatenate([padded(a[1], 0) for a in parts] + [np.zeros((0, width), np.int64)])
     sizes = np.concatenate([padded(a[2], 1) for a in parts] + [np.zeros((0, width), np.int64)])
     alone = np.concatenate([a[3] for a in parts] + [np.zeros(0, np.int64)]).astype(bool)
-    elems = sizes.prod(axis=1)
+    elems = sizes[:, 0].copy()  # (a product along a short axis costs ~5x one over its columns)
+    for column in range(1, width):
+        elems *= sizes[:, column]
     nbytes = itemsize[tid] * elems
     single = np.asarray([len(rs) == 1 for rs in groups], dtype=bool)[grp]
     keep = (nbytes > 0) | (numel[tid] == 0)
@@ -158,8 +160,9 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
     own_rows = [o for o in own if math.prod(o[4]) > 0 or numel[o[2]] == 0]
     own_tid = int_array([o[2] for o in own_rows])
     own_bytes = itemsize[own_tid] * int_array([math.prod(o[4]) for o in own_rows])
-    fixed_rank = np.concatenate([rank_of_group[grp[sole]], int_array([o[0] for o in own_rows])])
-    fixed_bytes = np.concatenate([nbytes[sole], own_bytes])
+    fixed_rank = _joined([(grp, sole), int_array([o[0] for o in own_rows])])
+    fixed_rank[:-len(own_rows) or None] = rank_of_group[fixed_rank[:-len(own_rows) or None]]
+    fixed_bytes = _joined([(nbytes, sole), own_bytes])
     load = np.bincount(fixed_rank, weights=fixed_bytes, minlength=world_size).round().astype(np.int64)
     total = int(fixed_bytes.sum()) + int(nbytes[held].sum()) + sum([placer.nbytes(b) for b in placer.first])
     threshold = total / world_size / 16
@@ -177,14 +180,14 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
     own_size = int_array([x for o in own_rows for x in o[4] + (1,) * (width - len(o[4]))]).reshape(-1, width)
     whole = int(sole.sum()) + len(own_rows) + int(held.sum())
     rank = np.concatenate([fixed_rank, held_rank, int_array([p[0] for p in pieces])])
-    descriptor = np.concatenate([desc[sole], int_array([o[1] for o in own_rows]), desc[held],
-                                 int_array([p[1] for p in pieces])])
-    chunk_tid = np.concatenate([tid[sole], own_tid, tid[held], int_array([p[2] for p in pieces])])
-    chunk_off = np.concatenate([offsets[sole], own_off, offsets[held], py_off])
-    chunk_size = np.concatenate([sizes[sole], own_size, sizes[held], py_size])
+    descriptor = _joined([(desc, sole), int_array([o[1] for o in own_rows]), (desc, held),
+                          int_array([p[1] for p in pieces])])
+    chunk_tid = _joined([(tid, sole), own_tid, (tid, held), int_array([p[2] for p in pieces])])
+    chunk_off = _joined([(offsets, sole), own_off, (offsets, held), py_off])
+    chunk_size = _joined([(sizes, sole), own_size, (sizes, held), py_size])
     start = np.concatenate([np.full(whole, -1, np.int64), int_array([p[5] for p in pieces])])
     length = np.concatenate([np.zeros(whole, np.int64), int_array([p[6] for p in pieces])])
-    chunk_bytes = np.concatenate([fixed_bytes, nbytes[held], int_array([p[7] for p in pieces])])
+    chunk_bytes = _joined([fixed_bytes, (nbytes, held), int_array([p[7] for p in pieces])])
     release_all([pieces])  # (a tuple per piece: 1M freed at once hold the GIL, as below)
 
     # each rank's stream: its pieces in its tensors' order
@@ -194,35 +197,69 @@ def plan_world(payloads: Sequence[tuple[Any, ...]]) -> WorldPlan:
         rank, descriptor, chunk_tid, chunk_off, chunk_size = (rank[order], descriptor[order], chunk_tid[order],
                                                              chunk_off[order], chunk_size[order])
         start, length, chunk_bytes = start[order], length[order], chunk_bytes[order]
-    aligned = -(-chunk_bytes // ALIGN) * ALIGN
-    before = np.cumsum(aligned) - aligned
+    # (in place where a step would make one more array of every chunk: fresh memory is most of the plan's CPU
+    # at millions of chunks, docs/benchmarks.md)
+    aligned = -(-chunk_bytes // ALIGN)
+    aligned *= ALIGN
+    before = np.cumsum(aligned)
+    before -= aligned
+    del aligned
     first = np.searchsorted(rank, np.arange(world_size + 1))
     writes = first[1:] > first[:-1]
     base = np.zeros(world_size, np.int64)
     base[writes] = before[first[:-1][writes]]
-    byte_offset = before - base[rank]
+    byte_offset = before
+    byte_offset -= base[rank]
     rank_nbytes = np.zeros(world_size, np.int64)
     last = first[1:][writes] - 1
     rank_nbytes[writes] = byte_offset[last] + chunk_bytes[last]
-    share_rows = np.stack([descriptor, start, length, byte_offset], axis=1).astype("<i8")
+    share_rows = np.empty((len(rank), 4), "<i8")
+    for column, values in enumerate((descriptor, start, length, byte_offset)):
+        share_rows[:, column] = values
     shares = [share_rows[a:b].tobytes() for a, b in zip(first[:-1].tolist(), first[1:].tolist())]
 
     by_tensor = np.argsort(chunk_tid.astype(np.uint16) if count <= 1 << 16 else chunk_tid, kind="stable")
     chunk_tid = chunk_tid[by_tensor]
-    valid = np.arange(width) < ndims[chunk_tid][:, None]
     names = sorted(distinct(world.dtypes))
     dtype_index = {n: i for i, n in enumerate(names)}
     table = TensorTable(list(world.paths), names, int_array([dtype_index[d] for d in world.dtypes]),
                         ndims, int_array([x for s in world.shapes for x in s]),
                         np.bincount(chunk_tid, minlength=count).astype(np.int64), rank[by_tensor],
-                        byte_offset[by_tensor], chunk_bytes[by_tensor], chunk_off[by_tensor][valid],
-                        chunk_size[by_tensor][valid])
+                        byte_offset[by_tensor], chunk_bytes[by_tensor], *_boxes_in_order(by_tensor, chunk_tid, ndims,
+                                                                                      chunk_off, chunk_size))
     # what was made per tensor or box freed a batch at a time: dropped whole at the return (the world's five
     # lists and its dict of paths, the compared boxes), 1M entries each are freed in one step that holds the GIL
     # (175 ms at 1M tensors, in the planning thread, the loop waiting: release.py)
     release_all([world.tid, world.paths, world.dtypes, world.itemsizes, world.shapes, own, own_rows,
                  placer.first, placer.shared])
     return WorldPlan(table, to_list(rank_nbytes), shares)
+
+
+def _joined(parts: Sequence[np.ndarray | tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """np.concatenate of int64 `parts`, a (values, mask) part taken where its mask is set, written into one array
+    without a masked copy of each in between (fresh memory is most of the plan's CPU at millions of chunks)."""
+    lengths = [int(np.count_nonzero(p[1])) if isinstance(p, tuple) else len(p) for p in parts]
+    first = parts[0][0] if isinstance(parts[0], tuple) else parts[0]
+    out = np.empty((sum(lengths), *first.shape[1:]), np.int64)
+    at = 0
+    for part, n in zip(parts, lengths):
+        if isinstance(part, tuple):
+            np.compress(part[1], part[0], axis=0, out=out[at:at + n])
+        elif n:
+            out[at:at + n] = part
+        at += n
+    return out
+
+
+def _boxes_in_order(order: np.ndarray, tid: np.ndarray, ndims: np.ndarray, offsets: np.ndarray,
+                    sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The chunks' boxes (rows padded to the widest tensor) in `order`, flat, each with its tensor's dims only (`tid`:
+    the chunks' tensors, in that order already); with no padding, the rows as they are."""
+    width = offsets.shape[1]
+    if bool((ndims == width).all()):
+        return offsets[order].ravel(), sizes[order].ravel()
+    valid = np.arange(width) < ndims[tid][:, None]
+    return offsets[order][valid], sizes[order][valid]
 
 
 def _add(placer: _Replicated, mask: np.ndarray, grp: np.ndarray, desc: np.ndarray, tid: np.ndarray,
