@@ -97,10 +97,13 @@ def _cpu_split(fn: Callable[[], Any]) -> tuple[Any, float, float, int]:
             gc.enable()
 
 
-def measure(layout: str, tensors: int, world: int, *, manifest: bool = False) -> dict[str, Any]:
+def measure(layout: str, tensors: int, world: int, *, manifest: bool = False, load: bool = False) -> dict[str, Any]:
     """One point: CPU seconds of rank 1 ("rank_cpu") and of rank 0 ("coordinator_cpu"), bytes gathered to rank 0
     and received by rank 1, max/mean bytes per rank, chunks in the world's table; with `manifest`, also rank 0's
-    CPU to encode the checkpoint's manifest from that table and its size ("manifest_cpu", "manifest_bytes")."""
+    CPU to encode the checkpoint's manifest from that table and its size ("manifest_cpu", "manifest_bytes"); with
+    `load`, a loading rank's (rank 1, same layout) metadata work after rank 0 read the checkpoint: decoding the
+    manifest rank 0 sent ("load_decode_cpu") and planning its reads ("load_plan_cpu"), and the saved chunks it
+    reads ("load_chunks")."""
     described0, _ = _cpu(lambda: describe(rank_boxes(layout, tensors, 0, world), 0))
     first = described0.digest
     gathered = [pickle.dumps(described0.payload_for(None), protocol=pickle.HIGHEST_PROTOCOL)]
@@ -130,6 +133,8 @@ def measure(layout: str, tensors: int, world: int, *, manifest: bool = False) ->
     local, receive_cpu = _cpu(lambda: described1.local(pickle.loads(reply)[4]) if world > 1 else None)
     loads = plan.rank_nbytes
     encoded = _manifest(plan) if manifest else {}
+    if load:
+        encoded.update(_load(plan, layout, tensors, world))
     out = {**encoded, "layout": layout, "tensors": tensors, "ranks": world,
            "rank_cpu": (encode_cpu + receive_cpu) if world > 1 else coordinator_cpu,
            "coordinator_cpu": coordinator_cpu, "coordinator_user": coordinator_user,
@@ -152,6 +157,26 @@ def _manifest(plan: WorldPlan) -> dict[str, Any]:
     return {"manifest_bytes": len(data), "manifest_cpu": cpu}
 
 
+def _load(plan: WorldPlan, layout: str, tensors: int, world: int) -> dict[str, Any]:
+    """Rank 1's side of a load of this plan's checkpoint into the same layout: the manifest's bytes decoded, then
+    its read plan (load/reads.py) for its own boxes (tensors that are never touched: only their places count)."""
+    import torch
+
+    from ..load.reads import Boxed, plan_reads
+
+    m = Manifest(job="bench", step=1, world_size=len(plan.rank_nbytes), part_size=64 << 20, checksum="crc32c",
+                 tensors=plan.tensors, ranks=tuple(RankMeta(r, n) for r, n in enumerate(plan.rank_nbytes)),
+                 skeleton=b"", created=0.0)
+    data = m.to_bytes()
+    decoded, decode_cpu = _cpu(lambda: Manifest.from_bytes(data, source="bench"))
+    index = {p: i for i, p in enumerate(decoded.tensors.paths)}
+    rank = 1 if world > 1 else 0
+    targets = {index[b.path]: (b.path, Boxed(torch.empty(b.sizes), tuple(b.offsets)))  # (untouched: no memory)
+               for b in rank_boxes(layout, tensors, rank, world) if 0 not in b.sizes}
+    reads, plan_cpu = _cpu(lambda: plan_reads(decoded, targets))
+    return {"load_decode_cpu": decode_cpu, "load_plan_cpu": plan_cpu, "load_chunks": len(reads.dests) + len(reads.subs)}
+
+
 def _encode(boxes: list[Box], rank: int, first: tuple[bytes, bytes]) -> tuple[Any, bytes]:
     described = describe(boxes, rank)
     return described, pickle.dumps(described.payload_for(first), protocol=pickle.HIGHEST_PROTOCOL)
@@ -171,7 +196,12 @@ def main() -> None:
     ap.add_argument("--tensors", default="40,1000")
     ap.add_argument("--layouts", default="ddp,fsdp")
     ap.add_argument("--cap", type=float, default=60.0, help="stop a series after a point over this many CPU s")
+    ap.add_argument("--load", action="store_true",
+                    help="instead: a loading rank's metadata CPU (manifest decode, read plan) against R")
     args = ap.parse_args()
+    if args.load:
+        _main_load(args)
+        return
     print("| layout | tensors | ranks | rank CPU s | coordinator CPU s (user + system) | page faults | gathered MB "
           "| to a rank KB | max/mean | chunks | peak RSS GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
@@ -192,6 +222,23 @@ def main() -> None:
                        for k in ("rank_cpu", "coordinator_cpu", "coordinator_user", "gathered_bytes")}
                 print(f"| {layout} | {tensors} | slope | R^{fit['rank_cpu']:.2f} | R^{fit['coordinator_cpu']:.2f} "
                       f"(user R^{fit['coordinator_user']:.2f}) | | R^{fit['gathered_bytes']:.2f} | | | | |", flush=True)
+
+
+def _main_load(args: argparse.Namespace) -> None:
+    print("| layout | tensors | ranks | manifest MB | rank 1: decode CPU s | rank 1: read plan CPU s | chunks it reads |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for layout in args.layouts.split(","):
+        for tensors in map(int, args.tensors.split(",")):
+            points = []
+            for world in map(int, args.ranks.split(",")):
+                m = measure(layout, tensors, world, manifest=True, load=True)
+                points.append(m)
+                print(f"| {layout} | {tensors} | {world} | {m['manifest_bytes'] / 1e6:.1f} | {m['load_decode_cpu']:.3f} "
+                      f"| {m['load_plan_cpu']:.3f} | {m['load_chunks']} |", flush=True)
+            if len(points) > 1:
+                fit = {k: slope([(p["ranks"], p[k]) for p in points]) for k in ("load_decode_cpu", "load_plan_cpu")}
+                print(f"| {layout} | {tensors} | slope | | R^{fit['load_decode_cpu']:.2f} | R^{fit['load_plan_cpu']:.2f} "
+                      f"| |", flush=True)
 
 
 if __name__ == "__main__":

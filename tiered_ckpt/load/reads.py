@@ -15,6 +15,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from .broadcast import read_with_broadcast
@@ -31,6 +32,7 @@ from ..storage.tier_io import TierIO
 from ..storage.verified_read import Fallback, PartRead, ReadLog
 
 if TYPE_CHECKING:
+    from ..manifest.table import TensorTable
     from .heal import HealReport
 
 
@@ -120,18 +122,21 @@ def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor
     reads = Reads()
     scratch: dict[tuple[int, int], torch.Tensor] = {}
     table = manifest.tensors
-    # the table's columns as Python lists, once: no TensorMeta or ChunkMeta made per tensor (manifest/table.py)
-    # (each made a piece at a time: one tolist() of 1M entries holds the GIL ~30 ms, manifest/pieces.py)
-    chunk_at, box_at, box_offsets_flat, box_sizes_flat = map(to_list, (table.chunk_at, table.box_at, table.offsets,
-                                                                      table.sizes))
-    ranks, byte_offsets, chunk_nbytes, dtypes = map(to_list, (table.rank, table.byte_offset, table.nbytes,
-                                                              table.dtype))
+    dtypes = to_list(table.dtype)
+    boxes: dict[int, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]] = {}
     for index, (where, target) in targets.items():
         if type(target) is Boxed:
-            local, box_offsets, box_sizes = target.tensor, target.offsets, tuple(target.tensor.shape)
+            boxes[index] = target.tensor, tuple(target.offsets), tuple(target.tensor.shape)
         else:
             local = local_tensor(target)
             _, box_offsets, box_sizes = local_box(target)
+            boxes[index] = local, tuple(box_offsets), tuple(box_sizes)
+    # the saved chunks each target overlaps, found with array work: a rank of a world of R ranks that saved
+    # FSDP shards looks at R chunks per tensor, of which it needs one or two (47 s of Python per rank at 10,240
+    # ranks x 1,000 tensors when each chunk was compared in Python)
+    overlapping = _overlapping_chunks(table, {i: b[1:] for i, b in boxes.items()})
+    for index, (where, target) in targets.items():
+        local, box_offsets, box_sizes = boxes[index]
         dtype = dtype_from_str(table.dtype_names[dtypes[index]])
         # the target's own memory takes the bytes: a CPU tensor's directly, a GPU tensor's by a copy from the
         # read buffer, chunk by chunk (no host copy of it in between)
@@ -139,12 +144,8 @@ def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor
                   and not local.is_conj() and not local.is_neg())  # (a conj/neg view's bytes are not its values)
         # (a CPU target is its own sink: Sinks makes its byte view only while the scatter writes it)
         sink = _itself if local.device.type == "cpu" else DeviceBytes
-        for c in range(chunk_at[index], chunk_at[index + 1]):
-            if chunk_nbytes[c] == 0:
-                continue
-            offsets = tuple(box_offsets_flat[box_at[c]:box_at[c + 1]])
-            sizes = tuple(box_sizes_flat[box_at[c]:box_at[c + 1]])
-            key = (ranks[c], byte_offsets[c])
+        for c, rank, byte_offset, nbytes, offsets, sizes in overlapping.get(index, ()):
+            key = (rank, byte_offset)
             if direct and sizes == box_sizes and offsets == box_offsets:  # the same box: the most common
                 reads.dests[key] = sink(local)
                 reads.direct[key] = where
@@ -171,7 +172,7 @@ def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor
                 reads.copies.append((piece.view(dtype).view(dst.shape), dst))
                 continue
             if key not in scratch:
-                scratch[key] = torch.empty(chunk_nbytes[c], dtype=torch.uint8)
+                scratch[key] = torch.empty(nbytes, dtype=torch.uint8)
                 reads.dests[key] = tensor_bytes(scratch[key])
                 reads.keep.append(scratch[key])
             src = scratch[key].view(dtype).view(sizes)
@@ -186,6 +187,75 @@ def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor
     for pieces in reads.subs.values():
         pieces.sort(key=lambda s: s[0])
     return reads
+
+
+ChunkFound = tuple[int, int, int, int, tuple[int, ...], tuple[int, ...]]  # chunk, rank, byte offset, nbytes, box
+
+
+def _overlapping_chunks(table: "TensorTable", boxes: Mapping[int, tuple[tuple[int, ...], tuple[int, ...]]],
+                        batch: int = 1 << 20) -> dict[int, list[ChunkFound]]:
+    """For each tensor index in `boxes` (a target's offsets and sizes in the saved tensor), its non-empty saved
+    chunks whose boxes overlap it, in the table's order, compared as arrays about `batch` chunks at a time (the
+    memory stays bounded whatever the world)."""
+    found: dict[int, list[ChunkFound]] = {}
+    chunk_at, ndims = table.chunk_at, table.ndim
+    pending: list[int] = []
+    count = 0
+
+    def flush() -> None:
+        nonlocal count
+        by_dims: dict[int, list[int]] = {}
+        for index in pending:
+            n = int(ndims[index])
+            by_dims.setdefault(n if len(boxes[index][0]) == n == len(boxes[index][1]) else -1, []).append(index)
+        for n, indexes in by_dims.items():
+            _overlap_batch(table, indexes, n, boxes, found)
+        pending.clear()
+        count = 0
+
+    for index in boxes:
+        pending.append(index)
+        count += int(chunk_at[index + 1] - chunk_at[index])
+        if count >= batch:
+            flush()
+    if pending:
+        flush()
+    return found
+
+
+def _overlap_batch(table: "TensorTable", indexes: list[int], ndim: int,
+                   boxes: Mapping[int, tuple[tuple[int, ...], tuple[int, ...]]], found: dict[int, list[ChunkFound]]
+                   ) -> None:
+    idx = np.asarray(indexes, dtype=np.int64)
+    first, last = table.chunk_at[idx], table.chunk_at[idx + 1]
+    per = last - first
+    owner = np.repeat(np.arange(len(idx)), per)  # the target of each chunk looked at
+    chunk = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per) + np.repeat(first, per)
+    keep = table.nbytes[chunk] > 0
+    if ndim > 0:
+        at = table.box_at[chunk][:, None] + np.arange(ndim)
+        c_off, c_size = table.offsets[at], table.sizes[at]
+        t_off = np.asarray([boxes[i][0] for i in indexes], dtype=np.int64).reshape(len(idx), ndim)[owner]
+        t_size = np.asarray([boxes[i][1] for i in indexes], dtype=np.int64).reshape(len(idx), ndim)[owner]
+        keep &= (np.minimum(c_off + c_size, t_off + t_size) > np.maximum(c_off, t_off)).all(axis=1)
+    hits = np.flatnonzero(keep)
+    chunk, owner = chunk[hits], owner[hits]
+    if ndim > 0:
+        offsets, sizes = map(tuple, c_off[hits].tolist()), map(tuple, c_size[hits].tolist())
+    elif ndim == 0:
+        offsets, sizes = [()] * len(hits), [()] * len(hits)
+    else:  # dims that differ from the target's (a bug elsewhere, or a hand-made target): compared in Python,
+        # over the dims they have in common, as before
+        starts, ends = table.box_at[chunk].tolist(), table.box_at[chunk + 1].tolist()
+        offsets = [tuple(table.offsets[a:b].tolist()) for a, b in zip(starts, ends)]
+        sizes = [tuple(table.sizes[a:b].tolist()) for a, b in zip(starts, ends)]
+    for c, o, rank, byte_offset, nbytes, box_offsets, box_sizes in zip(
+            chunk.tolist(), owner.tolist(), table.rank[chunk].tolist(), table.byte_offset[chunk].tolist(),
+            table.nbytes[chunk].tolist(), offsets, sizes):
+        index = indexes[o]
+        if ndim < 0 and _intersect(box_offsets, box_sizes, *boxes[index]) is None:
+            continue
+        found.setdefault(index, []).append((c, rank, byte_offset, nbytes, box_offsets, box_sizes))
 
 
 def _itself(t: torch.Tensor) -> torch.Tensor:
