@@ -102,8 +102,8 @@ def measure(layout: str, tensors: int, world: int, *, manifest: bool = False, lo
     and received by rank 1, max/mean bytes per rank, chunks in the world's table; with `manifest`, also rank 0's
     CPU to encode the checkpoint's manifest from that table and its size ("manifest_cpu", "manifest_bytes"); with
     `load`, a loading rank's (rank 1, same layout) metadata work after rank 0 read the checkpoint: decoding the
-    manifest rank 0 sent ("load_decode_cpu") and planning its reads ("load_plan_cpu"), and the saved chunks it
-    reads ("load_chunks")."""
+    manifest rank 0 sent ("load_decode_cpu") and planning its reads ("load_plan_cpu"), the saved chunks it
+    reads ("load_chunks"), and under `fsdp` every rank's plan of the load's broadcasts ("load_broadcast_cpu")."""
     described0, _ = _cpu(lambda: describe(rank_boxes(layout, tensors, 0, world), 0))
     first = described0.digest
     gathered = [pickle.dumps(described0.payload_for(None), protocol=pickle.HIGHEST_PROTOCOL)]
@@ -174,7 +174,17 @@ def _load(plan: WorldPlan, layout: str, tensors: int, world: int) -> dict[str, A
     targets = {index[b.path]: (b.path, Boxed(torch.empty(b.sizes), tuple(b.offsets)))  # (untouched: no memory)
                for b in rank_boxes(layout, tensors, rank, world) if 0 not in b.sizes}
     reads, plan_cpu = _cpu(lambda: plan_reads(decoded, targets))
-    return {"load_decode_cpu": decode_cpu, "load_plan_cpu": plan_cpu, "load_chunks": len(reads.dests) + len(reads.subs)}
+    out = {"load_decode_cpu": decode_cpu, "load_plan_cpu": plan_cpu, "load_chunks": len(reads.dests) + len(reads.subs),
+           "load_broadcast_cpu": None}
+    if layout == "fsdp":  # each rank wants its own saved rank's parts; 8 ranks a node hold theirs in memory and on disk
+        from ..load.broadcast import plan_broadcasts
+
+        parts = [-(-n // m.part_size) for n in plan.rank_nbytes]
+        wanted = [[((r, p), m.part_length(r, p)) for p in range(parts[r])] for r in range(world)]
+        node = [frozenset(range(r // 8 * 8, min(world, r // 8 * 8 + 8))) for r in range(world)]
+        holdings = [{"memory": node[r], "disk": node[r]} for r in range(world)]
+        _, out["load_broadcast_cpu"] = _cpu(lambda: plan_broadcasts(wanted, holdings, ["memory", "disk", "s3"]))
+    return out
 
 
 def _encode(boxes: list[Box], rank: int, first: tuple[bytes, bytes]) -> tuple[Any, bytes]:
@@ -225,8 +235,9 @@ def main() -> None:
 
 
 def _main_load(args: argparse.Namespace) -> None:
-    print("| layout | tensors | ranks | manifest MB | rank 1: decode CPU s | rank 1: read plan CPU s | chunks it reads |")
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("| layout | tensors | ranks | manifest MB | rank 1: decode CPU s | rank 1: read plan CPU s | chunks it reads "
+          "| a rank: broadcast plan CPU s |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     for layout in args.layouts.split(","):
         for tensors in map(int, args.tensors.split(",")):
             points = []
@@ -234,11 +245,12 @@ def _main_load(args: argparse.Namespace) -> None:
                 m = measure(layout, tensors, world, manifest=True, load=True)
                 points.append(m)
                 print(f"| {layout} | {tensors} | {world} | {m['manifest_bytes'] / 1e6:.1f} | {m['load_decode_cpu']:.3f} "
-                      f"| {m['load_plan_cpu']:.3f} | {m['load_chunks']} |", flush=True)
+                      f"| {m['load_plan_cpu']:.3f} | {m['load_chunks']} | "
+                      + ("" if m["load_broadcast_cpu"] is None else f"{m['load_broadcast_cpu']:.3f}") + " |", flush=True)
             if len(points) > 1:
                 fit = {k: slope([(p["ranks"], p[k]) for p in points]) for k in ("load_decode_cpu", "load_plan_cpu")}
                 print(f"| {layout} | {tensors} | slope | | R^{fit['load_decode_cpu']:.2f} | R^{fit['load_plan_cpu']:.2f} "
-                      f"| |", flush=True)
+                      f"| | |", flush=True)
 
 
 if __name__ == "__main__":
