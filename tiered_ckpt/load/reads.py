@@ -25,7 +25,7 @@ from ..distributed.dtensor import local_box, local_tensor
 from ..errors import TierError
 from ..layout import checkpoint_prefix, parse_key
 from ..manifest import Manifest, dtype_from_str
-from ..manifest.pieces import to_list
+from ..manifest.pieces import PIECE, to_list
 from ..buffers import DeviceBytes, Sink, Sinks, as_byte_tensor, tensor_bytes
 from ..release import empty, release_off_loop
 from ..storage.tier_io import TierIO
@@ -193,10 +193,11 @@ ChunkFound = tuple[int, int, int, int, tuple[int, ...], tuple[int, ...]]  # chun
 
 
 def _overlapping_chunks(table: "TensorTable", boxes: Mapping[int, tuple[tuple[int, ...], tuple[int, ...]]],
-                        batch: int = 1 << 20) -> dict[int, list[ChunkFound]]:
+                        batch: int = 1 << 18) -> dict[int, list[ChunkFound]]:
     """For each tensor index in `boxes` (a target's offsets and sizes in the saved tensor), its non-empty saved
-    chunks whose boxes overlap it, in the table's order, compared as arrays about `batch` chunks at a time (the
-    memory stays bounded whatever the world)."""
+    chunks whose boxes overlap it, in the table's order, compared as arrays about `batch` chunks (and at most
+    PIECE targets) at a time: the memory stays bounded whatever the world, and no single C call over every
+    tensor of a state of 1M holds the GIL (this runs in a thread beside the event loop: manifest/pieces.py)."""
     found: dict[int, list[ChunkFound]] = {}
     chunk_at, ndims = table.chunk_at, table.ndim
     pending: list[int] = []
@@ -216,7 +217,7 @@ def _overlapping_chunks(table: "TensorTable", boxes: Mapping[int, tuple[tuple[in
     for index in boxes:
         pending.append(index)
         count += int(chunk_at[index + 1] - chunk_at[index])
-        if count >= batch:
+        if count >= batch or len(pending) >= PIECE:
             flush()
     if pending:
         flush()
