@@ -1,4 +1,4 @@
-"""The load's search for the saved chunks each target overlaps (load/reads.py `_overlapping_chunks`), done with
+"""The load's search for the saved chunks each target overlaps (load/reads.py `_overlaps_by_batch`), done with
 array work a batch at a time, against the comparison of every chunk in Python it replaced: the same chunks, in
 the table's order, for random layouts of 0- to 3-dimensional tensors, empty chunks, targets whose dims are not
 their tensor's, and batches small enough that one search spans many."""
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tiered_ckpt.load.reads import _intersect, _overlapping_chunks
+from tiered_ckpt.load.reads import _intersect, _overlaps_by_batch
 from tiered_ckpt.manifest.table import TensorTable
 
 
@@ -51,6 +51,11 @@ def test_the_chunks_found_are_those_a_comparison_of_each_finds(seed):
         offsets = tuple(rng.randint(0, max(n - 1, 0)) for n in shape)
         boxes[index] = offsets, tuple(rng.randint(0, n - o) for n, o in zip(shape, offsets))
     for batch in (1, 7, 1 << 20):
-        found = _overlapping_chunks(table, boxes, batch=batch)
+        found, seen = {}, []
+        for items, overlaps in _overlaps_by_batch(table, ((i, "x", *box) for i, box in boxes.items()), batch=batch):
+            assert set(overlaps) <= {item[0] for item in items}
+            seen += [item[0] for item in items]
+            found.update(overlaps)
+        assert seen == list(boxes)  # every target, in order
         for index, (offsets, sizes) in boxes.items():
             assert found.get(index, []) == _oracle(table, index, offsets, sizes), (seed, batch, index)

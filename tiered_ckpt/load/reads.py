@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -123,61 +123,24 @@ def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor
     scratch: dict[tuple[int, int], torch.Tensor] = {}
     table = manifest.tensors
     dtypes = to_list(table.dtype)
-    boxes: dict[int, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]] = {}
-    for index, (where, target) in targets.items():
-        if type(target) is Boxed:
-            boxes[index] = target.tensor, tuple(target.offsets), tuple(target.tensor.shape)
-        else:
-            local = local_tensor(target)
-            _, box_offsets, box_sizes = local_box(target)
-            boxes[index] = local, tuple(box_offsets), tuple(box_sizes)
-    # the saved chunks each target overlaps, found with array work: a rank of a world of R ranks that saved
-    # FSDP shards looks at R chunks per tensor, of which it needs one or two (47 s of Python per rank at 10,240
-    # ranks x 1,000 tensors when each chunk was compared in Python)
-    overlapping = _overlapping_chunks(table, {i: b[1:] for i, b in boxes.items()})
-    for index, (where, target) in targets.items():
-        local, box_offsets, box_sizes = boxes[index]
-        dtype = dtype_from_str(table.dtype_names[dtypes[index]])
-        # the target's own memory takes the bytes: a CPU tensor's directly, a GPU tensor's by a copy from the
-        # read buffer, chunk by chunk (no host copy of it in between)
-        direct = (local.device.type in ("cpu", "cuda") and local.is_contiguous() and local.dtype == dtype
-                  and not local.is_conj() and not local.is_neg())  # (a conj/neg view's bytes are not its values)
-        # (a CPU target is its own sink: Sinks makes its byte view only while the scatter writes it)
-        sink = _itself if local.device.type == "cpu" else DeviceBytes
-        for c, rank, byte_offset, nbytes, offsets, sizes in overlapping.get(index, ()):
-            key = (rank, byte_offset)
-            if direct and sizes == box_sizes and offsets == box_offsets:  # the same box: the most common
-                reads.dests[key] = sink(local)
-                reads.direct[key] = where
-                continue
-            overlap = _intersect(offsets, sizes, box_offsets, box_sizes)
-            if overlap is None:
-                continue
-            lo, hi = overlap
-            dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box_offsets))]
-            inside = lo == tuple(offsets) and hi == tuple(o + n for o, n in zip(offsets, sizes))
-            if direct and inside and dst.is_contiguous():
-                reads.dests[key] = sink(dst)
-                reads.direct[key] = where
-                continue
-            start = _contiguous_start(offsets, sizes, lo, hi)
-            if direct and start is not None and dst.is_contiguous() and dst.numel():
-                piece_sink = tensor_bytes(dst) if local.device.type == "cpu" else DeviceBytes(dst)
-                reads.subs.setdefault(key, []).append((start * dst.element_size(), piece_sink, where))
-                continue
-            if start is not None and dst.numel():  # one stretch of the chunk: read just it, then copy it over
-                piece = torch.empty(dst.numel() * dtype.itemsize, dtype=torch.uint8)
-                reads.keep.append(piece)
-                reads.subs.setdefault(key, []).append((start * dtype.itemsize, tensor_bytes(piece), None))
-                reads.copies.append((piece.view(dtype).view(dst.shape), dst))
-                continue
-            if key not in scratch:
-                scratch[key] = torch.empty(nbytes, dtype=torch.uint8)
-                reads.dests[key] = tensor_bytes(scratch[key])
-                reads.keep.append(scratch[key])
-            src = scratch[key].view(dtype).view(sizes)
-            src = src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
-            reads.copies.append((src, dst))
+
+    def with_boxes() -> Iterator[tuple[int, str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+        for index, (where, target) in targets.items():
+            if type(target) is Boxed:
+                yield index, where, target.tensor, tuple(target.offsets), tuple(target.tensor.shape)
+            else:
+                _, box_offsets, box_sizes = local_box(target)
+                yield index, where, local_tensor(target), tuple(box_offsets), tuple(box_sizes)
+
+    # the saved chunks each target overlaps, found with array work a batch of targets at a time: a rank of a
+    # world of R ranks that saved FSDP shards looks at R chunks per tensor, of which it needs one or two (47 s of
+    # Python per rank at 10,240 ranks x 1,000 tensors when each chunk was compared in Python)
+    for batch, overlapping in _overlaps_by_batch(table, with_boxes()):
+        for index, where, local, box_offsets, box_sizes in batch:
+            _plan_target(reads, scratch, table, dtypes[index], where, local, box_offsets, box_sizes,
+                         overlapping.get(index, ()))
+        empty(overlapping)  # (a batch's entries freed a few at a time: ~1M objects at once hold the GIL)
+        empty(batch)
     first: list[tuple[torch.Tensor, torch.Tensor]] = []
     for key in [k for k in reads.subs if k in reads.dests]:  # the chunk is read whole anyway: copy the pieces
         whole = as_byte_tensor(reads.dests[key]) if key not in scratch else scratch[key]
@@ -189,38 +152,85 @@ def plan_reads(manifest: Manifest, targets: Mapping[int, tuple[str, torch.Tensor
     return reads
 
 
+def _plan_target(reads: Reads, scratch: dict[tuple[int, int], torch.Tensor], table: "TensorTable", dtype_index: int,
+                 where: str, local: torch.Tensor, box_offsets: tuple[int, ...], box_sizes: tuple[int, ...],
+                 overlapping: Sequence[ChunkFound]) -> None:
+    """Where the saved chunks that overlap one target (its box in the saved tensor) go (plan_reads)."""
+    dtype = dtype_from_str(table.dtype_names[dtype_index])
+    # the target's own memory takes the bytes: a CPU tensor's directly, a GPU tensor's by a copy from the
+    # read buffer, chunk by chunk (no host copy of it in between)
+    direct = (local.device.type in ("cpu", "cuda") and local.is_contiguous() and local.dtype == dtype
+              and not local.is_conj() and not local.is_neg())  # (a conj/neg view's bytes are not its values)
+    # (a CPU target is its own sink: Sinks makes its byte view only while the scatter writes it)
+    sink = _itself if local.device.type == "cpu" else DeviceBytes
+    for _, rank, byte_offset, nbytes, offsets, sizes in overlapping:
+        key = (rank, byte_offset)
+        if direct and sizes == box_sizes and offsets == box_offsets:  # the same box: the most common
+            reads.dests[key] = sink(local)
+            reads.direct[key] = where
+            continue
+        overlap = _intersect(offsets, sizes, box_offsets, box_sizes)
+        if overlap is None:
+            continue
+        lo, hi = overlap
+        dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box_offsets))]
+        inside = lo == tuple(offsets) and hi == tuple(o + n for o, n in zip(offsets, sizes))
+        if direct and inside and dst.is_contiguous():
+            reads.dests[key] = sink(dst)
+            reads.direct[key] = where
+            continue
+        start = _contiguous_start(offsets, sizes, lo, hi)
+        if direct and start is not None and dst.is_contiguous() and dst.numel():
+            piece_sink = tensor_bytes(dst) if local.device.type == "cpu" else DeviceBytes(dst)
+            reads.subs.setdefault(key, []).append((start * dst.element_size(), piece_sink, where))
+            continue
+        if start is not None and dst.numel():  # one stretch of the chunk: read just it, then copy it over
+            piece = torch.empty(dst.numel() * dtype.itemsize, dtype=torch.uint8)
+            reads.keep.append(piece)
+            reads.subs.setdefault(key, []).append((start * dtype.itemsize, tensor_bytes(piece), None))
+            reads.copies.append((piece.view(dtype).view(dst.shape), dst))
+            continue
+        if key not in scratch:
+            scratch[key] = torch.empty(nbytes, dtype=torch.uint8)
+            reads.dests[key] = tensor_bytes(scratch[key])
+            reads.keep.append(scratch[key])
+        src = scratch[key].view(dtype).view(sizes)
+        src = src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
+        reads.copies.append((src, dst))
+
+
 ChunkFound = tuple[int, int, int, int, tuple[int, ...], tuple[int, ...]]  # chunk, rank, byte offset, nbytes, box
 
 
-def _overlapping_chunks(table: "TensorTable", boxes: Mapping[int, tuple[tuple[int, ...], tuple[int, ...]]],
-                        batch: int = 1 << 18) -> dict[int, list[ChunkFound]]:
-    """For each tensor index in `boxes` (a target's offsets and sizes in the saved tensor), its non-empty saved
-    chunks whose boxes overlap it, in the table's order, compared as arrays about `batch` chunks (and at most
-    PIECE targets) at a time: the memory stays bounded whatever the world, and no single C call over every
-    tensor of a state of 1M holds the GIL (this runs in a thread beside the event loop: manifest/pieces.py)."""
-    found: dict[int, list[ChunkFound]] = {}
+def _overlaps_by_batch(table: "TensorTable", items: Iterable[tuple[Any, ...]], batch: int = 1 << 18
+                       ) -> Iterator[tuple[list[tuple[Any, ...]], dict[int, list[ChunkFound]]]]:
+    """`items` are (tensor index, anything, ..., box offsets, box sizes): a target's box in that saved tensor, the
+    last two. Yields them in batches, each with its targets' non-empty saved chunks whose boxes overlap them (by
+    tensor index, in the table's order), compared as arrays about `batch` chunks (and at most PIECE targets) at a
+    time: the memory stays bounded whatever the world, and no single C call over every tensor of a state of 1M
+    holds the GIL (this runs in a thread beside the event loop: manifest/pieces.py)."""
     chunk_at, ndims = table.chunk_at, table.ndim
-    pending: list[int] = []
+    pending: list[tuple[Any, ...]] = []
     count = 0
-
-    def flush() -> None:
-        nonlocal count
-        by_dims: dict[int, list[int]] = {}
-        for index in pending:
-            n = int(ndims[index])
-            by_dims.setdefault(n if len(boxes[index][0]) == n == len(boxes[index][1]) else -1, []).append(index)
-        for n, indexes in by_dims.items():
-            _overlap_batch(table, indexes, n, boxes, found)
-        pending.clear()
-        count = 0
-
-    for index in boxes:
-        pending.append(index)
-        count += int(chunk_at[index + 1] - chunk_at[index])
+    for item in items:
+        pending.append(item)
+        count += int(chunk_at[item[0] + 1] - chunk_at[item[0]])
         if count >= batch or len(pending) >= PIECE:
-            flush()
+            yield pending, _overlaps(table, ndims, pending)
+            pending, count = [], 0
     if pending:
-        flush()
+        yield pending, _overlaps(table, ndims, pending)
+
+
+def _overlaps(table: "TensorTable", ndims: np.ndarray, items: list[tuple[Any, ...]]) -> dict[int, list[ChunkFound]]:
+    found: dict[int, list[ChunkFound]] = {}
+    by_dims: dict[int, list[int]] = {}
+    boxes = {item[0]: item[-2:] for item in items}
+    for index, (offsets, sizes) in boxes.items():
+        n = int(ndims[index])
+        by_dims.setdefault(n if len(offsets) == n == len(sizes) else -1, []).append(index)
+    for n, indexes in by_dims.items():
+        _overlap_batch(table, indexes, n, boxes, found)
     return found
 
 
