@@ -21,4 +21,4 @@ def test_measure_reports_a_loading_ranks_metadata_work(layout):
     assert m["load_decode_cpu"] >= 0 and m["load_plan_cpu"] >= 0
     # same layout: an FSDP rank reads its own 4 shards, a DDP rank every chunk of every tensor
     assert m["load_chunks"] == {"ddp": m["chunks"], "fsdp": 4, "hsdp": 4 + 1}[layout]
-    assert (m["load_broadcast_cpu"] is None) == (layout != "fsdp")
+    assert (m["load_broadcast_cpu"] is None) == (layout == "hsdp")

@@ -50,8 +50,11 @@ def test_the_plan_is_the_rule_applied_to_every_rank(seed):
             if rng.random() < 0.9:  # (a rank whose holdings do not name a tier reads it as shared)
                 mine[t] = frozenset(s for s in range(saved) if rng.random() < 0.3)
         holdings.append(mine)
-    wanted = [[((s, p), rng.randint(1, 100)) for s in range(saved) for p in range(2) if rng.random() < 0.3]
-              for _ in range(world)]
+    length = {(s, p): rng.randint(1, 100) for s in range(saved) for p in range(2)}  # (a part's, whoever wants it)
+    wanted = [[(key, n) for key, n in length.items() if rng.random() < 0.3] for _ in range(world)]
+    for r in range(1, world):  # ranks that want what rank 0 wants send nothing: rank 0's list stands for theirs
+        if rng.random() < 0.4:
+            wanted[r] = wanted[0]
     partly = [{key: rng.randint(1, n) for key, n in w if rng.random() < 0.2} for w in wanted]
     for args in ((wanted, holdings, order), (wanted, holdings, order, partly), (wanted,)):
         assert plan_broadcasts(*args) == _oracle(*args)

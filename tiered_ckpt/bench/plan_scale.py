@@ -103,7 +103,7 @@ def measure(layout: str, tensors: int, world: int, *, manifest: bool = False, lo
     CPU to encode the checkpoint's manifest from that table and its size ("manifest_cpu", "manifest_bytes"); with
     `load`, a loading rank's (rank 1, same layout) metadata work after rank 0 read the checkpoint: decoding the
     manifest rank 0 sent ("load_decode_cpu") and planning its reads ("load_plan_cpu"), the saved chunks it
-    reads ("load_chunks"), and under `fsdp` every rank's plan of the load's broadcasts ("load_broadcast_cpu")."""
+    reads ("load_chunks"), and under `fsdp` and `ddp` every rank's plan of the load's broadcasts ("load_broadcast_cpu")."""
     described0, _ = _cpu(lambda: describe(rank_boxes(layout, tensors, 0, world), 0))
     first = described0.digest
     gathered = [pickle.dumps(described0.payload_for(None), protocol=pickle.HIGHEST_PROTOCOL)]
@@ -176,11 +176,14 @@ def _load(plan: WorldPlan, layout: str, tensors: int, world: int) -> dict[str, A
     reads, plan_cpu = _cpu(lambda: plan_reads(decoded, targets))
     out = {"load_decode_cpu": decode_cpu, "load_plan_cpu": plan_cpu, "load_chunks": len(reads.dests) + len(reads.subs),
            "load_broadcast_cpu": None}
-    if layout == "fsdp":  # each rank wants its own saved rank's parts; 8 ranks a node hold theirs in memory and on disk
+    if layout in ("fsdp", "ddp"):  # 8 ranks a node hold their own parts in memory and on disk
         from ..load.broadcast import plan_broadcasts
 
         parts = [-(-n // m.part_size) for n in plan.rank_nbytes]
-        wanted = [[((r, p), m.part_length(r, p)) for p in range(parts[r])] for r in range(world)]
+        if layout == "fsdp":  # each rank wants its own saved rank's parts
+            wanted = [[((r, p), m.part_length(r, p)) for p in range(parts[r])] for r in range(world)]
+        else:  # every rank wants every part: rank 0's list, which the others matched (read_with_broadcast)
+            wanted = [[((r, p), m.part_length(r, p)) for r in range(world) for p in range(parts[r])]] * world
         node = [frozenset(range(r // 8 * 8, min(world, r // 8 * 8 + 8))) for r in range(world)]
         holdings = [{"memory": node[r], "disk": node[r]} for r in range(world)]
         _, out["load_broadcast_cpu"] = _cpu(lambda: plan_broadcasts(wanted, holdings, ["memory", "disk", "s3"]))

@@ -1,7 +1,8 @@
 """Read once per replica group, broadcast to the others; read each part where it is fastest to read.
 
 On load every rank knows which parts it needs (from the manifest and its own layout) and what its node's
-node-local tiers hold (`node_holdings`). One all_gather shares both. A part's best tier is the fastest tier
+node-local tiers hold (`node_holdings`). One all_gather shares both (a rank that needs exactly what rank 0 needs,
+as every rank under DDP, sends none, having compared a digest rank 0 broadcast first). A part's best tier is the fastest tier
 any rank can read it from (a shared tier such as S3 or the peer ring: every rank; a node-local tier: the
 ranks on a node holding it). It is read by one rank that reaches it there: one that needs it when there is
 such a rank (the one with the fewest bytes assigned so far, so readers spread), else a rank on the node that
@@ -20,7 +21,10 @@ the small payloads of others: at most 1 MiB in all).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
+import hashlib
+import pickle
 from typing import Callable, Sequence
 
 import torch
@@ -38,6 +42,11 @@ PartId = tuple[int, int]  # (saved rank, part index)
 Holdings = dict[str, frozenset[int]]  # node-local tier -> saved ranks whose parts this rank's node holds there
 
 
+def _holds(ascending: Sequence[int], rank: int) -> bool:
+    at = bisect.bisect_left(ascending, rank)
+    return at < len(ascending) and ascending[at] == rank
+
+
 def tiers_for(order: Sequence[str], holdings: Holdings, saved_rank: int) -> list[str]:
     """The tiers of `order` a rank can read `saved_rank`'s parts from: shared tiers, and node-local tiers where
     its node holds them."""
@@ -52,31 +61,49 @@ def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]], holdings: Se
     ranks that reach a part on its fastest tier, the reader is one that wants most of it (`partly`: the bytes a
     rank wants of a part it wants only some of), then the one with the fewest bytes assigned so far.
     Deterministic: each rank computes it."""
-    needers: dict[PartId, list[int]] = {}
-    lengths: dict[PartId, int] = {}
+    # ranks that sent one list (read_with_broadcast: rank 0's, for every rank that wants what it wants) are taken
+    # together: a part every rank wants costs one entry here, not R
+    alike: dict[int, list[int]] = {}
     for rank, parts in enumerate(wanted):
-        for key, length in parts:
-            needers.setdefault(tuple(key), []).append(rank)  # type: ignore[arg-type]
+        alike.setdefault(id(parts), []).append(rank)
+    wanting: dict[PartId, list[list[int]]] = {}
+    lengths: dict[PartId, int] = {}
+    for ranks in alike.values():
+        for key, length in wanted[ranks[0]]:
+            wanting.setdefault(tuple(key), []).append(ranks)  # type: ignore[arg-type]
             lengths[tuple(key)] = length  # type: ignore[index]
+    needers: dict[PartId, Sequence[int]] = {key: lists[0] if len(lists) == 1 else sorted(r for rs in lists for r in rs)
+                                            for key, lists in wanting.items()}
+    as_tuple = {id(ranks): tuple(ranks) for ranks in alike.values()}  # (each made once, shared by its parts)
     world = len(wanted)
     load = [0] * world
     plan = []
     nearest: dict[int, frozenset[int]] = {}  # saved rank -> the ranks that read its parts from the fastest tier
     reach = _Reach(holdings, order, world) if holdings else None
+    # (a load where every rank wants every part, DDP's, has R parts of R members: nothing below walks a part's
+    # members in Python where a C call can)
+    partial = {k for wants in partly for k in wants}  # parts some rank wants only some of
     for key in sorted(needers):
-        members = tuple(needers[key])
+        members = needers[key]  # (ascending: each rank lists a part once)
         if reach is not None:
             if key[0] not in nearest:  # once per saved rank, not per part: a load at scale has many parts
                 nearest[key[0]] = reach.nearest(key[0])
             best = nearest[key[0]]
-            near = [r for r in members if r in best] or sorted(best)
+            if len(best) == world:
+                near = members
+            else:
+                near = [r for r in sorted(best) if _holds(members, r)] or sorted(best)
         else:
-            near = list(members)
-        reader = min(near, key=lambda r: (-(partly[r].get(key, lengths[key]) if partly else 0), load[r], r))
-        members = tuple(sorted({*members, reader}))
+            near = members
+        if key in partial:
+            reader = min(near, key=lambda r: (-partly[r].get(key, lengths[key]), load[r], r))
+        else:  # (near is ascending: the first of the least loaded is the lowest rank among them)
+            reader = min(near, key=load.__getitem__)
+        if not _holds(members, reader):
+            members = sorted([*members, reader])
         if len(members) > 1:
             load[reader] += lengths[key]
-            plan.append((key, members, reader))
+            plan.append((key, as_tuple.get(id(members)) or tuple(members), reader))
     return plan, lengths
 
 
@@ -224,10 +251,17 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
     wanted = sorted((k, p.length) for k, p in parts.items())
     spans = {k: p.spans for k, p in parts.items() if p.spans and sum(n for _, n in p.spans) < p.length}  # parts I
     # want only some bytes of: the spans I want
-    everyone = await coordinator.all_gather_object((ready, wanted, mine, spans, coordinator.next_tag))
+    # a rank that wants what rank 0 wants (every rank under DDP: the whole model) sends None instead: else every
+    # rank received R lists of R parts (R^2 entries a rank: 16M at 4,096 ranks)
+    digest = hashlib.blake2b(pickle.dumps(wanted, protocol=pickle.HIGHEST_PROTOCOL), digest_size=16).digest()
+    first = await coordinator.broadcast_object(digest if coordinator.rank == 0 else None)
+    same = coordinator.rank != 0 and digest == first
+    everyone = await coordinator.all_gather_object((ready, None if same else wanted, mine, spans,
+                                                    coordinator.next_tag))
     if not all(e[0] for e in everyone):
         return  # a rank failed before reading: no one reads; the load's agreement reports it
-    plan, lengths = plan_broadcasts([e[1] for e in everyone], [e[2] for e in everyone], order,
+    wants = [everyone[0][1] if e[1] is None else e[1] for e in everyone]  # (rank 0's list itself: not copied)
+    plan, lengths = plan_broadcasts(wants, [e[2] for e in everyone], order,
                                     [{k: sum(n for _, n in v) for k, v in e[3].items()} for e in everyone])
     first_tag = max(e[4] for e in everyone)  # this load's tags follow every earlier load's, on every rank
     if first_tag + 2 * len(plan) + 2 >= 2**30:
@@ -236,10 +270,16 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
     shared = {key for key, _, _ in plan}
     small = small_entries(plan, lengths, [e[3] for e in everyone])  # relayed in one buffer along a tree of ranks
     relayed = {plan[i][0] for i in small}
+    partly: dict[PartId, list[int]] = {}  # the ranks that want only some of a part
+    for r, e in enumerate(everyone):
+        for key in e[3]:
+            partly.setdefault(key, []).append(r)
     partial = {key for key, members, reader in plan  # some rank wants less than the whole part: sent its spans
-               if key not in relayed and any(key in everyone[m][3] for m in members if m != reader)}
+               if key not in relayed and any(r != reader and r in members for r in partly.get(key, ()))}
+    distinct = {id(m): m for key, m, _ in plan if key not in partial and key not in relayed}  # (a tuple of R ranks
+    # is hashed in R steps: the same one, shared by the parts every rank wants, compared by value once)
     groups = {}
-    for members in sorted({m for key, m, _ in plan if key not in partial and key not in relayed}):
+    for members in sorted(set(distinct.values())):
         groups[members] = await coordinator.subgroup(members)  # every rank creates every group, in order
 
     def read(key: PartId, part: PartRead) -> asyncio.Task[str]:

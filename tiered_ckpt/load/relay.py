@@ -53,7 +53,16 @@ def small_entries(plan: Sequence[Entry], lengths: dict[PartId, int],
     computes it."""
     candidates = []
     for i, (key, members, reader) in enumerate(plan):
-        union = merged([s for m in members if m != reader for s in wants[m].get(key, ((0, lengths[key]),))])
+        whole = ((0, lengths[key]),)
+        spans = []
+        for m in members:  # (a member that wants it whole makes the union whole: no need to look further)
+            if m != reader:
+                wanted = wants[m].get(key)
+                if wanted is None:
+                    spans = list(whole)
+                    break
+                spans.extend(wanted)
+        union = merged(spans)
         size = sum(n for _, n in union)
         if size <= SMALL_ENTRY:
             candidates.append((size, i, union))
