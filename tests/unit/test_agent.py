@@ -588,3 +588,46 @@ async def test_a_trainer_that_reconnected_stays_attached_when_its_old_connection
         server._stop.set()
         await asyncio.wait_for(serving, 10)
         await index.close()
+
+
+async def test_a_trainer_that_closes_its_connection_mid_handoff_is_detached(tmp_path, shm_dir):
+    """The trainer's handoff timed out and it closed the connection while the agent was still taking the save (the
+    agent's "accepted" then fails to send). The link must not stay attached to that dead connection: the drain goes
+    on as journaled, the agent sees the trainer gone (here: abandons the order, whose memory tier never commits,
+    instead of waiting out commit_timeout), and the link closes."""
+    from tiered_ckpt.agent.links import tier_tables
+    from tiered_ckpt.save.commit import Committer
+    from tiered_ckpt.storage.index.file import FileIndex
+    from tiered_ckpt.testing.configs import stack
+
+    config = stack(tmp_path, {"kind": "memory", "capacity": "64MiB", "keep_last": 2}, "local", shm=shm_dir, job="j")
+    index = FileIndex(tmp_path / "index")
+    await index.open()
+    folder = tmp_path / "agent"
+    server = AgentServer(folder, idle=30)
+    assert server.claim()
+    serving = asyncio.create_task(server.serve())
+    try:
+        epoch = index.epoch = await index.fence("j")
+        commit = Committer(index, "j", rank=0, world_size=1, session="s1", timeout=30)
+        await commit.begin(3, ["host", "disk"])
+        link = {"index": f"file://{tmp_path}/index", "index_timeout": 0.5, "commit_timeout": 300,
+                "tiers": tier_tables(list(config.tiers), str(tmp_path)), "node": 0, "num_nodes": 1}
+        order = DrainOrder("j", 3, 0, 1, "s1", commit.incarnation, epoch, ("disk",), "host", ("k",), (1,),
+                           ((0, b""),), "crc32c", 0, (), link)
+        channel = await connect(folder, start=False, timeout=5)
+        await channel.send({"op": "drain", "id": 3, "order": order.to_wire(), "trainer": ""})
+        channel.close()  # gone before the answer
+        deadline = asyncio.get_running_loop().time() + 10
+        while not server.links:  # the agent takes the handoff (the "accepted" it sends then finds no one)
+            assert asyncio.get_running_loop().time() < deadline, "the agent never took the handoff"
+            await asyncio.sleep(0.005)
+        deadline = asyncio.get_running_loop().time() + 20
+        while server.links or (await agent_status(folder))["drains"]:
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"links {[(k[1], link.attached, link.pending) for k, link in server.links.items()]}")
+            await asyncio.sleep(0.05)
+    finally:
+        server._stop.set()
+        await asyncio.wait_for(serving, 10)
+        await index.close()

@@ -202,9 +202,7 @@ class AgentServer:
                                         "error": f"the agent speaks protocol version {VERSION}; the handoff's hello "
                                                  f"named none or another"})
                 elif op == "drain":
-                    key = await self._drain(channel, message, fds)
-                    if key is not None:
-                        mine.add(key)
+                    await self._drain(channel, message, fds, mine)
                 elif op == "bye":  # its engine closes: links that drain nothing let the writer's lease go now
                     for key in mine:
                         link = self.links.get(key)
@@ -231,7 +229,9 @@ class AgentServer:
                     link.detach(channel)
                     await self._close_if_done(key)
 
-    async def _drain(self, channel: Channel, message: dict[str, Any], fds: list[int]) -> tuple[Any, ...] | None:
+    async def _drain(self, channel: Channel, message: dict[str, Any], fds: list[int], mine: set[tuple[Any, ...]]
+                     ) -> None:
+        """Take a handoff: its link (opened on the first), attached to `channel`, whose links `mine` names."""
         ident = message.get("id")
         try:
             if message.get("mounts", self.mounts) != self.mounts:  # (a folder named by $TIERED_CKPT_AGENT_DIR)
@@ -252,20 +252,22 @@ class AgentServer:
                 except OSError:
                     pass
             await channel.send({"op": "refused", "id": ident, "error": f"{type(e).__name__}: {e}"})
-            return None
+            return
         link.attach(channel)
+        mine.add(key)  # (at once: a connection that closes during what follows is still detached when it ends)
         link.pending += 1
         try:  # on file before the trainer hears "accepted": an agent killed from here on loses nothing
             trainer = str(message.get("trainer") or "")
             entry = await self.journal.record(order, trainer, lease_record(order, link.lease_fds))
         except OSError as e:
             link.pending -= 1
-            await channel.send({"op": "refused", "id": ident, "error": f"the agent's journal: {e}"})
-            return key
-        await channel.send({"op": "accepted", "id": ident})
+            await self._tell(channel, {"op": "refused", "id": ident, "error": f"the agent's journal: {e}"})
+            return
+        # a trainer that went meanwhile (its handoff timed out: it writes the save itself) does not hear it, and the
+        # journaled drain goes on all the same, as when "accepted" arrives after the trainer's time limit
+        await self._tell(channel, {"op": "accepted", "id": ident})
         fault_points.reached("accepted", order.step)
         self._start(channel, link, key, order, ident, entry, trainer)
-        return key
 
     def _start(self, channel: Channel | None, link: Link, key: tuple[Any, ...], order: DrainOrder, ident: Any,
                entry: Path, trainer: str) -> None:

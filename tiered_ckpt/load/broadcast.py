@@ -63,18 +63,18 @@ def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]], holdings: Se
     Deterministic: each rank computes it."""
     # ranks that sent one list (read_with_broadcast: rank 0's, for every rank that wants what it wants) are taken
     # together: a part every rank wants costs one entry here, not R
-    alike: dict[int, list[int]] = {}
+    alike: dict[int, tuple[Sequence[tuple[PartId, int]], list[int]]] = {}  # (the list kept: its id stays its own)
     for rank, parts in enumerate(wanted):
-        alike.setdefault(id(parts), []).append(rank)
+        alike.setdefault(id(parts), (parts, []))[1].append(rank)
     wanting: dict[PartId, list[list[int]]] = {}
     lengths: dict[PartId, int] = {}
-    for ranks in alike.values():
-        for key, length in wanted[ranks[0]]:
+    for parts, ranks in alike.values():
+        for key, length in parts:
             wanting.setdefault(tuple(key), []).append(ranks)  # type: ignore[arg-type]
             lengths[tuple(key)] = length  # type: ignore[index]
     needers: dict[PartId, Sequence[int]] = {key: lists[0] if len(lists) == 1 else sorted(r for rs in lists for r in rs)
                                             for key, lists in wanting.items()}
-    as_tuple = {id(ranks): tuple(ranks) for ranks in alike.values()}  # (each made once, shared by its parts)
+    as_tuple = {id(ranks): tuple(ranks) for _, ranks in alike.values()}  # (each made once, shared by its parts)
     world = len(wanted)
     load = [0] * world
     plan = []
@@ -313,8 +313,13 @@ async def read_with_broadcast(coordinator: Coordinator, io: TierIO, order: Seque
         relay = asyncio.create_task(relay_small(coordinator, plan, small, prefetch, buffers, parts, lengths, io, log,
                                                 first_tag + 2 * len(plan)))
         tasks.append(relay)
+        member_of: dict[int, bool] = {}  # (per distinct members tuple: DDP's R parts share one of R ranks)
         for key, members, reader in plan:  # whole parts, to every member of a replica group: broadcast, in order
-            if me not in members or key in partial or key in relayed:
+            if key in partial or key in relayed:
+                continue
+            if id(members) not in member_of:
+                member_of[id(members)] = me in members
+            if not member_of[id(members)]:
                 continue
             status = torch.zeros(1, dtype=torch.int64)
             if reader == me:
