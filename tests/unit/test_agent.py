@@ -119,6 +119,45 @@ async def agent_in_process(folder):
         await asyncio.wait_for(serving, 5)
 
 
+class _JobOnFileIndex:
+    """A job "j" on a fenced file index (a memory tier and a disk), a Committer of its session "s1", and the orders a
+    trainer of that session hands its agent (the link table as a trainer sends it)."""
+
+    def __init__(self, tmp_path, shm_dir, world_size):
+        from tiered_ckpt.agent.links import tier_tables
+        from tiered_ckpt.storage.index.file import FileIndex
+        from tiered_ckpt.testing.configs import stack
+
+        config = stack(tmp_path, {"kind": "memory", "capacity": "64MiB", "keep_last": 2}, "local", shm=shm_dir,
+                       job="j")
+        self.index, self.world_size = FileIndex(tmp_path / "index"), world_size
+        self.link = {"index": f"file://{tmp_path}/index", "index_timeout": 0.5, "commit_timeout": 300,
+                     "tiers": tier_tables(list(config.tiers), str(tmp_path)), "node": 0, "num_nodes": 1}
+
+    async def open(self) -> None:
+        from tiered_ckpt.save.commit import Committer
+
+        await self.index.open()
+        self.index.epoch = await self.index.fence("j")
+        self.commit = Committer(self.index, "j", rank=0, world_size=self.world_size, session="s1", timeout=30)
+
+    def order(self, step: int) -> DrainOrder:
+        return DrainOrder("j", step, 0, self.world_size, "s1", self.commit.incarnation, self.index.epoch, ("disk",),
+                          "host", ("k",), (1,), ((0, b""),), "crc32c", 0, (), self.link)
+
+
+@contextlib.asynccontextmanager
+async def job_and_agent(tmp_path, shm_dir, world_size=1):
+    """_JobOnFileIndex, opened, and an agent serving tmp_path/agent in this process: (job, folder, server)."""
+    job, folder = _JobOnFileIndex(tmp_path, shm_dir, world_size), tmp_path / "agent"
+    try:
+        await job.open()
+        async with agent_in_process(folder) as server:
+            yield job, folder, server
+    finally:
+        await job.index.close()
+
+
 async def test_a_bad_order_is_refused_and_the_agent_stays(tmp_path):
     folder = tmp_path / "agent"
     async with agent_in_process(folder):
@@ -402,28 +441,13 @@ async def test_a_new_engine_does_not_wait_for_a_drain_whose_memory_tier_can_no_l
     `settle` does not wait for it (it would hold the open up to commit_timeout: 600 s by default), and the drain then
     abandons the order, writing nothing."""
     from tiered_ckpt.agent.client import settle
-    from tiered_ckpt.agent.links import tier_tables
-    from tiered_ckpt.save.commit import Committer
     from tiered_ckpt.storage.index import status_of
-    from tiered_ckpt.storage.index.file import FileIndex
-    from tiered_ckpt.testing.configs import stack
 
-    config = stack(tmp_path, {"kind": "memory", "capacity": "64MiB", "keep_last": 2}, "local", shm=shm_dir, job="j")
-    index = FileIndex(tmp_path / "index")
-    await index.open()
-    folder = tmp_path / "agent"
-    server = AgentServer(folder, idle=30)
-    assert server.claim()
-    serving = asyncio.create_task(server.serve())
-    try:
-        epoch = index.epoch = await index.fence("j")
-        commit = Committer(index, "j", rank=0, world_size=2, session="s1", timeout=30)
+    async with job_and_agent(tmp_path, shm_dir, world_size=2) as (job, folder, _):
+        commit, link, index = job.commit, job.link, job.index
         await commit.begin(3, ["host", "disk"])
         await commit.mark_durable(3, "host")
-        link = {"index": f"file://{tmp_path}/index", "index_timeout": 0.5, "commit_timeout": 300,
-                "tiers": tier_tables(list(config.tiers), str(tmp_path)), "node": 0, "num_nodes": 1}
-        order = DrainOrder("j", 3, 0, 2, "s1", commit.incarnation, epoch, ("disk",), "host", ("k",), (1,),
-                           ((0, b""),), "crc32c", 0, (), link)
+        order = job.order(3)
         channel = await connect(folder, start=False, timeout=5)
         await channel.send({"op": "drain", "id": 1, "order": order.to_wire(), "trainer": ""})
         reply, _ = await channel.recv()
@@ -439,10 +463,6 @@ async def test_a_new_engine_does_not_wait_for_a_drain_whose_memory_tier_can_no_l
         assert not list((folder / "journal").glob("*.order"))
         status = await status_of(index, "j", 3)
         assert status is not None and status.complete == frozenset() and "disk" not in status.settled
-    finally:
-        server._stop.set()
-        await asyncio.wait_for(serving, 10)
-        await index.close()
 
 
 async def test_the_first_handoff_waits_for_the_agent_the_open_started(tmp_path, monkeypatch):
@@ -538,56 +558,39 @@ async def test_a_trainer_that_reconnected_stays_attached_when_its_old_connection
     the agent can see the old connection close after the new one handed a save over. That close must not count as
     the trainer gone (the agent would then run the retention of a live trainer's tiers and take its file index's
     lease record as its own): the trainer is gone once its last connection closed."""
-    from tiered_ckpt.agent.links import CLEANER, tier_tables
-    from tiered_ckpt.save.commit import Committer
-    from tiered_ckpt.storage.index.file import FileIndex
-    from tiered_ckpt.testing.configs import stack
+    from tiered_ckpt.agent.links import CLEANER
 
-    config = stack(tmp_path, {"kind": "memory", "capacity": "64MiB", "keep_last": 2}, "local", shm=shm_dir, job="j")
-    index = FileIndex(tmp_path / "index")
-    await index.open()
-    folder = tmp_path / "agent"
-    server = AgentServer(folder, idle=30)
-    assert server.claim()
-    serving = asyncio.create_task(server.serve())
     lease = tmp_path / "lease"
     lease.write_text("the trainer's record")
-    try:
-        epoch = index.epoch = await index.fence("j")
-        commit = Committer(index, "j", rank=0, world_size=1, session="s1", timeout=30)
-        link = {"index": f"file://{tmp_path}/index", "index_timeout": 0.5, "commit_timeout": 300,
-                "tiers": tier_tables(list(config.tiers), str(tmp_path)), "node": 0, "num_nodes": 1}
-        channels = []
-        for step in (3, 4):  # step 3 on the first connection, step 4 on the reconnected one: one link
-            await commit.begin(step, ["host", "disk"])
-            order = DrainOrder("j", step, 0, 1, "s1", commit.incarnation, epoch, ("disk",), "host", ("k",), (1,),
-                               ((0, b""),), "crc32c", 0, (), link)
-            channel = await connect(folder, start=False, timeout=5)
-            fd = os.open(lease, os.O_RDWR)
-            await channel.send({"op": "drain", "id": step, "order": order.to_wire(), "trainer": ""}, [fd])
-            os.close(fd)
-            reply, _ = await channel.recv()
-            assert reply == {"op": "accepted", "id": step}
-            channels.append(channel)
-        assert len(server.links) == 1
+    channels = []
+    async with job_and_agent(tmp_path, shm_dir) as (job, folder, server):
+        try:
+            for step in (3, 4):  # step 3 on the first connection, step 4 on the reconnected one: one link
+                await job.commit.begin(step, ["host", "disk"])
+                order = job.order(step)
+                channel = await connect(folder, start=False, timeout=5)
+                fd = os.open(lease, os.O_RDWR)
+                await channel.send({"op": "drain", "id": step, "order": order.to_wire(), "trainer": ""}, [fd])
+                os.close(fd)
+                reply, _ = await channel.recv()
+                assert reply == {"op": "accepted", "id": step}
+                channels.append(channel)
+            assert len(server.links) == 1
 
-        async def clients(n: int) -> None:  # (the status call's own connection is one more)
-            while (await agent_status(folder))["clients"] != n + 1:
-                await asyncio.sleep(0.02)
+            async def clients(n: int) -> None:  # (the status call's own connection is one more)
+                while (await agent_status(folder))["clients"] != n + 1:
+                    await asyncio.sleep(0.02)
 
-        channels[0].close()  # the old connection's close, seen after the new one's handoff
-        await asyncio.wait_for(clients(1), 5)
-        assert [link.attached for link in server.links.values()] == [True]
-        assert lease.read_text() == "the trainer's record"
-        channels[1].close()  # the trainer's last connection: now it is gone
-        await asyncio.wait_for(clients(0), 5)
-        assert lease.read_text().startswith(CLEANER)
-    finally:
-        for channel in channels:
-            channel.close()
-        server._stop.set()
-        await asyncio.wait_for(serving, 10)
-        await index.close()
+            channels[0].close()  # the old connection's close, seen after the new one's handoff
+            await asyncio.wait_for(clients(1), 5)
+            assert [link.attached for link in server.links.values()] == [True]
+            assert lease.read_text() == "the trainer's record"
+            channels[1].close()  # the trainer's last connection: now it is gone
+            await asyncio.wait_for(clients(0), 5)
+            assert lease.read_text().startswith(CLEANER)
+        finally:  # (also when an assertion fails: the agent then stops with no client left)
+            for channel in channels:
+                channel.close()
 
 
 async def test_a_trainer_that_closes_its_connection_mid_handoff_is_detached(tmp_path, shm_dir):
@@ -595,26 +598,9 @@ async def test_a_trainer_that_closes_its_connection_mid_handoff_is_detached(tmp_
     agent's "accepted" then fails to send). The link must not stay attached to that dead connection: the drain goes
     on as journaled, the agent sees the trainer gone (here: abandons the order, whose memory tier never commits,
     instead of waiting out commit_timeout), and the link closes."""
-    from tiered_ckpt.agent.links import tier_tables
-    from tiered_ckpt.save.commit import Committer
-    from tiered_ckpt.storage.index.file import FileIndex
-    from tiered_ckpt.testing.configs import stack
-
-    config = stack(tmp_path, {"kind": "memory", "capacity": "64MiB", "keep_last": 2}, "local", shm=shm_dir, job="j")
-    index = FileIndex(tmp_path / "index")
-    await index.open()
-    folder = tmp_path / "agent"
-    server = AgentServer(folder, idle=30)
-    assert server.claim()
-    serving = asyncio.create_task(server.serve())
-    try:
-        epoch = index.epoch = await index.fence("j")
-        commit = Committer(index, "j", rank=0, world_size=1, session="s1", timeout=30)
-        await commit.begin(3, ["host", "disk"])
-        link = {"index": f"file://{tmp_path}/index", "index_timeout": 0.5, "commit_timeout": 300,
-                "tiers": tier_tables(list(config.tiers), str(tmp_path)), "node": 0, "num_nodes": 1}
-        order = DrainOrder("j", 3, 0, 1, "s1", commit.incarnation, epoch, ("disk",), "host", ("k",), (1,),
-                           ((0, b""),), "crc32c", 0, (), link)
+    async with job_and_agent(tmp_path, shm_dir) as (job, folder, server):
+        await job.commit.begin(3, ["host", "disk"])
+        order = job.order(3)
         channel = await connect(folder, start=False, timeout=5)
         await channel.send({"op": "drain", "id": 3, "order": order.to_wire(), "trainer": ""})
         channel.close()  # gone before the answer
@@ -627,7 +613,3 @@ async def test_a_trainer_that_closes_its_connection_mid_handoff_is_detached(tmp_
             assert asyncio.get_running_loop().time() < deadline, (
                 f"links {[(k[1], link.attached, link.pending) for k, link in server.links.items()]}")
             await asyncio.sleep(0.05)
-    finally:
-        server._stop.set()
-        await asyncio.wait_for(serving, 10)
-        await index.close()
