@@ -11,7 +11,7 @@ from __future__ import annotations
 import array
 import struct
 import sys
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import crc32c as _crc32c
 
@@ -163,15 +163,24 @@ def seal(body: bytes) -> bytes:
     return SEAL + struct.pack("<I", _crc32c.crc32c(body)) + body
 
 
-def unseal(data: bytes, source: str) -> bytes | None:
-    """The body of a sealed record, or None for a record written before records were sealed. Raises
-    IntegrityError naming `source` when the body does not match its checksum."""
+def seal_parts(parts: Sequence[bytes | memoryview]) -> bytes:
+    """seal(b"".join(parts)), joined once: the body is not copied again behind its seal."""
+    crc = 0
+    for part in parts:
+        crc = _crc32c.crc32c(part, crc)
+    return b"".join([SEAL, struct.pack("<I", crc), *parts])
+
+
+def unseal(data: bytes, source: str) -> memoryview | None:
+    """The body of a sealed record (a view of `data`: a 126 MB manifest is not copied), or None for a record
+    written before records were sealed. Raises IntegrityError naming `source` when the body does not match its
+    checksum."""
     if not data.startswith(SEAL):
         return None
     if len(data) < len(SEAL) + 4:
         raise IntegrityError(f"{source} is truncated ({len(data)} bytes)")
     (expected,) = struct.unpack_from("<I", data, len(SEAL))
-    body = data[len(SEAL) + 4:]
+    body = memoryview(data)[len(SEAL) + 4:]
     actual = _crc32c.crc32c(body)
     if actual != expected:
         raise IntegrityError(f"{source} is corrupt: {ALGORITHM} {actual:#010x}, expected {expected:#010x}")

@@ -249,3 +249,32 @@ def test_nesting_past_msgpacks_limit_raises_its_error():
         msgpack.unpackb(data)
     with pytest.raises(msgpack.StackError):
         pieces.unpackb(data)
+
+
+def test_long_bins_come_back_as_views_of_the_data_when_asked():
+    value = {"cols": [[2, b"a" * pieces.VIEW], [1, b"short"]], "nested": [{"blob": b"z" * (3 * pieces.VIEW)}]}
+    data = msgpack.packb(value)
+    out = pieces.unpackb(data, views=True)
+    long_one, short_one = out["cols"][0][1], out["cols"][1][1]
+    assert isinstance(long_one, memoryview) and long_one.obj is data and bytes(long_one) == b"a" * pieces.VIEW
+    assert type(short_one) is bytes and isinstance(out["nested"][0]["blob"], memoryview)
+    assert pieces.unpackb(data) == value  # (without views: bytes, as unpackb)
+    with pytest.raises(ValueError, match="incomplete"):  # a long bin cut short is refused as unpackb refuses it
+        pieces.unpackb(data[:20], views=True)
+
+
+def test_packed_parts_join_to_packbs_bytes_and_long_bins_are_not_copied(small_pieces):
+    import numpy as np
+
+    from tiered_ckpt.checksum import seal, seal_parts
+
+    column = np.arange(pieces.VIEW, dtype="<u2")
+    long_bin = b"q" * (pieces.VIEW + 1)
+    value = {"cols": {"a": [2, memoryview(column).cast("B")], "b": [1, b"short"], "c": [4, long_bin]},
+             "t": (1, 2, [b"x" * pieces.VIEW]),
+             "many": list(range(3 * PIECE + 1)), "nested": [{"k": [long_bin, None, 1.5, "s"]}], "mid": list(range(100))}
+    expected = msgpack.packb({**value, "cols": {"a": [2, column.tobytes()], "b": [1, b"short"], "c": [4, long_bin]}})
+    parts = pieces.packed_parts(value)
+    assert b"".join(parts) == expected == pieces.packb(value)
+    assert any(p is long_bin for p in parts)  # (handed on as it is, not copied into the packer's buffer)
+    assert seal_parts(parts) == seal(expected)

@@ -102,3 +102,23 @@ def test_a_plan_holds_a_few_objects_not_several_per_tensor():
 def test_a_tensors_bytes_come_from_the_columns():
     table = TensorTable.from_metas(METAS)
     assert [table.nbytes_of(i) for i in range(4)] == [4 * 6 * 4, 8, 0, 5 * 4]
+
+
+def test_a_decoded_manifest_keeps_its_chunk_columns_as_stored_and_owns_what_it_hands_out():
+    """The chunk columns of a large manifest are read-only views of its bytes (no widened copy), the decoded
+    tensors are the saved ones, and nothing the manifest hands out (metadata, skeletons) is a view of a buffer
+    its caller may reuse."""
+    n = 20_000  # (a column of 2 values a chunk, 2 bytes each, longer than pieces.VIEW)
+    big = manifest([TensorMeta(f"layer{i}.w", "torch.float32", (16, 70_000),
+                               (ChunkMeta((0, 65_000 + i % 500), (16, 10), i % 3, 640 * i, 640),)) for i in range(n)],
+                   ranks=(640 * n, 640 * n, 640 * n))
+    big = Manifest(**{**big.__dict__, "metadata": {"blob": b"m" * 100_000}, "skeleton": b"s" * 100_000})
+    buffer = bytearray(big.to_bytes())
+    decoded = Manifest.from_bytes(buffer)
+    table = decoded.tensors
+    assert table.offsets.dtype.itemsize == 2 and table.rank.dtype.itemsize == 1 and not table.offsets.flags.writeable
+    assert isinstance(table.offsets.base, memoryview)  # (as stored in the record's bytes, not a copy)
+    buffer[:] = bytes(len(buffer))  # the caller reuses its buffer
+    assert table == big.tensors and list(table)[n - 1] == list(big.tensors)[n - 1]
+    assert type(decoded.metadata["blob"]) is bytes and decoded.metadata["blob"] == b"m" * 100_000
+    assert type(decoded.skeleton) is bytes and decoded.skeleton == b"s" * 100_000

@@ -174,8 +174,9 @@ def _load(plan: WorldPlan, layout: str, tensors: int, world: int) -> dict[str, A
     targets = {index[b.path]: (b.path, Boxed(torch.empty(b.sizes), tuple(b.offsets)))  # (untouched: no memory)
                for b in rank_boxes(layout, tensors, rank, world) if 0 not in b.sizes}
     reads, plan_cpu = _cpu(lambda: plan_reads(decoded, targets))
+    _, reencode_cpu = _cpu(decoded.to_bytes)  # (rank 0 encodes the manifest it read again, to hand it on)
     out = {"load_decode_cpu": decode_cpu, "load_plan_cpu": plan_cpu, "load_chunks": len(reads.dests) + len(reads.subs),
-           "load_broadcast_cpu": None}
+           "load_broadcast_cpu": None, "load_reencode_cpu": reencode_cpu}
     if layout in ("fsdp", "ddp"):  # 8 ranks a node hold their own parts in memory and on disk
         from ..load.broadcast import plan_broadcasts
 
@@ -238,21 +239,22 @@ def main() -> None:
 
 
 def _main_load(args: argparse.Namespace) -> None:
-    print("| layout | tensors | ranks | manifest MB | rank 1: decode CPU s | rank 1: read plan CPU s | chunks it reads "
-          "| a rank: broadcast plan CPU s |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("| layout | tensors | ranks | manifest MB | save: rank 0 encodes it, CPU s | load: rank 0 encodes it again "
+          "| rank 1: decode CPU s | rank 1: read plan CPU s | chunks it reads | a rank: broadcast plan CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for layout in args.layouts.split(","):
         for tensors in map(int, args.tensors.split(",")):
             points = []
             for world in map(int, args.ranks.split(",")):
                 m = measure(layout, tensors, world, manifest=True, load=True)
                 points.append(m)
-                print(f"| {layout} | {tensors} | {world} | {m['manifest_bytes'] / 1e6:.1f} | {m['load_decode_cpu']:.3f} "
+                print(f"| {layout} | {tensors} | {world} | {m['manifest_bytes'] / 1e6:.1f} | {m['manifest_cpu']:.3f} "
+                      f"| {m['load_reencode_cpu']:.3f} | {m['load_decode_cpu']:.3f} "
                       f"| {m['load_plan_cpu']:.3f} | {m['load_chunks']} | "
                       + ("" if m["load_broadcast_cpu"] is None else f"{m['load_broadcast_cpu']:.3f}") + " |", flush=True)
             if len(points) > 1:
                 fit = {k: slope([(p["ranks"], p[k]) for p in points]) for k in ("load_decode_cpu", "load_plan_cpu")}
-                print(f"| {layout} | {tensors} | slope | | R^{fit['load_decode_cpu']:.2f} | R^{fit['load_plan_cpu']:.2f} "
+                print(f"| {layout} | {tensors} | slope | | | | R^{fit['load_decode_cpu']:.2f} | R^{fit['load_plan_cpu']:.2f} "
                       f"| | |", flush=True)
 
 

@@ -239,13 +239,15 @@ def _overlap_batch(table: "TensorTable", indexes: list[int], ndim: int,
                    ) -> None:
     idx = np.asarray(indexes, dtype=np.int64)
     first, last = table.chunk_at[idx], table.chunk_at[idx + 1]
+    if ndim > 0:
+        _narrow(table, indexes, ndim, boxes, first, last)
     per = last - first
     owner = np.repeat(np.arange(len(idx)), per)  # the target of each chunk looked at
     chunk = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per) + np.repeat(first, per)
     keep = table.nbytes[chunk] > 0
     if ndim > 0:
-        at = table.box_at[chunk][:, None] + np.arange(ndim)
-        c_off, c_size = table.offsets[at], table.sizes[at]
+        at = table.box_of(chunk)[:, None] + np.arange(ndim)
+        c_off, c_size = table.offsets[at].astype(np.int64), table.sizes[at].astype(np.int64)  # (stored: unsigned)
         t_off = np.asarray([boxes[i][0] for i in indexes], dtype=np.int64).reshape(len(idx), ndim)[owner]
         t_size = np.asarray([boxes[i][1] for i in indexes], dtype=np.int64).reshape(len(idx), ndim)[owner]
         keep &= (np.minimum(c_off + c_size, t_off + t_size) > np.maximum(c_off, t_off)).all(axis=1)
@@ -257,7 +259,7 @@ def _overlap_batch(table: "TensorTable", indexes: list[int], ndim: int,
         offsets, sizes = [()] * len(hits), [()] * len(hits)
     else:  # dims that differ from the target's (a bug elsewhere, or a hand-made target): compared in Python,
         # over the dims they have in common, as before
-        starts, ends = table.box_at[chunk].tolist(), table.box_at[chunk + 1].tolist()
+        starts, ends = table.box_of(chunk).tolist(), table.box_of(chunk + 1).tolist()
         offsets = [tuple(table.offsets[a:b].tolist()) for a, b in zip(starts, ends)]
         sizes = [tuple(table.sizes[a:b].tolist()) for a, b in zip(starts, ends)]
     for c, o, rank, byte_offset, nbytes, box_offsets, box_sizes in zip(
@@ -267,6 +269,28 @@ def _overlap_batch(table: "TensorTable", indexes: list[int], ndim: int,
         if ndim < 0 and _intersect(box_offsets, box_sizes, *boxes[index]) is None:
             continue
         found.setdefault(index, []).append((c, rank, byte_offset, nbytes, box_offsets, box_sizes))
+
+
+MANY = 64  # chunks of one tensor above which its candidates are narrowed by a search on dim 0 (_narrow)
+
+
+def _narrow(table: "TensorTable", indexes: list[int], ndim: int,
+            boxes: Mapping[int, tuple[tuple[int, ...], tuple[int, ...]]], first: np.ndarray, last: np.ndarray) -> None:
+    """Narrow each target's chunk range [first, last) (in place) to the chunks whose dim-0 start can put them
+    over the target, for a tensor of more than MANY chunks stored in dim-0 order (FSDP's R shards: a rank needs
+    one or two of them, and comparing all R a tensor made every rank's read plan touch the world's table). A
+    chunk starting at s with dim-0 extent n overlaps target rows [a, b) only if s < b and s > a - n: with the
+    starts sorted, a window found by two binary searches on the tensor's rows of the table, no fresh memory."""
+    for k in np.flatnonzero(last - first > MANY).tolist():
+        lo, hi = int(first[k]), int(last[k])
+        at, end = int(table.box_of(lo)), int(table.box_of(hi))
+        starts = table.offsets[at:end:ndim].astype(np.int64)  # (dim 0 of each chunk; as stored: maybe unsigned)
+        if not bool((starts[1:] >= starts[:-1]).all()):
+            continue  # not in dim-0 order: every chunk is compared
+        offsets, sizes = boxes[indexes[k]]
+        a, b = offsets[0], offsets[0] + sizes[0]
+        first[k] = lo + int(np.searchsorted(starts, a - int(table.sizes[at:end:ndim].max()), side="right"))
+        last[k] = max(int(first[k]), lo + int(np.searchsorted(starts, b, side="left")))
 
 
 def _itself(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from ..checksum import seal, unseal
+from ..checksum import SEAL, seal, seal_parts, unseal
 from ..errors import IntegrityError
 from ..layout import part_count, part_range
 from ..release import BATCH, empty
@@ -29,20 +29,35 @@ _INCARNATION = re.compile(r"(ix-[0-9a-f]{8}/[0-9a-f]{6,})?")
 
 
 def _blob(value: object) -> bytes:
-    """A bytes field as stored (never bytes(n) of a number: that would allocate n bytes)."""
+    """A bytes field as stored (never bytes(n) of a number: that would allocate n bytes); a view of the
+    record's bytes (a long one, unpacked with `views`) copied, so the field does not hold the record."""
+    if isinstance(value, memoryview):
+        return value.tobytes()
     if not isinstance(value, bytes):
         raise TypeError(f"expected bytes, got {type(value).__name__}")
     return value
 
 
-def _body(data: bytes, source: str) -> bytes:
+def _owned(value: Any) -> Any:
+    """`value` (metadata as unpacked with `views`) with every memoryview in it copied to bytes."""
+    if isinstance(value, memoryview):
+        return value.tobytes()
+    if isinstance(value, dict):
+        return {k: _owned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_owned(v) for v in value]
+    return value
+
+
+def _body(data: bytes, source: str) -> bytes | memoryview:
     """A record's msgpack body: checked against its seal, or (format 1) as written, unsealed."""
     body = unseal(data, source)
     return data if body is None else body
 
 
 def _check_sealed(data: bytes, version: object, source: str) -> None:
-    if version != 1 and unseal(data, source) is None:
+    """After _body: a record of a format that is always sealed must have been (its body was checked then)."""
+    if version != 1 and not data.startswith(SEAL):
         raise IntegrityError(f"{source}: a format {version!r} record must be sealed (its seal is damaged)")
 
 
@@ -186,16 +201,20 @@ class Manifest:
         body["ranks"] = [{"rank": r.rank, "nbytes": r.nbytes, "checksums": list(r.checksums), "skeleton": r.skeleton,
                           "chunk_sums": r.chunk_sums, "host": r.host} for r in self.ranks]
         body["version"] = FORMAT_VERSION
-        from .pieces import packb  # (numpy: see __post_init__)
+        from .pieces import packed_parts  # (numpy: see __post_init__)
 
-        return seal(packb(body))  # msgpack.packb's bytes, the path column a piece at a time (pieces.py)
+        return seal_parts(packed_parts(body))  # msgpack.packb's bytes, the path column a piece at a time (pieces.py)
 
     @classmethod
     def from_bytes(cls, data: bytes, *, source: str = "manifest") -> "Manifest":
         try:
             from .pieces import unpackb  # (numpy: see __post_init__)
 
-            raw = unpackb(_body(data, source), strict_map_key=False)  # msgpack.unpackb's value, a piece at a time
+            if not isinstance(data, bytes):  # (the table keeps views of it: it must not change under them)
+                data = bytes(data)
+            # msgpack.unpackb's value, a piece at a time; the tensors' long columns as views of `data`, which the
+            # table keeps as stored (table.py: no copy of the chunk columns at all)
+            raw = unpackb(_body(data, source), strict_map_key=False, views=True)
             if raw.get("version") not in READABLE_VERSIONS:
                 raise IntegrityError(f"{source}: format version {raw.get('version')!r}, this library reads "
                                      f"{', '.join(map(str, READABLE_VERSIONS))}")
@@ -206,6 +225,8 @@ class Manifest:
             raw["skeleton"] = _blob(raw.get("skeleton", b""))
             if not isinstance(raw.get("metadata", {}), dict):
                 raise TypeError("metadata is not a map")
+            if "metadata" in raw:
+                raw["metadata"] = _owned(raw["metadata"])
             return cls(**raw)._checked(source)
         except IntegrityError:
             raise

@@ -92,36 +92,52 @@ def packb(value: Any) -> bytes:
     """msgpack.packb(value), the same bytes, with each list or tuple of more than PIECE entries packed a piece at a
     time (one packb of 1M paths holds the GIL ~50 ms): the pieces' own array headers are cut, and one header for
     the whole is written before them."""
-    out: list[bytes] = []
+    return b"".join(packed_parts(value))
+
+
+def packed_parts(value: Any) -> list[bytes | memoryview]:
+    """packb's bytes as the pieces they are joined from: a bin value of VIEW bytes or more is one of them as given
+    (not copied into the packer's buffer), so a caller that joins them once (checksum.seal_parts) copies a manifest's
+    integer columns once, not three times."""
+    out: list[bytes | memoryview] = []
     _pack(value, msgpack.Packer(autoreset=True), out)
-    return b"".join(out)
+    return out
 
 
-def _pack(value: Any, packer: msgpack.Packer, out: list[bytes]) -> None:
-    if type(value) is dict:
+def _pack(value: Any, packer: msgpack.Packer, out: list[bytes | memoryview]) -> None:
+    kind = type(value)
+    if kind is dict:
         out.append(packer.pack_map_header(len(value)))
         for k, v in value.items():
             out.append(packer.pack(k))
             _pack(v, packer, out)
-    elif type(value) in (list, tuple) and len(value) > PIECE:
+    elif kind in (list, tuple) and len(value) > PIECE:
         out.append(packer.pack_array_header(len(value)))
         for i in range(0, len(value), PIECE):
             piece = packer.pack(list(value[i:i + PIECE]))
             out.append(piece[_array_header_size(piece[0]):])
+    elif kind in (list, tuple) and len(value) <= SMALL:  # entry by entry: a long bin inside is not copied
+        out.append(packer.pack_array_header(len(value)))
+        for v in value:
+            _pack(v, packer, out)
+    elif kind in (bytes, bytearray, memoryview) and VIEW <= memoryview(value).nbytes < 1 << 32:
+        out.append(b"\xc6" + memoryview(value).nbytes.to_bytes(4, "big"))  # bin 32: msgpack's header for it
+        out.append(value if kind is not memoryview else value.cast("B"))
     else:
         out.append(packer.pack(value))
 
 
-def unpackb(data: bytes, *, strict_map_key: bool = True, raw: bool = False) -> Any:
+def unpackb(data: bytes | memoryview, *, strict_map_key: bool = True, raw: bool = False, views: bool = False) -> Any:
     """msgpack.unpackb(data, strict_map_key=..., raw=...), the same value, with each array or map of more than
     PIECE entries unpacked a piece at a time (one unpackb of a 1M-tensor manifest holds the GIL ~0.1 s): each
     piece is fed to an Unpacker behind a header of its own length. Containers of at most SMALL entries are read
     entry by entry, so a long array inside them is cut too; any other value is one call. Errors are those of
     unpackb: ValueError (incomplete input, a key that strict_map_key refuses, ExtraData), msgpack's
-    FormatError and StackError."""
+    FormatError and StackError. With `views`, a bin value of VIEW bytes or more is a memoryview of `data`, not a
+    copy (the manifest's integer columns: two copies of 126 MB at 10,240 ranks otherwise)."""
     view = memoryview(data).cast("B")
     options = {"strict_map_key": strict_map_key, "raw": raw, "max_buffer_size": len(view) + 16}
-    value, end = _unpack(view, 0, options, 0)
+    value, end = _unpack(view, 0, options, 0, views)
     if end < len(view):
         raise msgpack.ExtraData(value, bytes(view[end:]))
     return value
@@ -129,12 +145,18 @@ def unpackb(data: bytes, *, strict_map_key: bool = True, raw: bool = False) -> A
 
 SMALL = 64  # entries of a container read one by one (the manifest's own maps, its columns' [width, bytes])
 DEPTH = 8  # containers that deep are read one by one; deeper ones whole (msgpack's own limit on nesting holds)
+VIEW = 1 << 16  # bin values at least this long come back as views when asked (unpackb's `views`)
+_BIN_LENGTH = {0xC4: 1, 0xC5: 2, 0xC6: 4}  # bin 8, 16, 32: the bytes of the length after the type byte
 
 
-def _unpack(view: memoryview, at: int, options: dict[str, Any], depth: int) -> tuple[Any, int]:
+def _unpack(view: memoryview, at: int, options: dict[str, Any], depth: int, views: bool = False) -> tuple[Any, int]:
     """The value that starts at byte `at`, `depth` containers deep, and where it ends."""
     if at >= len(view):
         raise ValueError("Unpack failed: incomplete input")
+    if views and view[at] in _BIN_LENGTH:
+        found = _bin_view(view, at)
+        if found is not None:
+            return found
     kind, count, header = _container(view, at)
     if kind is None or SMALL < count <= PIECE or (count <= SMALL and depth >= DEPTH):
         return _one(b"", view, at, options)
@@ -143,15 +165,15 @@ def _unpack(view: memoryview, at: int, options: dict[str, Any], depth: int) -> t
         if kind == "array":
             items = []
             for _ in range(count):
-                item, at = _unpack(view, at, options, depth + 1)
+                item, at = _unpack(view, at, options, depth + 1, views)
                 items.append(item)
             return items, at
         out: dict[Any, Any] = {}
         for _ in range(count):
-            key, at = _unpack(view, at, options, depth + 1)
+            key, at = _unpack(view, at, options, depth + 1, views)
             if options["strict_map_key"] and type(key) not in (str, bytes):
                 raise ValueError(f"{type(key).__name__} is not allowed for map key when strict_map_key=True")
-            out[key], at = _unpack(view, at, options, depth + 1)
+            out[key], at = _unpack(view, at, options, depth + 1, views)
         return out, at
     whole: Any = [] if kind == "array" else {}
     packer, window = msgpack.Packer(), 65536
@@ -180,6 +202,19 @@ def _one(head: bytes, view: memoryview, at: int, options: dict[str, Any], window
         except msgpack.OutOfData:
             continue
         return value, at + unpacker.tell() - len(head)
+
+
+def _bin_view(view: memoryview, at: int) -> tuple[memoryview, int] | None:
+    """The bin value at `at` as a view, and where it ends, if it is VIEW bytes or longer; else None (`_one`
+    reads it, and reports a truncated one as msgpack does)."""
+    width = _BIN_LENGTH[view[at]]
+    start = at + 1 + width
+    if start > len(view):
+        return None
+    length = int.from_bytes(view[at + 1:start], "big")
+    if length < VIEW or start + length > len(view):
+        return None
+    return view[start:start + length], start + length
 
 
 def _container(view: memoryview, at: int) -> tuple[str | None, int, int]:

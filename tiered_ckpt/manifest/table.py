@@ -8,6 +8,7 @@ dropped after). Hot paths read the columns: `paths`, `index_by_path`, `chunk_spa
 """
 from __future__ import annotations
 
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, TypeVar, overload
 
 import numpy as np
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
 
 
+CHECKED = 1 << 20  # chunks checked at a time (TensorTable.check)
 ChunkRow = tuple[Sequence[int], Sequence[int], int, int, int]  # offsets, sizes, rank, byte offset, nbytes
 Row = TypeVar("Row")
 
@@ -53,28 +55,48 @@ def _starts(lengths: NDArray[np.int64]) -> NDArray[np.int64]:
     return out
 
 
-def _encode(values: NDArray[np.int64]) -> list[Any]:
-    """Non-negative ints as [width, little-endian bytes] in the narrowest unsigned width that holds them."""
+def _encode(values: NDArray[Any]) -> list[Any]:
+    """Non-negative ints as [width, little-endian bytes] in the narrowest unsigned width that holds them (a view of
+    `values` when they are stored so already: a table read from a manifest)."""
     top = int(values.max()) if len(values) else 0
     width = next(w for w in (1, 2, 4, 8) if top < 1 << (8 * w))
-    return [width, values.astype(f"<u{width}").tobytes()]
+    stored = values if values.dtype == np.dtype(f"<u{width}") else values.astype(f"<u{width}")
+    return [width, memoryview(np.ascontiguousarray(stored)).cast("B")]
 
 
-def _decode(data: list[Any]) -> NDArray[np.int64]:
+def _decode(data: list[Any], *, stored: bool = False) -> NDArray[Any]:
+    """An integer column as int64; with `stored`, one of 1, 2 or 4 bytes a value is left as stored (a read-only
+    unsigned view of the record's bytes, not widened into fresh memory: 560 MB of int64 for the chunk columns of a
+    10,240-rank manifest, most of a loading rank's metadata CPU on a machine where fresh memory is costly)."""
     width, raw = data
     if int(width) not in (1, 2, 4, 8):
         raise ValueError(f"integer column of width {width!r}")
+    if stored and int(width) < 8:
+        return np.frombuffer(raw, dtype=f"<u{int(width)}")
     values = np.frombuffer(raw, dtype=f"<u{int(width)}").astype(np.int64)
     if len(values) and int(values.min()) < 0:  # a u8 above 2**63 wrapped around
         raise ValueError("integer column out of range")
     return values
 
 
+def _decodes_to(data: list[Any], table: TensorTable) -> bool:
+    """Whether an integer column holds the dims of each chunk of `table`, compared as stored (not widened into a
+    fresh array first)."""
+    width, raw = data
+    if int(width) not in (1, 2, 4, 8):
+        raise ValueError(f"integer column of width {width!r}")
+    stored = np.frombuffer(raw, dtype=f"<u{int(width)}")
+    if table.uniform_ndim is not None:
+        return len(stored) == len(table.rank) and bool((stored == table.uniform_ndim).all())
+    return bool(np.array_equal(stored, table.chunk_ndim))
+
+
 class TensorTable(ColumnRows[TensorMeta]):
     """Tensors (path, dtype, global shape) and their chunks (box, rank, byte range in that rank's stream),
     column-wise. Per tensor t: `ndim[t]` dims at `shape[shape_at[t]:...]`, chunks `chunk_at[t]` to
     `chunk_at[t+1]`; per chunk c: `rank[c]`, `byte_offset[c]`, `nbytes[c]`, and its box's `offsets` and `sizes`
-    at `box_at[c]` (each of its tensor's ndim)."""
+    at `box_of(c)` (each of its tensor's ndim). The per-tensor columns are int64; the per-chunk ones of a table
+    read from a manifest may be unsigned and read-only as stored (`from_columns`): widen what you compute with."""
 
     def __init__(self, paths: list[str], dtype_names: list[str], dtype: NDArray[np.int64], ndim: NDArray[np.int64],
                  shape: NDArray[np.int64], nchunks: NDArray[np.int64], rank: NDArray[np.int64],
@@ -93,10 +115,28 @@ class TensorTable(ColumnRows[TensorMeta]):
         if not (len(rank) == len(byte_offset) == len(nbytes) == chunks) or len(shape) != int(self.shape_at[-1]):
             raise ValueError(f"column lengths do not add up ({chunks} chunks, {len(rank)} ranks, "
                              f"{len(shape)} shape values for {int(self.shape_at[-1])})")
-        self.chunk_ndim = np.repeat(ndim, nchunks)  # a chunk's box has its tensor's dims
-        self.box_at = _starts(self.chunk_ndim)
-        if len(offsets) != int(self.box_at[-1]) or len(sizes) != len(offsets):
+        # every chunk's box has its tensor's dims; when all tensors have the same, a chunk's box is found by a
+        # product, with no array of 10M starts at 10,240 ranks (box_at, made only when the dims differ)
+        self.uniform_ndim = int(ndim[0]) if len(ndim) and int(ndim.min()) == int(ndim.max()) else None
+        if len(offsets) != int(np.dot(ndim, nchunks)) or len(sizes) != len(offsets):
             raise ValueError("chunk boxes do not have their tensors' dims")
+
+    @cached_property
+    def chunk_ndim(self) -> NDArray[Any]:
+        """Each chunk's dims (its tensor's), a byte each where they fit."""
+        return np.repeat(self.ndim.astype(np.uint8) if int(self.ndim.max(initial=0)) < 256 else self.ndim,
+                         self.nchunks)
+
+    @cached_property
+    def box_at(self) -> NDArray[np.int64]:
+        """Where each chunk's box starts in `offsets` and `sizes`, and (last) their length."""
+        return _starts(self.chunk_ndim)
+
+    def box_of(self, chunks: Any) -> Any:
+        """Where the boxes of `chunks` (an index or an array of them) start in `offsets` and `sizes`."""
+        if self.uniform_ndim is not None:
+            return chunks * self.uniform_ndim
+        return self.box_at[chunks]
 
     # -- made from, and coded to, other forms ------------------------------------------------------------
     @classmethod
@@ -140,10 +180,9 @@ class TensorTable(ColumnRows[TensorMeta]):
         offsets, sizes = cols["offsets"], cols["sizes"]
         table = cls([str(p) for p in cols["path"]], [str(d) for d in cols["dtypes"]], _decode(cols["dtype"]),
                     _decode(cols["shape"]["len"]), _decode(cols["shape"]["flat"]), _decode(cols["nchunks"]),
-                    _decode(cols["rank"]), _decode(cols["byte_offset"]), _decode(cols["nbytes"]),
-                    _decode(offsets["flat"]), _decode(sizes["flat"]))
-        if not (np.array_equal(_decode(offsets["len"]), table.chunk_ndim)
-                and np.array_equal(_decode(sizes["len"]), table.chunk_ndim)):
+                    *(_decode(c, stored=True) for c in (cols["rank"], cols["byte_offset"], cols["nbytes"],
+                                                         offsets["flat"], sizes["flat"])))
+        if not (_decodes_to(offsets["len"], table) and _decodes_to(sizes["len"], table)):
             raise ValueError("chunk boxes do not have their tensors' dims")
         return table
 
@@ -178,7 +217,7 @@ class TensorTable(ColumnRows[TensorMeta]):
         return tuple(self.shape[self.shape_at[index]:self.shape_at[index + 1]].tolist())
 
     def _chunk(self, c: int) -> ChunkMeta:
-        a, b = int(self.box_at[c]), int(self.box_at[c + 1])
+        a, b = int(self.box_of(c)), int(self.box_of(c + 1))
         return ChunkMeta(tuple(self.offsets[a:b].tolist()), tuple(self.sizes[a:b].tolist()), int(self.rank[c]),
                          int(self.byte_offset[c]), int(self.nbytes[c]))
 
@@ -232,10 +271,13 @@ class TensorTable(ColumnRows[TensorMeta]):
             return None
         if int(self.rank.min()) < 0 or int(self.rank.max()) >= world:
             return "a chunk's rank is out of range"
-        ends = np.asarray(rank_nbytes, dtype=np.int64)[self.rank]
-        # (nbytes > ends - byte_offset: both are non-negative then, so it cannot overflow as a sum could)
-        bad = np.flatnonzero((self.byte_offset < 0) | (self.nbytes < 0) | (self.nbytes > ends - self.byte_offset))
-        if len(bad):
-            tensor = int(np.searchsorted(self.chunk_at, bad[0], side="right")) - 1
-            return f"a chunk of {self.paths[tensor]!r}"
+        stream_ends = np.asarray(rank_nbytes, dtype=np.int64)
+        for start in range(0, len(self.rank), CHECKED):  # (a batch at a time: no world-sized temporaries)
+            rank, byte_offset, nbytes = (c[start:start + CHECKED] for c in (self.rank, self.byte_offset, self.nbytes))
+            ends = stream_ends[rank]
+            # (nbytes > ends - byte_offset: both are non-negative then, so it cannot overflow as a sum could)
+            bad = np.flatnonzero((byte_offset < 0) | (nbytes < 0) | (nbytes > ends - byte_offset))
+            if len(bad):
+                tensor = int(np.searchsorted(self.chunk_at, start + bad[0], side="right")) - 1
+                return f"a chunk of {self.paths[tensor]!r}"
         return None
