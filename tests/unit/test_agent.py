@@ -593,6 +593,54 @@ async def test_a_trainer_that_reconnected_stays_attached_when_its_old_connection
                 channel.close()
 
 
+async def test_a_trainer_that_comes_back_after_all_its_connections_closed_gets_its_lease_record_back(tmp_path,
+                                                                                                      shm_dir):
+    """The agent writes its own record over the file index's lease once the trainer's last connection closed (a
+    writer that starts then waits for it instead of being refused). A trainer that was only between connections
+    (a handoff timed out; it reconnects for its next save) is the lease's holder again: its record must say so,
+    whether the agent still had its link (attach) or had closed it meanwhile (a new link of the same session)."""
+    from tiered_ckpt.agent.links import CLEANER, Link
+
+    lease = tmp_path / "lease"
+    lease.write_text("the trainer's record")
+    async with job_and_agent(tmp_path, shm_dir) as (job, folder, server):
+        for step in (3, 4, 5):
+            await job.commit.begin(step, ["host", "disk"])
+            channel = await connect(folder, start=False, timeout=5)
+            try:
+                fd = os.open(lease, os.O_RDWR)
+                await channel.send({"op": "drain", "id": step, "order": job.order(step).to_wire(), "trainer": ""},
+                                   [fd])
+                os.close(fd)
+                reply, _ = await channel.recv()
+                assert reply == {"op": "accepted", "id": step}
+                assert lease.read_text() == "the trainer's record", step
+            finally:
+                channel.close()
+            deadline = asyncio.get_running_loop().time() + 20
+            while not lease.read_text().startswith(CLEANER):  # its last connection closed: the agent's record
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.02)
+            if step == 4:  # the next one comes back to a closed link: a new one, of the same session
+                while server.links:
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.02)
+    # and the link itself, back while it is still open (its drains running)
+    record = tmp_path / "lease2"
+    record.write_text("the trainer's record")
+    fd = os.open(record, os.O_RDWR)
+    try:
+        link = Link(order=job.order(3), io=None, index=None, commit=None, retention=None, lease_fds=[fd])
+        link.attach("first connection")
+        link.detach("first connection")
+        assert record.read_text().startswith(CLEANER) and link.trainer_record == b"the trainer's record"
+        link.trainer_gone()  # (said twice: the trainer's record is still the one kept)
+        link.attach("reconnected")
+        assert record.read_text() == "the trainer's record" and link.attached
+    finally:
+        os.close(fd)
+
+
 async def test_a_trainer_that_closes_its_connection_mid_handoff_is_detached(tmp_path, shm_dir):
     """The trainer's handoff timed out and it closed the connection while the agent was still taking the save (the
     agent's "accepted" then fails to send). The link must not stay attached to that dead connection: the drain goes

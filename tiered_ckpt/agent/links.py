@@ -61,12 +61,18 @@ class Link:
     # the trainer's open connections that handed this link a save: more than one after a reconnect (a handoff
     # that timed out drops its connection, the next save makes another), and the old one's close can come last
     channels: set[Any] = field(default_factory=set)
+    # the file index's lease record as the trainer wrote it, kept when trainer_gone wrote the agent's over it: a
+    # trainer that comes back (its connections had all closed; it reconnects for its next save) gets it back
+    trainer_record: bytes | None = None
 
     @property
     def attached(self) -> bool:
         return bool(self.channels)
 
     def attach(self, channel: Any) -> None:
+        if not self.channels and self.trainer_record is not None:  # back after trainer_gone: its record again
+            self._write_record(self.trainer_record)
+            self.trainer_record = None
         self.channels.add(channel)
 
     def detach(self, channel: Any) -> None:
@@ -125,7 +131,16 @@ class Link:
         """The trainer's last connection closed: a writer that starts now waits for the lease the agent holds (as for
         a cleaner's) instead of being refused."""
         self.channels.clear()
-        record = agent_record(self.order.session).encode()
+        if self.lease_fds and self.trainer_record is None:
+            try:
+                current = os.pread(self.lease_fds[0], 4096, 0)
+            except OSError:
+                current = b""
+            if current and not current.startswith(CLEANER.encode()):
+                self.trainer_record = current
+        self._write_record(agent_record(self.order.session).encode())
+
+    def _write_record(self, record: bytes) -> None:
         for fd in self.lease_fds:
             try:
                 os.ftruncate(fd, 0)

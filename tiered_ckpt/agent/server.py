@@ -77,6 +77,7 @@ class AgentServer:
         self.idle = idle
         self.mounts = mount_namespace()  # a trainer of another mount namespace is refused (its files may differ)
         self.links: dict[tuple[Any, ...], Link] = {}
+        self._trainer_records: dict[tuple[Any, ...], bytes] = {}  # (Link.trainer_record of links closed meanwhile)
         self.drains: dict[int, Drained] = {}
         self.clients = 0
         self.greeting = 0  # connections accepted whose first message has not come yet: they hold the agent too
@@ -242,6 +243,8 @@ class AgentServer:
             link = self.links.get(key)
             if link is None:
                 link = self.links[key] = await Link.open(order, fds)
+                # (a trainer whose earlier link closed while it had no connection: its record goes back at attach)
+                link.trainer_record = self._trainer_records.pop(key, None) if fds else None
             else:
                 for fd in fds:
                     os.close(fd)  # the link holds the lease already
@@ -358,6 +361,8 @@ class AgentServer:
         link = self.links.get(key)
         if link is not None and not link.pending and not link.attached:
             del self.links[key]
+            if link.trainer_record is not None:  # the trainer may be alive, between connections (Link.attach)
+                self._trainer_records[key] = link.trainer_record
             await link.close()
 
     async def _adopt(self) -> None:
