@@ -33,11 +33,12 @@ CHUNK = 4 << 20
 PARTS = 4
 
 
-async def write_checkpoint(index: Any, ranks: int, *, job: str = JOB, step: int = STEP) -> Manifest:
-    """A committed-looking checkpoint of `ranks` ranks in `index` (its manifest and every rank's record); the
-    records are written in batches of concurrent calls, as the ranks of a save write them."""
+async def write_checkpoint(index: Any, ranks: int, *, job: str = JOB, step: int = STEP, tensors: Any = ()
+                           ) -> Manifest:
+    """A committed-looking checkpoint of `ranks` ranks in `index` (its manifest, listing `tensors`, and every rank's
+    record); the records are written in batches of concurrent calls, as the ranks of a save write them."""
     nbytes = PARTS * PART
-    manifest = Manifest(job=job, step=step, world_size=ranks, part_size=PART, checksum="crc32c", tensors=[],
+    manifest = Manifest(job=job, step=step, world_size=ranks, part_size=PART, checksum="crc32c", tensors=tensors,
                         ranks=tuple(RankMeta(r, nbytes) for r in range(ranks)), skeleton=b"", created=time.time(),
                         index=index.identity, incarnation=incarnation_dir(index.identity, new_session()),
                         chunk_size=CHUNK)
@@ -86,7 +87,7 @@ def slope(xs: list[int], ys: list[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
-async def run(sizes: list[int], url: str | None) -> None:
+async def run(sizes: list[int], url: str | None, tensors: int = 0, layout: str = "fsdp") -> None:
     from ..storage.index.redis import RedisIndex
     from ..testing.redis_local import LocalServer
 
@@ -98,7 +99,7 @@ async def run(sizes: list[int], url: str | None) -> None:
                 index = make()
                 await index.open()
                 index.epoch = await index.fence(f"{JOB}{n}")
-                await write_checkpoint(index, ranks, job=f"{JOB}{n}")
+                await write_checkpoint(index, ranks, job=f"{JOB}{n}", tensors=_table(tensors, layout, ranks))
                 manifest, trips, cpu, wall = await read_metadata(index, job=f"{JOB}{n}")
                 assert len(manifest.ranks) == ranks
                 await index.close()
@@ -112,6 +113,17 @@ async def run(sizes: list[int], url: str | None) -> None:
             fits = [f"{what} {slope(xs, [r[i] for r in rows]):.2f}" for what, i in
                     (("round trips", 1), ("CPU", 2), ("wall", 3), ("decode CPU", 5)) if rows[0][i] is not None]
             print(f"{name:5} slope vs R: {', '.join(fits)}", flush=True)
+
+
+def _table(tensors: int, layout: str, ranks: int) -> Any:
+    """No tensors, or the table of a save of `tensors` tensors a rank in this layout planned for the world (the
+    planning bench's synthetic ranks: under FSDP2 every tensor is cut into R chunks, a 126 MB manifest at
+    10,240 ranks x 1,000 tensors)."""
+    if not tensors:
+        return ()
+    from .plan_scale import world_plan
+
+    return world_plan(layout, tensors, ranks).tensors
 
 
 class _Given:
@@ -129,8 +141,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096, 10240])
     parser.add_argument("--url", help="a Redis index to use instead of a local redis-server")
+    parser.add_argument("--tensors", type=int, default=0,
+                        help="tensors a rank in the manifest (default 0: the manifest lists none)")
+    parser.add_argument("--layout", default="fsdp", help="their layout, as plan_scale makes it (fsdp, ddp, hsdp)")
     args = parser.parse_args()
-    asyncio.run(run(args.ranks, args.url))
+    asyncio.run(run(args.ranks, args.url, args.tensors, args.layout))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,14 @@ def _payload(layout: str, tensors: int, rank: int, world: int, first: tuple[byte
     return (first[0], None, None if same else boxes, b"", b"")
 
 
+def world_plan(layout: str, tensors: int, world: int) -> WorldPlan:
+    """The plan the coordinator makes for a world of `world` synthetic ranks of this layout (its `tensors` table is
+    the manifest's): what another bench needs of a checkpoint of that size."""
+    first = describe(rank_boxes(layout, tensors, 0, world), 0)
+    return plan_world([first.payload_for(None)] + [_payload(layout, tensors, r, world, first.digest)
+                                                   for r in range(1, world)])
+
+
 def _cpu(fn: Callable[[], Any]) -> tuple[Any, float]:
     out, user, system, _ = _cpu_split(fn)
     return out, user + system
