@@ -41,6 +41,32 @@ async def test_frames_and_descriptors_cross_the_socket():
         os.close(w)
 
 
+async def test_a_large_frame_of_many_pieces_crosses_whole(monkeypatch):
+    """A large frame is sent from its pieces where they lie (sendmsg of many buffers, at most IOV_MAX a call, the
+    socket's room running out mid-buffer): long byte strings at any depth, a list longer than a packing piece, and
+    more pieces than one sendmsg takes all arrive as sent, with the descriptors."""
+    from tiered_ckpt.agent import wire
+
+    monkeypatch.setattr(wire, "IN_THREAD", 1024)  # (so that 3,000 entries of 2 KiB are 3,000 buffers)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    left, right = Channel(a), Channel(b)
+    r, w = os.pipe()
+    try:
+        message = {"op": "drain", "order": {"records": [["manifest", os.urandom(3 << 20)], ["rank", b"r" * 70_000]],
+                                            "keys": [f"k{i}" for i in range(40_000)], "empty": b""},
+                   "many": {f"e{i}": os.urandom(2048) for i in range(3000)}, "tail": 7}
+        sending = asyncio.create_task(left.send(message, [w], size=16 << 20))
+        got, fds = await asyncio.wait_for(right.recv(), 30)
+        await sending
+        assert got == message and len(fds) == 1
+        os.close(fds[0])
+    finally:
+        left.close()
+        right.close()
+        os.close(r)
+        os.close(w)
+
+
 async def test_frames_sent_at_once_never_interleave():
     """A large frame waits for room mid-frame (nobody reads yet) while another task sends a small one: each arrives
     whole (the agent sends outcomes and questions from several tasks on one connection)."""

@@ -74,7 +74,12 @@ class RankMeta:
     host: str = ""  # the machine that wrote this rank's parts (empty before this release)
 
     def to_bytes(self) -> bytes:
-        return seal(msgpack.packb({"version": FORMAT_VERSION, **dataclasses.asdict(self)}))
+        """Sealed msgpack; the skeleton and digests (tens of MB at a million tensors) copied once, into the record
+        (not deep-copied, then into the packer's buffer, then behind the seal: GIL-holding copies of fresh memory)."""
+        from .pieces import packed_parts  # (numpy: see Manifest.__post_init__)
+
+        body = {"version": FORMAT_VERSION, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        return seal_parts(packed_parts(body))
 
     def expect(self, rank: int, source: str) -> "RankMeta":
         """This record, if it is the one of `rank` that `source` lists; else IntegrityError."""
