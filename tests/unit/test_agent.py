@@ -623,35 +623,55 @@ async def test_a_trainer_that_comes_back_after_all_its_connections_closed_gets_i
                                                                                                       shm_dir):
     """The agent writes its own record over the file index's lease once the trainer's last connection closed (a
     writer that starts then waits for it instead of being refused). A trainer that was only between connections
-    (a handoff timed out; it reconnects for its next save) is the lease's holder again: its record must say so,
-    whether the agent still had its link (attach) or had closed it meanwhile (a new link of the same session)."""
+    (a handoff timed out; it reconnects for its next save) still holds the lease: its record must say so again when
+    it comes back to the link, or when the agent closes the link while the trainer still runs; not once the
+    trainer is dead (the lease then goes with the agent's descriptors)."""
+    import fcntl
+
     from tiered_ckpt.agent.links import CLEANER, Link
 
     lease = tmp_path / "lease"
     lease.write_text("the trainer's record")
-    async with job_and_agent(tmp_path, shm_dir) as (job, folder, server):
-        for step in (3, 4, 5):
-            await job.commit.begin(step, ["host", "disk"])
-            channel = await connect(folder, start=False, timeout=5)
-            try:
-                fd = os.open(lease, os.O_RDWR)
-                await channel.send({"op": "drain", "id": step, "order": job.order(step).to_wire(), "trainer": ""},
-                                   [fd])
-                os.close(fd)
-                reply, _ = await channel.recv()
-                assert reply == {"op": "accepted", "id": step}
-                assert lease.read_text() == "the trainer's record", step
-            finally:
-                channel.close()
-            deadline = asyncio.get_running_loop().time() + 20
-            while not lease.read_text().startswith(CLEANER):  # its last connection closed: the agent's record
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.02)
-            if step == 4:  # the next one comes back to a closed link: a new one, of the same session
-                while server.links:
-                    assert asyncio.get_running_loop().time() < deadline
-                    await asyncio.sleep(0.02)
-    # and the link itself, back while it is still open (its drains running)
+    alive = tmp_path / "trainer.lock"  # what the trainer's client holds while its engine is open
+    held = os.open(alive, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)
+
+    async def until(condition, what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + 20
+        while not condition():
+            assert asyncio.get_running_loop().time() < deadline, what
+            await asyncio.sleep(0.02)
+
+    try:
+        async with job_and_agent(tmp_path, shm_dir) as (job, folder, server):
+            for step in (3, 4, 5):
+                await job.commit.begin(step, ["host", "disk"])
+                channel = await connect(folder, start=False, timeout=5)
+                try:
+                    fd = os.open(lease, os.O_RDWR)
+                    await channel.send({"op": "drain", "id": step, "order": job.order(step).to_wire(),
+                                        "trainer": str(alive)}, [fd])
+                    os.close(fd)
+                    reply, _ = await channel.recv()
+                    assert reply == {"op": "accepted", "id": step}
+                    assert lease.read_text() == "the trainer's record", step
+                    await job.commit.mark_durable(step, "host")  # (its drain runs: the link closes once detached)
+                    if step == 5:  # the trainer dies (its lock goes), then its connection closes
+                        os.close(held)
+                        held = -1
+                finally:
+                    channel.close()
+                if step == 3:  # its last connection closed: the agent's record; step 4 comes back to the link
+                    await until(lambda: lease.read_text().startswith(CLEANER) or not server.links, "no record")
+                else:  # the link closes once drained and detached
+                    await until(lambda: not server.links, "the link stays")
+            # step 4's link closed while the trainer ran: its record was put back (step 5 then found it); step 5's
+            # closed once the trainer was dead: the agent's record stays (the lease went with the agent's descriptors)
+            assert lease.read_text().startswith(CLEANER)
+    finally:
+        if held >= 0:
+            os.close(held)
+    # the link itself, back while it is still open (its drains running)
     record = tmp_path / "lease2"
     record.write_text("the trainer's record")
     fd = os.open(record, os.O_RDWR)

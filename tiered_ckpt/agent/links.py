@@ -64,16 +64,23 @@ class Link:
     # the file index's lease record as the trainer wrote it, kept when trainer_gone wrote the agent's over it: a
     # trainer that comes back (its connections had all closed; it reconnects for its next save) gets it back
     trainer_record: bytes | None = None
+    trainer: str = ""  # the lock file the trainer's client holds while its engine is open (journal.trainer_alive)
+    farewell: bool = False  # the trainer said bye: its engine closes
 
     @property
     def attached(self) -> bool:
         return bool(self.channels)
 
     def attach(self, channel: Any) -> None:
-        if not self.channels and self.trainer_record is not None:  # back after trainer_gone: its record again
+        if not self.channels:  # back after trainer_gone: its record again
+            self.restore_record()
+        self.channels.add(channel)
+
+    def restore_record(self) -> None:
+        """The trainer's lease record back where trainer_gone wrote the agent's (it holds the lease again)."""
+        if self.trainer_record is not None:
             self._write_record(self.trainer_record)
             self.trainer_record = None
-        self.channels.add(channel)
 
     def detach(self, channel: Any) -> None:
         """`channel` closed or said bye: the trainer is gone once no connection of it is left."""

@@ -77,7 +77,6 @@ class AgentServer:
         self.idle = idle
         self.mounts = mount_namespace()  # a trainer of another mount namespace is refused (its files may differ)
         self.links: dict[tuple[Any, ...], Link] = {}
-        self._trainer_records: dict[tuple[Any, ...], bytes] = {}  # (Link.trainer_record of links closed meanwhile)
         self.drains: dict[int, Drained] = {}
         self.clients = 0
         self.greeting = 0  # connections accepted whose first message has not come yet: they hold the agent too
@@ -208,6 +207,7 @@ class AgentServer:
                     for key in mine:
                         link = self.links.get(key)
                         if link is not None:
+                            link.farewell = True
                             link.detach(channel)
                             await self._close_if_done(key)
                     await channel.send({"op": "bye"})
@@ -243,8 +243,6 @@ class AgentServer:
             link = self.links.get(key)
             if link is None:
                 link = self.links[key] = await Link.open(order, fds)
-                # (a trainer whose earlier link closed while it had no connection: its record goes back at attach)
-                link.trainer_record = self._trainer_records.pop(key, None) if fds else None
             else:
                 for fd in fds:
                     os.close(fd)  # the link holds the lease already
@@ -256,6 +254,7 @@ class AgentServer:
                     pass
             await channel.send({"op": "refused", "id": ident, "error": f"{type(e).__name__}: {e}"})
             return
+        link.trainer = str(message.get("trainer") or "")
         link.attach(channel)
         mine.add(key)  # (at once: a connection that closes during what follows is still detached when it ends)
         link.pending += 1
@@ -361,8 +360,8 @@ class AgentServer:
         link = self.links.get(key)
         if link is not None and not link.pending and not link.attached:
             del self.links[key]
-            if link.trainer_record is not None:  # the trainer may be alive, between connections (Link.attach)
-                self._trainer_records[key] = link.trainer_record
+            if not link.farewell and trainer_alive(link.trainer):  # only between connections: the lease, which it
+                link.restore_record()  # holds on, says so again (a writer that starts now is refused, not kept waiting)
             await link.close()
 
     async def _adopt(self) -> None:
