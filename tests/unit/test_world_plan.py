@@ -189,3 +189,36 @@ def test_a_tensor_that_differs_between_ranks_is_refused_naming_it_and_the_rank()
         build_plan(("k",), [[box("w", (4,))], [box("w", (4,))], [box("w", (5,))]], 0, 1 << 20)
     with pytest.raises(StateError, match=r"'rng@rank1'.*rank 1"):
         build_plan(("k",), [[box("rng@rank1", (4,))], [box("rng@rank1", (5,))]], 0, 1 << 20)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_groups_placed_alike_once_make_the_picks_each_would_make(seed):
+    """_spread places groups whose boxes and starting loads are alike once (HSDP: every shard's replicas): the
+    ranks chosen and the loads left are those of placing every group box by box, largest first, to its
+    least-loaded rank (the lowest of equals), with ties, rows alike and rows not."""
+    from tiered_ckpt.save.world_plan import _spread
+
+    rng = np.random.default_rng(seed)
+    n_groups, per, width, world = 12, 9, 3, 36
+    groups = [list(range(g * width, (g + 1) * width)) for g in range(n_groups)]
+    pattern = rng.integers(1, 5, per) * 64
+    nbytes, grp, tid = [], [], []
+    for g in range(n_groups):
+        sizes = pattern if g % 3 else rng.integers(1, 5, per) * 64  # most groups alike, some not
+        nbytes += sizes.tolist()
+        grp += [g] * per
+        tid += list(range(per))
+    nbytes, grp, tid = (np.asarray(v, dtype=np.int64) for v in (nbytes, grp, tid))
+    load = np.zeros(world, np.int64)
+    load[rng.integers(0, world, 4)] = 64  # a few ranks start loaded: their groups are not alike
+    expected_load, expected = load.copy(), np.empty(len(grp), np.int64)
+    paths = [f"t{i}" for i in range(per)]
+    for g in range(n_groups):  # box by box, as a heap would
+        mine = np.flatnonzero(grp == g)
+        order = sorted(mine.tolist(), key=lambda i: (-nbytes[i], paths[tid[i]]))
+        for i in order:
+            rank = min(groups[g], key=lambda r: (expected_load[r], r))
+            expected[i] = rank
+            expected_load[rank] += nbytes[i]
+    chosen = _spread(np.ones(len(grp), bool), grp, nbytes, tid, groups, load, paths)
+    assert chosen.tolist() == expected.tolist() and load.tolist() == expected_load.tolist()
