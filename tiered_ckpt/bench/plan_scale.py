@@ -20,7 +20,6 @@ import hashlib
 import math
 import pickle
 import resource
-import time
 from typing import Any, Callable
 
 import numpy as np

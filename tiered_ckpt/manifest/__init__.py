@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from ..checksum import SEAL, seal, seal_parts, unseal
+from ..checksum import SEAL, seal_parts, unseal
 from ..errors import IntegrityError
 from ..layout import part_count, part_range
 from ..release import BATCH, empty
