@@ -183,6 +183,28 @@ def test_release_empties_large_containers_a_batch_at_a_time():
     empty(other)
 
 
+def test_a_loads_part_reads_let_their_spans_go_a_batch_at_a_time():
+    """A load's part of small tensors lists the (offset, length) of every one it wants: 125k tuples a part at 1M
+    tensors. Kept as a tuple, they were freed when the list of the load's parts was cleared, all eight parts'
+    1M tuples in one step (82 ms the loop waited); release() empties them a batch at a time."""
+    from tiered_ckpt.load.reads import Reads, part_views
+    from tiered_ckpt.manifest import ChunkMeta, Manifest, RankMeta, TensorMeta
+    from tiered_ckpt.storage.verified_read import PartRead
+
+    count = 3 * BATCH + 5
+    manifest = Manifest("j", 1, 1, 1 << 20, "crc32c",
+                        [TensorMeta(f"t{i}", "torch.float32", (1,), (ChunkMeta((0,), (1,), 0, 64 * i, 4),))
+                         for i in range(count)], (RankMeta(0, 64 * count, (0,)),), b"", 0.0)
+    reads = Reads()
+    for i in range(count):
+        reads.dests[(0, 64 * i)] = memoryview(bytearray(4))
+    views, targets, starts, wanted = part_views(manifest, 0, 0, manifest.tensors.chunk_spans(0), reads)
+    part = PartRead("k", views, 64 * count, 0, targets, target_starts=starts, spans=wanted)
+    assert len(part.spans) == count
+    part.release()
+    assert wanted == [] and part.spans is wanted  # (the same list, emptied: nothing of it left to free at once)
+
+
 def test_the_plans_structure_is_pickled_and_unpickled_a_piece_at_a_time(monkeypatch):
     """A worker thread holds the GIL through one C call: describe() pickles the paths, and the world plan
     unpickles them, in calls of at most PIECE entries (1M paths in one `pickle.dumps`: ~0.3 s the loop waits)."""

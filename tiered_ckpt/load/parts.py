@@ -2,7 +2,7 @@
 because the reads of a load (reads.py) and the heal after it (heal.py) both build them."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from ..layout import PartKey
 from ..manifest import Manifest
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def part_read(manifest: Manifest, rank: int, p: int, views: list[memoryview] | Sinks, targets: tuple[str, ...] = (),
-              starts: tuple[int, ...] = (), spans: tuple[tuple[int, int], ...] = ()) -> PartRead:
+              starts: tuple[int, ...] = (), spans: Sequence[tuple[int, int]] = ()) -> PartRead:
     """Part `p` of saved rank `rank`, read into `views`: its key, length and checksums, from the manifest."""
     key = PartKey(manifest.job, manifest.step, rank, p, manifest.incarnation).path
     return PartRead(key, views, manifest.part_length(rank, p), manifest.ranks[rank].checksums[p], targets,

@@ -326,7 +326,7 @@ def rank_spans(manifest: Manifest, rank: int) -> list[tuple[int, int]]:
 
 
 def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, int]],
-               reads: Reads) -> tuple[Sinks, tuple[str, ...], tuple[int, ...], tuple[tuple[int, int], ...]] | None:
+               reads: Reads) -> tuple[Sinks, tuple[str, ...], tuple[int, ...], list[tuple[int, int]]] | None:
     """The buffers that one part's bytes scatter into, in order, the keys of the targets whose own memory some
     of them are, where in the part each of those begins, and the (offset, length) in the part of every buffer
     this rank wants (the bytes between them are skipped); None if no wanted chunk is in the part."""
@@ -375,7 +375,7 @@ def part_views(manifest: Manifest, rank: int, part: int, spans: list[tuple[int, 
         pos = hi
     if end > pos:
         views.skip(end - pos)
-    return (views, tuple(targets), tuple(starts), tuple(wanted)) if wanted else None
+    return (views, tuple(targets), tuple(starts), wanted) if wanted else None  # (wanted: see PartRead.spans)
 
 
 def parts_to_read(manifest: Manifest, reads: Reads, only: set[tuple[int, int]] | None = None,

@@ -55,7 +55,9 @@ class PartRead:
     target_starts: tuple[int, ...] = ()  # where in the part each of `targets` begins
     check_whole: bool = False  # read in chunks: also check the part's own checksum (verify does; a load need not)
     touched: tuple[str, ...] = ()  # targets that verified chunks reached, of a part whose read then failed
-    spans: tuple[tuple[int, int], ...] = ()  # (offset, length) in the part of the views the caller wants (a load)
+    # (offset, length) in the part of the views the caller wants (a load: a list, emptied by release a batch at a
+    # time, since a part of small tensors wants 100k+ of them and a tuple of them is freed in one step)
+    spans: Sequence[tuple[int, int]] = ()
 
     def release(self) -> None:
         """Drop the buffers, a batch at a time (in a thread: a part of small tensors lists 100k+ of them)."""
@@ -63,6 +65,7 @@ class PartRead:
             empty(self.views)
         else:
             self.views.release()
+        empty(self.spans)
         self.targets = self.target_starts = self.touched = ()
 
     def wanted_views(self) -> list[memoryview] | Sinks:
