@@ -258,8 +258,8 @@ class AgentServer:
         link.attach(channel)
         mine.add(key)  # (at once: a connection that closes during what follows is still detached when it ends)
         link.pending += 1
+        trainer = link.trainer
         try:  # on file before the trainer hears "accepted": an agent killed from here on loses nothing
-            trainer = str(message.get("trainer") or "")
             entry = await self.journal.record(order, trainer, lease_record(order, link.lease_fds))
         except OSError as e:
             link.pending -= 1

@@ -55,11 +55,17 @@ def _starts(lengths: NDArray[np.int64]) -> NDArray[np.int64]:
     return out
 
 
+def stored_width(values: NDArray[Any]) -> int:
+    """Bytes a value of the narrowest unsigned width that holds every one of (non-negative) `values`: 1, 2, 4 or 8,
+    as the manifest stores an integer column."""
+    top = int(values.max(initial=0))
+    return next(w for w in (1, 2, 4, 8) if top < 1 << (8 * w))
+
+
 def _encode(values: NDArray[Any]) -> list[Any]:
     """Non-negative ints as [width, little-endian bytes] in the narrowest unsigned width that holds them (a view of
     `values` when they are stored so already: a table read from a manifest)."""
-    top = int(values.max()) if len(values) else 0
-    width = next(w for w in (1, 2, 4, 8) if top < 1 << (8 * w))
+    width = stored_width(values)
     stored = values if values.dtype == np.dtype(f"<u{width}") else values.astype(f"<u{width}")
     return [width, memoryview(np.ascontiguousarray(stored)).cast("B")]
 
@@ -82,10 +88,7 @@ def _decode(data: list[Any], *, stored: bool = False) -> NDArray[Any]:
 def _decodes_to(data: list[Any], table: TensorTable) -> bool:
     """Whether an integer column holds the dims of each chunk of `table`, compared as stored (not widened into a
     fresh array first)."""
-    width, raw = data
-    if int(width) not in (1, 2, 4, 8):
-        raise ValueError(f"integer column of width {width!r}")
-    stored = np.frombuffer(raw, dtype=f"<u{int(width)}")
+    stored = _decode(data, stored=True)
     if table.uniform_ndim is not None:
         return len(stored) == len(table.rank) and bool((stored == table.uniform_ndim).all())
     return bool(np.array_equal(stored, table.chunk_ndim))

@@ -23,7 +23,7 @@ import numpy as np
 from ..manifest.pieces import distinct, int_array, loads as unpickle_in_pieces, rows, string_order, to_list
 from ..errors import StateError
 from ..release import release_all
-from ..manifest.table import TensorTable
+from ..manifest.table import TensorTable, stored_width
 from .describe import unpack_ints
 
 ALIGN = 64  # every chunk starts 64-byte aligned, so byte views can be re-viewed as any dtype
@@ -279,8 +279,7 @@ def _taken(values: np.ndarray, order: np.ndarray) -> np.ndarray:
     """values[order] (rows, for a 2-d array) in the narrowest unsigned width that holds them, as the manifest
     stores its chunk columns (manifest/table.py): a quarter of the fresh memory of int64 columns of 7M chunks at
     10,240 FSDP2 ranks, and the manifest's encoding then casts nothing. Non-negative values only."""
-    top = int(values.max(initial=0))
-    width = next((w for w in (1, 2, 4) if top < 1 << (8 * w)), 8)
+    width = stored_width(values)
     out = np.empty((len(order), *values.shape[1:]), dtype=np.int64 if width == 8 else f"<u{width}")
     np.take(values, order, axis=0, out=out)
     return out
