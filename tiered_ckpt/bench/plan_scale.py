@@ -37,6 +37,9 @@ def _rows(i: int) -> int:
     return 4096 + (i * 7919 % 8) * 1024  # 4,096 to 11,264 rows of 1,024 floats: 16 to 44 MiB a tensor
 
 
+LAYOUTS = ("ddp", "fsdp", "hsdp")
+
+
 def rank_boxes(layout: str, tensors: int, rank: int, world: int) -> list[Box]:
     """One rank's descriptors, as Planner._describe makes them from its tensors."""
     boxes = []
@@ -220,6 +223,9 @@ def main() -> None:
     ap.add_argument("--load", action="store_true",
                     help="instead: a loading rank's metadata CPU (manifest decode, read plan) against R")
     args = ap.parse_args()
+    unknown = set(args.layouts.split(",")) - set(LAYOUTS)
+    if unknown:  # (any other name planned sharded boxes not flagged alone: a layout no real state makes)
+        ap.error(f"--layouts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(LAYOUTS)}")
     if args.load:
         _main_load(args)
         return
