@@ -57,3 +57,11 @@ def test_the_world_plan_of_each_replicated_layout_is_measured():
         r = stalls._plan_one(300, layout)
         assert r["layout"] == layout and r["cpu"] > 0 and r["wait"] >= 0 and r["held"] >= 0
     gc.enable()  # (_plan_one turns automatic collection off, as its own process would)
+
+
+def test_each_step_of_a_loads_planning_is_measured_alone():
+    steps = stalls._load_steps_one(500)
+    gc.enable()  # (as above)
+    assert [r["step"] for r in steps] == list(stalls.LOAD_STEPS)
+    for r in steps:
+        assert r["tensors"] == 500 and r["cpu"] > 0 and r["wait"] >= 0 and r["held"] >= 0, r

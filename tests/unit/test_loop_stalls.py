@@ -16,6 +16,7 @@ import tiered_ckpt as tc
 from tiered_ckpt.manifest import pieces
 from tiered_ckpt.buffers import Sinks
 from tiered_ckpt.manifest.table import TensorTable
+from tiered_ckpt import release
 from tiered_ckpt.release import BATCH, empty, release_all
 from tiered_ckpt.save import mapped
 from tiered_ckpt.save.describe import describe
@@ -203,6 +204,30 @@ def test_a_loads_part_reads_let_their_spans_go_a_batch_at_a_time():
     assert len(part.spans) == count
     part.release()
     assert wanted == [] and part.spans is wanted  # (the same list, emptied: nothing of it left to free at once)
+
+
+def test_a_loads_maps_of_every_tensor_and_chunk_grow_a_block_at_a_time(monkeypatch):
+    """One dict of 1M entries grows by resizes that each hold the GIL 40-70 ms (release.py), in the thread that
+    plans the load, and the loop waits as long: the load's maps per tensor (the given tensors paired with the saved
+    ones, the manifest's paths) and per chunk (where each chunk's bytes go) are cut into blocks."""
+    from tiered_ckpt.load.reads import plan_reads
+    from tiered_ckpt.manifest import ChunkMeta, Manifest, RankMeta, TensorMeta
+    from tiered_ckpt.state.match import LoadTarget
+
+    monkeypatch.setattr(release, "INDEX_SHIFT", 6)  # 64 tensors a block
+    monkeypatch.setattr(release, "OFFSET_SHIFT", 12)  # 4 KiB of a rank's stream: 64 chunks of 64 bytes
+    manifest = Manifest("j", 1, 1, 1 << 20, "crc32c",
+                        [TensorMeta(f"t{i}", "torch.float32", (1,), (ChunkMeta((0,), (1,), 0, 64 * i, 4),))
+                         for i in range(COUNT)], (RankMeta(0, 64 * COUNT, (0,)),), b"", 0.0)
+    target = LoadTarget()
+    for i in range(COUNT):
+        target.add(i, f"t{i}", torch.zeros(1))
+    reads = plan_reads(manifest, target.tensors)
+    by_path = manifest.tensors.index_by_path()
+    assert by_path["t17"] == 17 and target.tensors[17] == ("t17", target.tensors[17][1]) and len(target.tensors) == COUNT
+    for mapping, most in ((target.tensors, 64), (reads.dests, 64), (reads.direct, 64),
+                          (by_path, 3 * COUNT // release.BLOCKS)):
+        assert len(mapping) == COUNT and mapping.largest_block <= most, type(mapping)
 
 
 def test_the_plans_structure_is_pickled_and_unpickled_a_piece_at_a_time(monkeypatch):

@@ -11,11 +11,13 @@ count*).
 
     python -m tiered_ckpt.bench.stalls --tensors 100000,300000 --gc on,off [--json out.json]
     python -m tiered_ckpt.bench.stalls --tensors 1000000 --plans ddp,ddp-differing,hsdp
+    python -m tiered_ckpt.bench.stalls --tensors 1000000 --load-steps
 
 Besides the ticker's stall and the loop's CPU, a thread that wakes every millisecond reports its longest wait
 for the GIL and the CPU that one other thread ran meanwhile (`_GilWatch`), with where that thread was: the
 longest hold of the GIL by a worker thread, which the loop waits for as long. `--plans` measures the same for
-the world plan of replicated layouts (DDP, HSDP) alone, which the engine bench (one rank) never compares.
+the world plan of replicated layouts (DDP, HSDP) alone, which the engine bench (one rank) never compares;
+`--load-steps` the steps of a load's planning that build maps of every tensor, each alone.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
 OPERATIONS = ("first save", "second save", "load (memory tier)", "load (disk tier)", "close")
 
@@ -224,27 +226,85 @@ def _payloads(count: int, layout: str) -> list[tuple[Any, ...]]:
     return [describe(descriptors, r).payload_for(None) for r, descriptors in enumerate(ranks)]
 
 
-def _plan_one(count: int, layout: str) -> dict[str, Any]:
-    """The world plan of `layout` made in a thread, automatic collection off (the engine pauses it to plan):
-    the thread's CPU, the longest GIL wait of a watching thread, the most CPU the planning thread ran in one."""
-    from ..save.world_plan import plan_world
-
+def _in_thread(work: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """work() in a thread of its own, automatic collection off (the engine pauses it for per-tensor work): its
+    value, and the thread's CPU, the longest GIL wait of a watching thread, the most CPU the thread ran in one."""
     gc.disable()
-    payloads = _payloads(count, layout)
     gil = _GilWatch(threading.get_ident())
     cpu: list[float] = []
+    out: list[Any] = []
 
-    def plan() -> None:
+    def timed() -> None:
         start = time.thread_time()
-        plan_world(payloads)
+        out.append(work())
         cpu.append(time.thread_time() - start)
 
-    thread = threading.Thread(target=plan, name="plan")
+    thread = threading.Thread(target=timed, name="work")
     thread.start()
     thread.join()
     gil.close()
-    return {"tensors": count, "layout": layout, "cpu": cpu[0], "wait": gil.wait, "held": gil.worker[0],
-            "holds": [(round(held * 1e3), where) for held, where in sorted(gil.holds, reverse=True)[:4]]}
+    return out[0], {"cpu": cpu[0], "wait": gil.wait, "held": gil.worker[0],
+                    "holds": [(round(held * 1e3), where) for held, where in sorted(gil.holds, reverse=True)[:4]]}
+
+
+def _plan_one(count: int, layout: str) -> dict[str, Any]:
+    """The world plan of `layout` made in a thread (_in_thread)."""
+    from ..save.world_plan import plan_world
+
+    payloads = _payloads(count, layout)
+    _, figures = _in_thread(lambda: plan_world(payloads))
+    return {"tensors": count, "layout": layout, **figures}
+
+
+LOAD_STEPS = ("manifest check", "path index", "pairing", "read plan")
+
+
+def _load_steps_one(count: int) -> list[dict[str, Any]]:
+    """The steps of a load's planning that build maps of every tensor and chunk, each alone in a thread
+    (_in_thread), for a manifest of `count` tensors of 16 floats loaded into fresh tensors of the same layout:
+    the check that no path is listed twice, the index of the paths, the pairing of saved and given tensors, the
+    read plan."""
+    import torch
+
+    from ..load.reads import plan_reads
+    from ..manifest import ChunkMeta, Manifest, RankMeta, TensorMeta, _distinct
+    from ..state.match import LoadTarget
+
+    manifest = Manifest("j", 1, 1, 1 << 30, "crc32c",
+                        [TensorMeta(f"layers.{i}.scale", "torch.float32", (16,), (ChunkMeta((0,), (16,), 0, 64 * i,
+                                                                                            64),))
+                         for i in range(count)], (RankMeta(0, 64 * count, (0,)),), b"", 0.0)
+    given = [torch.zeros(16) for _ in range(count)]
+    table = manifest.tensors
+
+    def pair() -> LoadTarget:
+        target = LoadTarget()
+        for i, path in enumerate(table.paths):
+            target.add(i, path, given[i])
+        return target
+
+    out, kept = [], []
+    for step, work in zip(LOAD_STEPS, (lambda: _distinct(table.paths), table.index_by_path, pair)):
+        value, figures = _in_thread(work)
+        kept.append(value)  # (freed after: a free of 1M entries at once is a hold of its own, not the step's)
+        out.append({"tensors": count, "step": step, **figures})
+    _, figures = _in_thread(lambda: plan_reads(manifest, kept[-1].tensors))
+    out.append({"tensors": count, "step": LOAD_STEPS[-1], **figures})
+    return out
+
+
+def load_steps(counts: list[int]) -> list[dict[str, Any]]:
+    """Each count in a fresh process; a line per step."""
+    out = []
+    for count in counts:
+        done = subprocess.run([sys.executable, "-m", "tiered_ckpt.bench.stalls", "--load-steps-one", str(count)],
+                              capture_output=True, text=True, check=True)
+        for r in json.loads(done.stdout.strip().splitlines()[-1]):
+            out.append(r)
+            print(f"load, {r['step']}, {count:,} tensors: {r['cpu']:.2f} s CPU, longest GIL wait "
+                  f"{r['wait'] * 1e3:.0f} ms, most CPU of the step's thread in one {r['held'] * 1e3:.0f} ms"
+                  + "".join(f"; {ms} ms at {where}" for ms, where in r["holds"][:2]), flush=True)
+    return out
 
 
 def plans(counts: list[int], layouts: list[str]) -> list[dict[str, Any]]:
@@ -307,12 +367,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--plans", help="instead: the world plan's GIL holds for these layouts (comma-separated: "
                    f"{', '.join(PLAN_LAYOUTS)}) at each --tensors count")
+    p.add_argument("--load-steps", action="store_true",
+                   help="instead: the GIL holds of a load's planning steps, each alone, at each --tensors count")
+    p.add_argument("--load-steps-one", type=int, help=argparse.SUPPRESS)  # count: JSON on stdout
     p.add_argument("--one", help=argparse.SUPPRESS)  # count,gc,period,part_size: one run, JSON on stdout
     p.add_argument("--plan-one", help=argparse.SUPPRESS)  # count,layout: one world plan, JSON on stdout
     args = p.parse_args(argv)
     if args.plan_one:
         count, layout = args.plan_one.split(",")
         print(json.dumps(_plan_one(int(count), layout)))
+        return 0
+    if args.load_steps_one:
+        print(json.dumps(_load_steps_one(args.load_steps_one)))
+        return 0
+    if args.load_steps:
+        runs = load_steps([int(n) for n in args.tensors.split(",")])
+        if args.json:
+            args.json.write_text(json.dumps(runs, indent=1))
         return 0
     if args.plans:
         runs = plans([int(n) for n in args.tensors.split(",")], args.plans.split(","))

@@ -27,7 +27,7 @@ from ..layout import checkpoint_prefix, parse_key
 from ..manifest import Manifest, dtype_from_str
 from ..manifest.pieces import PIECE, to_list
 from ..buffers import DeviceBytes, Sink, Sinks, as_byte_tensor, tensor_bytes
-from ..release import empty, release_off_loop
+from ..release import BlockedDict, by_rank_offset, empty, release_off_loop
 from ..storage.tier_io import TierIO
 from ..storage.verified_read import Fallback, PartRead, ReadLog
 
@@ -73,9 +73,12 @@ class Reads:
     row-parallel shard's rows) is read alone, into the target when it is a contiguous stretch of it too, else
     into a piece of scratch; `copies` then moves the overlapping boxes from scratch into the targets."""
 
-    dests: dict[tuple[int, int], Sink] = field(default_factory=dict)
-    direct: dict[tuple[int, int], str] = field(default_factory=dict)  # dests that are a target's memory: its key
-    subs: dict[tuple[int, int], list[tuple[int, memoryview, str | None]]] = field(default_factory=dict)
+    # (blocked: one dict of 1M chunks resized in one C call stalls the loop, release.py)
+    dests: BlockedDict[tuple[int, int], Sink] = field(default_factory=lambda: BlockedDict(by_rank_offset))
+    # dests that are a target's memory: its key
+    direct: BlockedDict[tuple[int, int], str] = field(default_factory=lambda: BlockedDict(by_rank_offset))
+    subs: BlockedDict[tuple[int, int], list[tuple[int, memoryview, str | None]]] = field(
+        default_factory=lambda: BlockedDict(by_rank_offset))
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list)  # scratch buffers the views point into
 
@@ -87,7 +90,9 @@ class Reads:
     def release(self) -> None:
         """Drop the scratch buffers and the per-chunk maps, a batch at a time (call it in a thread: freeing large
         buffers takes milliseconds, and 1M entries freed in one go would hold the GIL for a tenth of a second)."""
-        for held in (self.dests, self.direct, self.subs, self.copies, self.keep):
+        for blocked in (self.dests, self.direct, self.subs):
+            blocked.release()
+        for held in (self.copies, self.keep):
             empty(held)
 
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, TypeVar, ov
 
 import numpy as np
 
-from ..release import empty
-from .pieces import rows
+from ..release import BLOCKS, BlockedDict, by_hash, empty
+from .pieces import PIECE, rows
 from .tensors import ChunkMeta, TensorMeta, dtype_from_str
 
 if TYPE_CHECKING:
@@ -255,9 +255,19 @@ class TensorTable(ColumnRows[TensorMeta]):
         empty(self.paths)
 
     # -- column work for the hot paths -------------------------------------------------------------------
-    def index_by_path(self) -> dict[str, int]:
-        """path → position. Of strs and ints only, so the garbage collector does not track it."""
-        return {p: i for i, p in enumerate(self.paths)}
+    def index_by_path(self) -> "BlockedDict[str, int]":
+        """path → position, in blocks by hash (one dict of 1M paths grows by resizes that each hold the GIL up to
+        70 ms: release.py). Of strs and ints only, so the garbage collector does not track it."""
+        paths = self.paths
+        block = np.empty(len(paths), np.int64)
+        for i in range(0, len(paths), PIECE):  # (by_hash's blocks, made a piece at a time: pieces.py)
+            piece = paths[i:i + PIECE]
+            block[i:i + len(piece)] = np.fromiter(map(hash, piece), np.int64, len(piece))
+        block &= BLOCKS - 1
+        order = np.argsort(block, kind="stable")
+        bounds = np.searchsorted(block[order], np.arange(BLOCKS + 1)).tolist()
+        return BlockedDict.of_blocks(by_hash, {b: {paths[i]: i for i in order[bounds[b]:bounds[b + 1]].tolist()}
+                                               for b in range(BLOCKS) if bounds[b + 1] > bounds[b]})
 
     def chunk_spans(self, rank: int) -> list[tuple[int, int]]:
         """(byte offset, nbytes) of every non-empty chunk in `rank`'s stream, in stream order."""

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 import torch
 
 from ..errors import StateError
-from ..release import empty
+from ..release import by_index, empty
 from .skeleton import (PerRank, PerRankMark, Pickled, TensorAlias, TensorRef, _is_stateful, _view_key, any_in_tree,
                        path_str, per_rank_name)
 
@@ -28,28 +28,61 @@ class SavedTensor(NamedTuple):
 class Targets(Mapping[int, "tuple[str, torch.Tensor]"]):
     """Saved tensor index → (the caller's key, the caller's tensor), kept as two dicts of existing objects: a
     tuple per tensor would be 100k more objects alive through a load's reads, enough to set off a full
-    collection of Python's garbage collector (docs/benchmarks.md, many small tensors)."""
+    collection of Python's garbage collector (docs/benchmarks.md, many small tensors). Both cut into blocks of
+    2**INDEX_SHIFT indexes (a dict of 1M entries grows by resizes that each hold the GIL up to 70 ms, in the
+    thread that pairs, and the loop waits as long: release.py)."""
 
     def __init__(self) -> None:
-        self.where: dict[int, str] = {}
-        self.tensor: dict[int, torch.Tensor] = {}
+        self._blocks: dict[int, tuple[dict[int, str], dict[int, torch.Tensor]]] = {}
+        self._count = 0
+
+    def put(self, index: int, where: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Pair `index` with (where, tensor) unless it is paired: then its tensor, and nothing changes."""
+        name = by_index(index)
+        block = self._blocks.get(name)
+        if block is None:
+            block = self._blocks[name] = ({}, {})
+        held = block[1].get(index)
+        if held is None:
+            block[0][index] = where
+            block[1][index] = tensor
+            self._count += 1
+        return held
 
     def __getitem__(self, index: int) -> tuple[str, torch.Tensor]:
-        return self.where[index], self.tensor[index]
+        where, tensor = self._blocks[by_index(index)]
+        return where[index], tensor[index]
+
+    def items(self) -> Iterator[tuple[int, tuple[str, torch.Tensor]]]:  # type: ignore[override]
+        for where, tensor in list(self._blocks.values()):
+            for index, t in tensor.items():
+                yield index, (where[index], t)
+
+    def values(self) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
+        return (pair for _, pair in self.items())
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.tensor)
+        for _, tensor in list(self._blocks.values()):
+            yield from tensor
 
     def __len__(self) -> int:
-        return len(self.tensor)
+        return self._count
 
     def __contains__(self, index: object) -> bool:
-        return index in self.tensor
+        block = self._blocks.get(by_index(index)) if type(index) is int else None
+        return block is not None and index in block[1]
+
+    @property
+    def largest_block(self) -> int:
+        return max((len(t) for _, t in self._blocks.values()), default=0)
 
     def release(self) -> None:
         """Forget every pairing, a batch at a time (in a thread: 1M entries freed in one go hold the GIL)."""
-        empty(self.where)
-        empty(self.tensor)
+        while self._blocks:
+            _, (where, tensor) = self._blocks.popitem()
+            empty(where)
+            empty(tensor)
+        self._count = 0
 
 
 @dataclass
@@ -79,12 +112,9 @@ class LoadTarget:
                           f"load_state_dict would refuse: {entries[:10]}")
 
     def add(self, index: int, where: str, tensor: torch.Tensor) -> None:
-        held = self.tensors.tensor
-        if index not in held:
-            held[index] = tensor
-            self.tensors.where[index] = where
-        elif _view_key(held[index]) != _view_key(tensor):  # a tie in the target stays filled once
-            self.ties.append((held[index], tensor))
+        held = self.tensors.put(index, where, tensor)
+        if held is not None and _view_key(held) != _view_key(tensor):  # a tie in the target stays filled once
+            self.ties.append((held, tensor))
 
     def copy_ties(self) -> None:
         with torch.no_grad():
