@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from .test_examples import REPO, STOPPED, interrupt_after_a_commit, losses, toml
+from .test_examples import REPO, STOPPED, interrupt_after_a_commit, losses, run_to_end, toml
 
 pytestmark = pytest.mark.timeout(600)  # real processes (gloo, torchrun): slower than unit tests
 
@@ -17,9 +17,8 @@ EXAMPLE = str(REPO / "examples" / "train_gpt_ddp.py")
 
 
 def torchrun(nproc: int, *args: str, tiny: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                           "--standalone", EXAMPLE, *(["--tiny"] if tiny else []), "--save-every", "4", *args],
-                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    return run_to_end([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+                       EXAMPLE, *(["--tiny"] if tiny else []), "--save-every", "4", *args])
 
 
 def test_ddp_example_resumes_at_other_world_sizes(tmp_path, shm_dir):

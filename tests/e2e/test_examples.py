@@ -32,6 +32,44 @@ def run(*args: str, cwd: Path = REPO, check: bool = True) -> subprocess.Complete
     return proc
 
 
+def run_to_end(argv: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    """subprocess.run(argv, capture_output=True, text=True) from the repository, with what a hang needs to be read:
+    past `timeout` every process it started (torchrun's workers too) is killed, and the error shows how far each
+    got (the tails of its output), not a bare TimeoutExpired with nothing captured and the workers left running."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(argv[2:6])}... did not end in {timeout:g} s; killed it and its children\n"
+                             f"--- stdout (tail)\n{out[-3000:]}\n--- stderr (tail)\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (workers may have sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 

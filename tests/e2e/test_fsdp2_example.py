@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from .test_examples import REPO, losses, toml
+from .test_examples import REPO, losses, run_to_end, toml
 
 pytestmark = pytest.mark.timeout(600)  # real processes (gloo, torchrun): slower than unit tests
 
@@ -15,9 +15,8 @@ EXAMPLE = str(REPO / "examples" / "train_fsdp2.py")
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                           "--standalone", EXAMPLE, "--tiny", "--save-every", "4", *args],
-                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    proc = run_to_end([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+                       EXAMPLE, "--tiny", "--save-every", "4", *args])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

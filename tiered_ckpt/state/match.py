@@ -50,8 +50,10 @@ class Targets(Mapping[int, "tuple[str, torch.Tensor]"]):
         return held
 
     def __getitem__(self, index: int) -> tuple[str, torch.Tensor]:
-        where, tensor = self._blocks[by_index(index)]
-        return where[index], tensor[index]
+        block = self._blocks.get(by_index(index))
+        if block is None:
+            raise KeyError(index)
+        return block[0][index], block[1][index]
 
     def items(self) -> Iterator[tuple[int, tuple[str, torch.Tensor]]]:  # type: ignore[override]
         for where, tensor in list(self._blocks.values()):
@@ -74,6 +76,7 @@ class Targets(Mapping[int, "tuple[str, torch.Tensor]"]):
 
     @property
     def largest_block(self) -> int:
+        """The pairings of its largest block: the most that one resize moves."""
         return max((len(t) for _, t in self._blocks.values()), default=0)
 
     def release(self) -> None:
