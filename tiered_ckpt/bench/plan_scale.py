@@ -219,7 +219,8 @@ def main() -> None:
     ap.add_argument("--ranks", default="64,256,1024,4096,10240")
     ap.add_argument("--tensors", default="40,1000")
     ap.add_argument("--layouts", default="ddp,fsdp")
-    ap.add_argument("--cap", type=float, default=60.0, help="stop a series after a point over this many CPU s")
+    ap.add_argument("--cap", type=float, default=60.0, help="stop a series after a point over this many CPU s (the "
+                    "coordinator's; with --load, a loading rank's decode and read plan)")
     ap.add_argument("--load", action="store_true",
                     help="instead: a loading rank's metadata CPU (manifest decode, read plan) against R")
     args = ap.parse_args()
@@ -265,6 +266,8 @@ def _main_load(args: argparse.Namespace) -> None:
                       f"| {m['load_reencode_cpu']:.3f} | {m['load_decode_cpu']:.3f} "
                       f"| {m['load_plan_cpu']:.3f} | {m['load_chunks']} | "
                       + ("" if m["load_broadcast_cpu"] is None else f"{m['load_broadcast_cpu']:.3f}") + " |", flush=True)
+                if m["load_decode_cpu"] + m["load_plan_cpu"] > args.cap:  # (as the planning series stops)
+                    break
             if len(points) > 1:
                 fit = {k: slope([(p["ranks"], p[k]) for p in points]) for k in ("load_decode_cpu", "load_plan_cpu")}
                 print(f"| {layout} | {tensors} | slope | | | | R^{fit['load_decode_cpu']:.2f} | R^{fit['load_plan_cpu']:.2f} "
