@@ -145,6 +145,12 @@ def by_hash(key: Hashable) -> int:
     return hash(key) & (BLOCKS - 1)
 
 
+def hash_block_mask() -> int:
+    """What by_hash masks a hash with, read when asked (a table that computes blocks of many hashes at once uses
+    it, so that its blocks stay by_hash's)."""
+    return BLOCKS - 1
+
+
 def by_rank_offset(key: tuple[int, int]) -> tuple[int, int]:
     """The block of a (saved rank, byte offset) key: a rank's 2**OFFSET_SHIFT bytes of stream share one (64k chunks
     at most, each starting 64-byte aligned)."""

@@ -41,15 +41,32 @@ def run_to_end(argv: list[str], timeout: float = 180) -> subprocess.CompletedPro
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for pid in [*_descendants(proc.pid), proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        out, err = proc.communicate()
+        out, err = _kill_tree(proc)
         raise AssertionError(f"{' '.join(argv[2:6])}... did not end in {timeout:g} s; killed it and its children\n"
                              f"--- stdout (tail)\n{out[-3000:]}\n--- stderr (tail)\n{err[-3000:]}") from None
+    except BaseException:  # (the test's own time limit, Ctrl-C: nothing it started is left running)
+        _kill_tree(proc)
+        raise
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _kill_tree(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGKILL `proc`, its session's process group and every process below it; what it wrote meanwhile (a
+    process that left both and holds the pipes is not waited for past 10 s)."""
+    for pid in _descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # (its own session: start_new_session)
+    except ProcessLookupError:
+        pass
+    try:
+        return proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return "", "(its output pipes stayed open: not read)"
 
 
 def _descendants(pid: int) -> list[int]:

@@ -186,9 +186,12 @@ def run_reshard_bench(width: int, blocks: int, base: Path, repeats: int = 4) -> 
 
 
 if __name__ == "__main__":  # python -m tiered_ckpt.bench.reshard [width] [blocks] [repeats]
-    import sys
+    import argparse
 
-    print(run_reshard_bench(int(sys.argv[1]) if len(sys.argv) > 1 else 256,
-                            int(sys.argv[2]) if len(sys.argv) > 2 else 8, Path(tempfile.gettempdir()),
-                            int(sys.argv[3]) if len(sys.argv) > 3 else 4))
+    ap = argparse.ArgumentParser(prog="python -m tiered_ckpt.bench.reshard", description=run_reshard_bench.__doc__)
+    ap.add_argument("width", type=int, nargs="?", default=256)
+    ap.add_argument("blocks", type=int, nargs="?", default=8)
+    ap.add_argument("repeats", type=int, nargs="?", default=4)
+    args = ap.parse_args()
+    print(run_reshard_bench(args.width, args.blocks, Path(tempfile.gettempdir()), args.repeats))
     os._exit(0)

@@ -1,6 +1,6 @@
 """`tiered-ckpt ls | show STEP|best|latest | verify [STEP] | export [STEP] --to FORMAT -o PATH |
 delete STEP [--dry-run] [--yes] | gc [--dry-run] | free [--all-jobs] [--force] [--dry-run] [--yes] |
-advise --interruptions-per-day N --node-losses-per-day N | config check FILE | bench`; `--json` on ls, show,
+advise [--interruptions-per-day N] [--node-losses-per-day N] | config check FILE | bench`; `--json` on ls, show,
 verify, gc, free and advise.
 
 Exit status: 0 ok; 1 the command ran and found or left a problem (damage, something gc could not remove);

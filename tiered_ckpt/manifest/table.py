@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, TypeVar, ov
 
 import numpy as np
 
-from ..release import BLOCKS, BlockedDict, by_hash, empty
+from ..release import BlockedDict, by_hash, empty, hash_block_mask
 from .pieces import PIECE, rows
 from .tensors import ChunkMeta, TensorMeta, dtype_from_str
 
@@ -263,11 +263,12 @@ class TensorTable(ColumnRows[TensorMeta]):
         for i in range(0, len(paths), PIECE):  # (by_hash's blocks, made a piece at a time: pieces.py)
             piece = paths[i:i + PIECE]
             block[i:i + len(piece)] = np.fromiter(map(hash, piece), np.int64, len(piece))
-        block &= BLOCKS - 1
+        mask = hash_block_mask()
+        block &= mask
         order = np.argsort(block, kind="stable")
-        bounds = np.searchsorted(block[order], np.arange(BLOCKS + 1)).tolist()
+        bounds = np.searchsorted(block[order], np.arange(mask + 2)).tolist()
         return BlockedDict.of_blocks(by_hash, {b: {paths[i]: i for i in order[bounds[b]:bounds[b + 1]].tolist()}
-                                               for b in range(BLOCKS) if bounds[b + 1] > bounds[b]})
+                                               for b in range(mask + 1) if bounds[b + 1] > bounds[b]})
 
     def chunk_spans(self, rank: int) -> list[tuple[int, int]]:
         """(byte offset, nbytes) of every non-empty chunk in `rank`'s stream, in stream order."""

@@ -71,7 +71,10 @@ class Targets(Mapping[int, "tuple[str, torch.Tensor]"]):
         return self._count
 
     def __contains__(self, index: object) -> bool:
-        block = self._blocks.get(by_index(index)) if type(index) is int else None
+        try:
+            block = self._blocks.get(by_index(index))  # type: ignore[arg-type]
+        except TypeError:  # (not an integer: no index)
+            return False
         return block is not None and index in block[1]
 
     @property
