@@ -192,10 +192,12 @@ def test_a_tensor_that_differs_between_ranks_is_refused_naming_it_and_the_rank()
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_groups_placed_alike_once_make_the_picks_each_would_make(seed):
+@pytest.mark.parametrize("short", [False, True])
+def test_groups_placed_alike_once_make_the_picks_each_would_make(seed, short):
     """_spread places groups whose boxes and starting loads are alike once (HSDP: every shard's replicas): the
     ranks chosen and the loads left are those of placing every group box by box, largest first, to its
-    least-loaded rank (the lowest of equals), with ties, rows alike and rows not."""
+    least-loaded rank (the lowest of equals), with ties, rows alike and rows not; `short`: some groups lack a
+    few boxes (HSDP's shards past the end of a short tensor), others alike but for them."""
     from tiered_ckpt.save.world_plan import _spread
 
     rng = np.random.default_rng(seed)
@@ -205,9 +207,12 @@ def test_groups_placed_alike_once_make_the_picks_each_would_make(seed):
     nbytes, grp, tid = [], [], []
     for g in range(n_groups):
         sizes = pattern if g % 3 else rng.integers(1, 5, per) * 64  # most groups alike, some not
-        nbytes += sizes.tolist()
-        grp += [g] * per
-        tid += list(range(per))
+        kept = np.arange(per)
+        if short and g % 2:
+            kept = np.sort(rng.choice(per, int(rng.integers(1, per)), replace=False))
+        nbytes += sizes[kept].tolist()
+        grp += [g] * len(kept)
+        tid += kept.tolist()
     nbytes, grp, tid = (np.asarray(v, dtype=np.int64) for v in (nbytes, grp, tid))
     load = np.zeros(world, np.int64)
     load[rng.integers(0, world, 4)] = 64  # a few ranks start loaded: their groups are not alike
