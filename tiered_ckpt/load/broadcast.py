@@ -78,7 +78,7 @@ def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]], holdings: Se
     world = len(wanted)
     load = [0] * world
     plan = []
-    nearest: dict[int, frozenset[int]] = {}  # saved rank -> the ranks that read its parts from the fastest tier
+    nearest: dict[int, list[int]] = {}  # saved rank -> the ranks that read its parts from the fastest tier, ascending
     reach = _Reach(holdings, order, world) if holdings else None
     # (a load where every rank wants every part, DDP's, has R parts of R members: nothing below walks a part's
     # members in Python where a C call can)
@@ -87,12 +87,12 @@ def plan_broadcasts(wanted: Sequence[Sequence[tuple[PartId, int]]], holdings: Se
         members = needers[key]  # (ascending: each rank lists a part once)
         if reach is not None:
             if key[0] not in nearest:  # once per saved rank, not per part: a load at scale has many parts
-                nearest[key[0]] = reach.nearest(key[0])
+                nearest[key[0]] = sorted(reach.nearest(key[0]))
             best = nearest[key[0]]
             if len(best) == world:
                 near = members
             else:
-                near = [r for r in sorted(best) if _holds(members, r)] or sorted(best)
+                near = [r for r in best if _holds(members, r)] or best
         else:
             near = members
         if key in partial:
