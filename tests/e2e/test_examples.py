@@ -51,40 +51,44 @@ def run_to_end(argv: list[str], timeout: float = 180) -> subprocess.CompletedPro
 
 
 def _kill_tree(proc: subprocess.Popen) -> tuple[str, str]:
-    """SIGKILL `proc`, its session's process group and every process below it; what it wrote meanwhile (a
-    process that left both and holds the pipes is not waited for past 10 s)."""
-    for pid in _descendants(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """kill_tree, its session's process group too (a process that left the tree: start_new_session), then what
+    it wrote meanwhile (pipes still held open past 10 s are not waited for)."""
+    kill_tree(proc)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # (its own session: start_new_session)
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     try:
         return proc.communicate(timeout=10)
     except subprocess.TimeoutExpired:
-        proc.kill()
         return "", "(its output pipes stayed open: not read)"
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc (workers may have sessions of their own)."""
+def descendants(pid: int) -> list[int]:
+    """The processes started by `pid`, theirs included (torchrun's workers run in sessions of their own)."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
-            out.append(child)
+            found.append(child)
             todo.append(child)
-    return out
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and every process it started, workers first, so that none goes on alone."""
+    for pid in [*reversed(descendants(proc.pid)), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def losses(path: Path) -> dict[int, float]:

@@ -3,8 +3,6 @@ between saves, right after resuming, at the last save) and run again until it fi
 DIR/final weights, bit for bit, as a run never interrupted; under torchrun (DDP, 2 ranks) too."""
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .test_examples import REPO
+from .test_examples import REPO, kill_tree
 
 pytestmark = pytest.mark.timeout(600)  # a dozen real training processes
 
@@ -27,33 +25,6 @@ def command(out: Path, shm: Path, nproc: int = 1) -> list[str]:
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                    "--nproc-per-node", str(nproc)]
     return [*launcher, EXAMPLE, "--steps", str(STEPS), "--output-dir", str(out), "--shm-root", str(shm)]
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes started by `pid`, theirs included (torchrun's workers run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL `proc` and every process it started, workers first, so that none goes on alone."""
-    for pid in [*reversed(descendants(proc.pid)), proc.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
 
 
 def run(cmd: list[str], log: Path, kill_when: Callable[[str], bool] | None = None) -> tuple[bool, str]:
