@@ -265,7 +265,9 @@ class TensorTable(ColumnRows[TensorMeta]):
             block[i:i + len(piece)] = np.fromiter(map(hash, piece), np.int64, len(piece))
         mask = hash_block_mask()
         block &= mask
-        order = np.argsort(block, kind="stable")
+        # stable (within a block, paths in table order: a path listed twice keeps its last position, as a dict
+        # comprehension did), and on bytes, which numpy sorts by radix in one pass
+        order = np.argsort(block.astype(np.uint8) if mask < 256 else block, kind="stable")
         bounds = np.searchsorted(block[order], np.arange(mask + 2)).tolist()
         return BlockedDict.of_blocks(by_hash, {b: {paths[i]: i for i in order[bounds[b]:bounds[b + 1]].tolist()}
                                                for b in range(mask + 1) if bounds[b + 1] > bounds[b]})
