@@ -47,16 +47,22 @@ def distinct(values: Sequence[Any]) -> set[Any]:
     return out
 
 
-def all_distinct(values: Sequence[Hashable]) -> bool:
-    """len(set(values)) == len(values) without a set of them all (one set of 1M entries grows by resizes that each
-    hold the GIL 30-70 ms): their hashes, made a piece at a time, sorted as an array (numpy sorts without the GIL);
-    only values whose hashes are equal are compared."""
-    hashes = np.empty(len(values), np.int64)
+def hashes(values: Sequence[Hashable]) -> np.ndarray:
+    """hash() of each value, as int64, made a piece at a time."""
+    out = np.empty(len(values), np.int64)
     for i in range(0, len(values), PIECE):
         piece = values[i:i + PIECE]
-        hashes[i:i + len(piece)] = np.fromiter(map(hash, piece), np.int64, len(piece))
-    order = np.argsort(hashes)  # (any order of equal hashes will do: the default sort, ~4x a stable one here)
-    ordered = hashes[order]
+        out[i:i + len(piece)] = np.fromiter(map(hash, piece), np.int64, len(piece))
+    return out
+
+
+def all_distinct(values: Sequence[Hashable]) -> bool:
+    """len(set(values)) == len(values) without a set of them all (one set of 1M entries grows by resizes that each
+    hold the GIL 30-70 ms): their hashes sorted as an array (numpy sorts without the GIL); only values whose
+    hashes are equal are compared."""
+    hashed = hashes(values)
+    order = np.argsort(hashed)  # (any order of equal hashes will do: the default sort, ~4x a stable one here)
+    ordered = hashed[order]
     same = np.flatnonzero(ordered[1:] == ordered[:-1])
     if not len(same):
         return True

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, TypeVar, ov
 import numpy as np
 
 from ..release import BlockedDict, by_hash, empty, hash_block_mask
-from .pieces import PIECE, rows
+from .pieces import hashes, rows
 from .tensors import ChunkMeta, TensorMeta, dtype_from_str
 
 if TYPE_CHECKING:
@@ -259,10 +259,7 @@ class TensorTable(ColumnRows[TensorMeta]):
         """path → position, in blocks by hash (one dict of 1M paths grows by resizes that each hold the GIL up to
         70 ms: release.py). Of strs and ints only, so the garbage collector does not track it."""
         paths = self.paths
-        block = np.empty(len(paths), np.int64)
-        for i in range(0, len(paths), PIECE):  # (by_hash's blocks, made a piece at a time: pieces.py)
-            piece = paths[i:i + PIECE]
-            block[i:i + len(piece)] = np.fromiter(map(hash, piece), np.int64, len(piece))
+        block = hashes(paths)  # (by_hash's blocks, a piece at a time: pieces.py)
         mask = hash_block_mask()
         block &= mask
         # stable (within a block, paths in table order: a path listed twice keeps its last position, as a dict
